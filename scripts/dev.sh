@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The README's two commands live here, so CI (.ci/run) and people run exactly the same thing.
+#
+#   bash scripts/dev.sh demo [args]   set up .venv, then run the main job
+#   bash scripts/dev.sh test [args]   set up .venv, then run the test suite (args go to pytest)
+#
+# User-adjustable:
+#   PYTHON       interpreter that creates the venv (default: python3; 3.10-3.12)
+#   VENV         venv folder (default: .venv in the repository root)
+#   TORCH_SPEC   torch requirement installed first (default: the CPU build torch==2.13.0)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "[dev.sh] creating $VENV with $PYTHON"
+        "$PYTHON" -m venv "$VENV"
+    fi
+    echo "[dev.sh] installing $TORCH_SPEC and verl-ds4[test] into $VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    demo)
+        setup
+        exec "$VENV/bin/python" benchmarks/bench_thd_layout.py "$@"
+        ;;
+    test)
+        setup
+        # pytest exits 5 when it collects no test: that fails here as any non-zero exit does.
+        exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    *)
+        echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2
+        exit 2
+        ;;
+esac
