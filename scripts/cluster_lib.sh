@@ -21,8 +21,9 @@ ds4_die() {
     exit 2
 }
 
-ds4_log() {
-    echo "[$(basename "$0")] $*" >&2
+# Print a launcher's header comment (its usage text), without the shebang and #SBATCH lines.
+ds4_print_header() {
+    awk 'NR == 1 { next } /^#SBATCH/ { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$1"
 }
 
 # Quote one word for display so the printed line can be pasted into bash.
@@ -107,11 +108,20 @@ ds4_plugin_modules() {
     printf '%s' "${modules:-verl_ds4}"
 }
 
-# Names of the env variables a cluster job carries to every node: the recipe knobs that are set,
-# every VERL_* and NCCL_* variable, and the names listed in EXTRA_ENV_VARS (space separated).
+# Knobs of a local launcher: the names it reads as NAME=${NAME:-...} / NAME=${NAME-...}, except
+# PYTHON (an interpreter path of the submitting host, not of the cluster nodes).
+ds4_launcher_knobs() {
+    local launcher=$1
+    [ -f "$launcher" ] || return 0
+    sed -n -E 's/^([A-Z][A-Z0-9_]*)=\$\{\1:?-.*/\1/p' "$launcher" | grep -v -x PYTHON || true
+}
+
+# Names of the env variables a cluster job carries to every node: the recipe knobs and the local
+# launcher's own knobs that are set here, every VERL_* and NCCL_* variable, and the names listed
+# in EXTRA_ENV_VARS (space separated).
 ds4_job_env_names() {
-    local name
-    for name in "${DS4_RECIPE_KNOBS[@]}"; do
+    local launcher=${1:-} name
+    for name in "${DS4_RECIPE_KNOBS[@]}" $(ds4_launcher_knobs "$launcher"); do
         if [ -n "${!name+x}" ]; then echo "$name"; fi
     done
     compgen -v | grep -E '^(VERL_|NCCL_)' || true
@@ -123,11 +133,12 @@ ds4_job_env_names() {
 
 # Ray runtime env (JSON) for `ray job submit`: working_dir ships this checkout (launchers, recipes,
 # configs and the verl_ds4 sources) to every node, env_vars carry the knobs and the plugin modules.
+# Arguments: working_dir (empty: none), plugin modules, the recipe's local launcher (for its knobs).
 # Under DRY_RUN=1 values of secret-looking variables (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*) are masked.
 ds4_ray_runtime_env_json() {
-    local working_dir=$1 plugin_modules=$2
+    local working_dir=$1 plugin_modules=$2 launcher=${3:-}
     local -a names
-    mapfile -t names < <(ds4_job_env_names | sort -u)
+    mapfile -t names < <(ds4_job_env_names "$launcher" | sort -u)
     DS4_WORKING_DIR=$working_dir DS4_PLUGIN_MODULES=$plugin_modules DS4_MASK=$DRY_RUN \
         "$PYTHON" - "${names[@]}" <<'PY'
 import json

@@ -18,7 +18,8 @@
 # Recipe knobs (passed through to the local launcher on the cluster; unset ones keep its defaults):
 #   MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE PP EP CP ROLLOUT_ENGINE ROLLOUT_TP
 #   CKPT_DIR PROJECT_NAME EXP_NAME
-#   Every VERL_* and NCCL_* variable is carried too, and the names listed in EXTRA_ENV_VARS.
+#   The local launcher's other knobs (every NAME=${NAME:-...} it reads, e.g. MESH, ROLLOUT_QUANT),
+#   every VERL_* and NCCL_* variable, and the names listed in EXTRA_ENV_VARS are carried too.
 #
 # Cluster knobs (user-adjustable):
 #   RAY_HEAD_IP        head node address (required by start-worker; default 127.0.0.1 otherwise)
@@ -47,7 +48,7 @@ cd "$REPO_ROOT"
 source "$REPO_ROOT/scripts/cluster_lib.sh"
 
 usage() {
-    sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    ds4_print_header "${BASH_SOURCE[0]}"
 }
 
 ds4_parse_common_args "$@"
@@ -120,7 +121,9 @@ case "$command_name" in
             script=$REPO_ROOT/$script
         fi
         address=${RAY_ADDRESS:-http://${RAY_HEAD_IP:-127.0.0.1}:$RAY_DASHBOARD_PORT}
-        runtime_env=$(ds4_ray_runtime_env_json "$RAY_WORKING_DIR" "$(ds4_plugin_modules "$REPO_ROOT")")
+        # The launcher that runs on the cluster: the shipped working_dir's, else this checkout's.
+        launcher_path=${RAY_WORKING_DIR:-$REPO_ROOT}/$(ds4_recipe_script "$recipe")
+        runtime_env=$(ds4_ray_runtime_env_json "$RAY_WORKING_DIR" "$(ds4_plugin_modules "$REPO_ROOT")" "$launcher_path")
         submit_args=(--address="$address" --runtime-env-json="$runtime_env")
         [ -n "$RAY_JOB_ID" ] && submit_args+=(--submission-id="$RAY_JOB_ID")
         [ "$RAY_NO_WAIT" = 1 ] && submit_args+=(--no-wait)

@@ -23,7 +23,7 @@
 #                     unset: run on the nodes' own environment
 #   CONTAINER_MOUNTS  pyxis --container-mounts (e.g. /data:/data,/ckpt:/ckpt)
 #   CONTAINER_WORKDIR checkout inside the container (default /opt/verl-ds4, the image's copy)
-#   SLURM_JOB_NAME_PREFIX job name prefix (default ds4); the job is named <prefix>-<recipe>
+#   JOB_NAME          Slurm job name (default ds4-<recipe>)
 #   sbatch's own input variables apply as usual: SBATCH_PARTITION, SBATCH_ACCOUNT,
 #   SBATCH_TIMELIMIT, SBATCH_QOS, ...
 set -euo pipefail
@@ -34,7 +34,7 @@ cd "$REPO_ROOT"
 source "$REPO_ROOT/scripts/cluster_lib.sh"
 
 usage() {
-    sed -n '2,5p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    ds4_print_header "${BASH_SOURCE[0]}"
 }
 
 ds4_parse_common_args "$@"
@@ -48,7 +48,6 @@ fi
 ############################ user-adjustable ############################
 NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-SLURM_JOB_NAME_PREFIX=${SLURM_JOB_NAME_PREFIX:-ds4}
 #########################################################################
 
 ds4_require_positive_int NNODES
@@ -67,7 +66,7 @@ batch_args+=(-- "$@")
 ds4_require_recipe_script "$REPO_ROOT" "$(ds4_recipe_script "$recipe")"
 
 sbatch_args=(
-    --job-name="$SLURM_JOB_NAME_PREFIX-$recipe"
+    --job-name="${JOB_NAME:-ds4-$recipe}"
     --nodes="$NNODES"
     --ntasks-per-node=1
     --gpus-per-node="$GPUS_PER_NODE"

@@ -345,6 +345,25 @@ def test_ray_submit_carries_the_plugin_named_by_pyproject_or_the_user(fake_bin):
     assert _runtime_env(submit)["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == expected
 
 
+def test_ray_submit_carries_the_launchers_own_knobs(fake_bin, tmp_path):
+    # Knobs the local launcher reads beyond the shared list (e.g. MESH) reach the job when set;
+    # PYTHON (a path on the submitting host) and unset knobs do not.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "run_deepseek_v4_flash_ppo_megatron.sh").write_text(
+        '#!/usr/bin/env bash\nMESH=${MESH:-h200_64gpu}\nROLLOUT_QUANT=${ROLLOUT_QUANT:-}\nOFFLOAD=${OFFLOAD-true}\n'
+        'PYTHON=${PYTHON:-python3}\nlocal_var=1\n'
+    )
+    out = _run("scripts/ray_cluster.sh", "--dry-run", "submit", "ppo", fake_bin=fake_bin,
+               env={"RAY_WORKING_DIR": str(tmp_path), "MESH": "gb200_40gpu", "OFFLOAD": "false", "NNODES": "4"})
+    assert out.returncode == 0, out.stderr
+    [submit] = _find(_commands(out.stdout), "ray", "job", "submit")
+    runtime_env = _runtime_env(submit)
+    assert runtime_env["working_dir"] == str(tmp_path)
+    env_vars = runtime_env["env_vars"]
+    assert env_vars["MESH"] == "gb200_40gpu" and env_vars["OFFLOAD"] == "false" and env_vars["NNODES"] == "4"
+    assert "ROLLOUT_QUANT" not in env_vars and "PYTHON" not in env_vars
+
+
 def test_ray_submit_passes_recipe_flags_after_double_dash(fake_bin):
     out = _run("scripts/ray_cluster.sh", "submit", "ppo", "--dry-run", "x=1", "--", "--dry-run", "y=2",
                fake_bin=fake_bin)
