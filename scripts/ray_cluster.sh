@@ -99,7 +99,10 @@ case "$command_name" in
         NNODES=${NNODES:-1}
         ds4_require_positive_int NNODES
         ds4_require_positive_int RAY_WAIT_TIMEOUT
-        ds4_run "$PYTHON" scripts/ray_wait_nodes.py --nodes "$NNODES" --timeout "$RAY_WAIT_TIMEOUT"
+        wait_args=(--nodes "$NNODES" --timeout "$RAY_WAIT_TIMEOUT")
+        # An explicit GCS address also works from another container on the head node.
+        [ -n "${RAY_HEAD_IP:-}" ] && wait_args+=(--address "$RAY_HEAD_IP:$RAY_PORT")
+        ds4_run "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}"
         ;;
     submit)
         [ $# -ge 1 ] || ds4_die "submit needs a recipe: ppo or grpo (e.g. bash scripts/ray_cluster.sh submit ppo)"

@@ -387,7 +387,7 @@ def test_ray_node_commands_dry_run(fake_bin):
     assert "--node-ip-address=10.0.0.1" in h and "--dashboard-host=0.0.0.0" in h
     assert _commands(worker.stdout) == [["ray", "start", "--address=10.0.0.1:6379", "--num-gpus=4"]]
     [w] = _commands(wait.stdout)
-    assert w[1:] == ["scripts/ray_wait_nodes.py", "--nodes", "3", "--timeout", "600"]
+    assert w[1:] == ["scripts/ray_wait_nodes.py", "--nodes", "3", "--timeout", "600", "--address", "10.0.0.1:6379"]
     assert _commands(stop.stdout) == [["ray", "stop"]]
 
 
@@ -490,3 +490,31 @@ def test_launchers_have_help(script, fake_bin):
     out = _run(script, "--help", fake_bin=fake_bin)
     assert out.returncode == 0 and "--dry-run" in out.stdout
     _assert_nothing_ran(fake_bin)
+
+
+def test_ray_wait_nodes_waits_and_times_out(monkeypatch, capsys):
+    # A stand-in `ray` module (starting a real cluster here would touch other users' Ray processes):
+    # the node list grows from 1 to 3 alive nodes over successive polls.
+    import types
+
+    polls = {"n": 0}
+    fake_ray = types.ModuleType("ray")
+    fake_ray.init = lambda address, logging_level: polls.setdefault("address", address)
+
+    def nodes():
+        polls["n"] += 1
+        return [{"Alive": True}] * min(polls["n"], 3) + [{"Alive": False}]
+
+    fake_ray.nodes = nodes
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    spec = importlib.util.spec_from_file_location("ray_wait_nodes", REPO / "scripts" / "ray_wait_nodes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    assert module.main(["--nodes", "3", "--timeout", "5", "--poll", "0", "--address", "10.0.0.1:6379"]) == 0
+    assert polls["address"] == "10.0.0.1:6379" and polls["n"] == 3
+    assert "3 of 3 nodes alive" in capsys.readouterr().out
+    assert module.main(["--nodes", "4", "--timeout", "0", "--poll", "0"]) == 1
+    assert "only 3 of 4 nodes alive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--nodes", "0"])
