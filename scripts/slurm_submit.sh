@@ -79,5 +79,8 @@ ds4_run sbatch "${sbatch_args[@]}" "$batch_script" "${batch_args[@]}"
 
 if [ "$DRY_RUN" = 1 ]; then
     echo "# inside the allocation, $batch_script would run (host names are placeholders):"
+    if [ -n "${CONTAINER_IMAGE:-}" ]; then
+        echo "# (in the container the checkout is ${CONTAINER_WORKDIR:-/opt/verl-ds4}: paths of this checkout below become that)"
+    fi
     DS4_PRINT_PREFIX="    " bash "$batch_script" --dry-run "${batch_args[@]}"
 fi
