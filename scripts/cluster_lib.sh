@@ -125,10 +125,7 @@ ds4_job_env_names() {
         if [ -n "${!name+x}" ]; then echo "$name"; fi
     done
     compgen -v | grep -E '^(VERL_|NCCL_)' || true
-    for name in ${EXTRA_ENV_VARS:-}; do
-        [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || ds4_die "EXTRA_ENV_VARS: '$name' is not an env variable name"
-        echo "$name"
-    done
+    for name in ${EXTRA_ENV_VARS:-}; do echo "$name"; done
 }
 
 # Ray runtime env (JSON) for `ray job submit`: working_dir ships this checkout (launchers, recipes,
@@ -138,6 +135,10 @@ ds4_job_env_names() {
 ds4_ray_runtime_env_json() {
     local working_dir=$1 plugin_modules=$2 launcher=${3:-}
     local -a names
+    local name
+    for name in ${EXTRA_ENV_VARS:-}; do
+        [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || ds4_die "EXTRA_ENV_VARS: '$name' is not an env variable name (expected names separated by spaces, e.g. EXTRA_ENV_VARS=\"HF_HOME WANDB_API_KEY\")"
+    done
     mapfile -t names < <(ds4_job_env_names "$launcher" | sort -u)
     DS4_WORKING_DIR=$working_dir DS4_PLUGIN_MODULES=$plugin_modules DS4_MASK=$DRY_RUN \
         "$PYTHON" - "${names[@]}" <<'PY'

@@ -401,6 +401,7 @@ def test_ray_node_commands_dry_run(fake_bin):
         (["start-head"], {"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE must be a positive integer"),
         (["wait-nodes"], {"NNODES": "0"}, "NNODES must be a positive integer"),
         (["bogus"], {}, "unknown command 'bogus'"),
+        (["submit", "ppo"], {"EXTRA_ENV_VARS": "HF_HOME bad-name"}, "'bad-name' is not an env variable name"),
     ],
 )
 def test_ray_cluster_rejects_bad_input(args, env, message, fake_bin):
