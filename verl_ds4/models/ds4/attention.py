@@ -303,7 +303,7 @@ class DS4HybridAttention(nn.Module):
                 )
             xe = torch.cat((exchange_left_halo(x, halo, cp_group), x), dim=0)
         rows = self._locate_rows(cu_seqlens_padded, local_rows, cp_rank, halo)
-        q_pos, q_seq = rows.pos[halo:], rows.seq[halo:]
+        q_pos = rows.pos[halo:]
         dtype = x.dtype
         n, d = spec.num_heads, spec.head_dim
         scale = d**-0.5
@@ -325,7 +325,7 @@ class DS4HybridAttention(nn.Module):
         values = [kv_win]
 
         if self.compressor is not None:
-            comp, comp_visible = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, local_rows, cp_rank, cp_size, cp_group, cos_q, sin_q)
+            comp, comp_visible = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
             logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
             values.append(comp)
 
@@ -344,11 +344,12 @@ class DS4HybridAttention(nn.Module):
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(local_rows, g * spec.o_lora_rank)
         return self.linear_proj(mixed)
 
-    def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, local_rows, cp_rank, cp_size, cp_group, cos_q, sin_q):
+    def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q):
         """Compressed KV of every completed block in the buffer ([NB, d], gathered over CP) and the
         [T, NB] mask of the blocks each local query attends to."""
         spec = self.spec
         m = spec.compress_ratio
+        local_rows = x.shape[0]
         device = x.device
         cu = cu_seqlens_padded.to(device=device, dtype=torch.long)
         n_blocks = (cu[1:] - cu[:-1]) // m  # per sequence
