@@ -48,6 +48,7 @@ class Row:
 
     ``expect="match"``: passes when ``max_rel <= tol``. ``expect="differ"``: a negative control that
     passes when ``max_rel > tol`` (the harness must be able to see a broken layout).
+    ``expect="error"``: passes when the expected error was raised (diffs are 0 then, inf otherwise).
     """
 
     quantity: str
@@ -60,7 +61,7 @@ class Row:
     def passed(self) -> bool:
         if not math.isfinite(self.max_rel):
             return False
-        return self.max_rel <= self.tol if self.expect == "match" else self.max_rel > self.tol
+        return self.max_rel > self.tol if self.expect == "differ" else self.max_rel <= self.tol
 
 
 @dataclass
@@ -282,7 +283,7 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         message = checks["zigzag_error"]
         rejected = message is not None and "contiguous" in message
         flag = 0.0 if rejected else math.inf
-        rows.append(Row("zigzag rows rejected by DS4 attention", flag, flag, 0.0))
+        rows.append(Row("zigzag rows rejected by DS4 attention", flag, flag, 0.0, expect="error"))
         first_batch = next(b for (d, b) in reference.results if d == checks["dtype"])
         ref = reference.results[(checks["dtype"], first_batch)]["log_probs"]
         d_abs, d_rel = _diff(checks["zigzag_bypassed_log_probs"], ref)
@@ -303,7 +304,11 @@ def format_table(rows: list[Row], title: str = "") -> str:
     lines.append(f"{'quantity':<{width}}{'max abs diff':>14}{'max rel diff':>14}  result")
     lines.append("-" * (width + 48))
     for r in rows:
-        bound = f"<= {r.tol:.0e}" if r.expect == "match" else f">  {r.tol:.0e}"
+        bound = {"match": f"<= {r.tol:.0e}", "differ": f">  {r.tol:.0e}", "error": "ValueError raised"}[r.expect]
         lines.append(f"{r.quantity:<{width}}{r.max_abs:>14.3e}{r.max_rel:>14.3e}  {'pass' if r.passed else 'FAIL'} ({bound})")
     lines.append("rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (per parameter for gradients, worst shown).")
+    lines.append(
+        f"Batches: ragged = {len(RAGGED)} sequences, {sum(RAGGED)} tokens (straddling rank boundaries); "
+        f"short = {len(SHORT)} sequences, {sum(SHORT)} tokens (padded to cp * 128 rows)."
+    )
     return "\n".join(lines)
