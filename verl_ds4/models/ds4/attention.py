@@ -370,11 +370,13 @@ class DS4HybridAttention(nn.Module):
         q_pos, q_seq = rows.pos[rows.halo :], rows.seq[rows.halo :]
         visible = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
         if self.indexer is not None and block_seq.numel():
-            keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
-            if cp_size > 1:
-                keys = all_gather_rows(keys, counts, cp_group)
+            # The indexer sees detached inputs and top-k has no gradient: without DS4's separate
+            # indexer loss (not implemented) nothing here needs autograd.
             with torch.no_grad():
-                scores = self.indexer.scores(x.detach(), q_r.detach(), keys.detach(), cos_q, sin_q)
+                keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
+                if cp_size > 1:
+                    keys = all_gather_rows(keys, counts, cp_group)
+                scores = self.indexer.scores(x.detach(), q_r.detach(), keys, cos_q, sin_q)
                 scores = scores.masked_fill(~visible, float("-inf"))
                 k = min(spec.index_topk, scores.shape[1])
                 order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]

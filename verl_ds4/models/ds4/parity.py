@@ -119,12 +119,11 @@ def _actor_step(model, input_ids, layout, cp_rank, min_rows, cp_size, group):
     both = torch.stack((logp, entropy), dim=-1)  # [1, L, 2]
     jagged = postprocess_thd_engine(both, params, input_ids, input_ids.shape[0], cp_layout=layout)
     flat = jagged.values()  # [T, 2], original token order
-    lengths = input_ids.offsets().diff()
     last = input_ids.offsets()[1:] - 1
     mask = torch.ones(flat.shape[0], dtype=torch.bool)
     mask[last] = False
     loss = -(flat[:, 0] * mask).sum() / mask.sum()
-    return flat, loss, lengths
+    return flat, loss
 
 
 def _critic_step(critic, input_ids, targets, layout, cp_rank, min_rows, cp_size):
@@ -175,7 +174,7 @@ def _worker(rank: int, world: int, cfg, dtypes, batches, seed: int, layout_check
                 input_ids, targets = _batch(lengths, cfg["vocab_size"], seed + 2)
                 actor.zero_grad(set_to_none=True)
                 critic.zero_grad(set_to_none=True)
-                per_token, loss, _ = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group)
+                per_token, loss = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group)
                 loss.backward()
                 values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world)
                 value_loss.backward()
@@ -199,7 +198,7 @@ def _worker(rank: int, world: int, cfg, dtypes, batches, seed: int, layout_check
             except ValueError as err:
                 result.checks["zigzag_error"] = str(err)
             with _layout_guard_bypassed(), torch.no_grad():
-                per_token, _, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
+                per_token, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
             result.checks["zigzag_bypassed_log_probs"] = per_token[:, 0].numpy()
             result.checks["dtype"] = dtypes[0]
         return result if rank == 0 else None
