@@ -12,7 +12,9 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Add one line per subcommand.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "verify": ("verl_ds4.models.ds4.verify_cli", "prove CP parity of the DS4 data path on CPU with the tiny DS4 proxy"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
