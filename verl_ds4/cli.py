@@ -12,7 +12,9 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Add one line per subcommand.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "recipe": ("verl_ds4.recipes.command", "compose, validate and print the plan of a DS4 SFT/PPO/GRPO recipe"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
