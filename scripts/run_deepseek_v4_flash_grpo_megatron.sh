@@ -33,9 +33,10 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-}
 PP=${PP:-}
 EP=${EP:-}
 CP=${CP:-}
-# Rollout: vllm or sglang; tensor parallel size per replica; FP8 weights (ROLLOUT_QUANT=fp8).
+# Rollout: vllm or sglang; tensor parallel size per replica (empty: GPUs per node); FP8 weights
+# (ROLLOUT_QUANT=fp8).
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-vllm}
-ROLLOUT_TP=${ROLLOUT_TP:-8}
+ROLLOUT_TP=${ROLLOUT_TP:-}
 ROLLOUT_QUANT=${ROLLOUT_QUANT:-}
 # MoE router replay: disabled, R2 or R3 (R3 also turns on rollout routing replay).
 ROUTER_REPLAY=${ROUTER_REPLAY:-disabled}
@@ -73,10 +74,8 @@ MODEL=(
 )
 if [ "$ROUTER_REPLAY" = R3 ]; then MODEL+=(actor_rollout_ref.rollout.enable_rollout_routing_replay=true); fi
 
-ROLLOUT=(
-    "ds4.rollout.engine=$ROLLOUT_ENGINE"
-    "ds4.rollout.tp=$ROLLOUT_TP"
-)
+ROLLOUT=("ds4.rollout.engine=$ROLLOUT_ENGINE")
+if [ -n "$ROLLOUT_TP" ]; then ROLLOUT+=("ds4.rollout.tp=$ROLLOUT_TP"); fi
 if [ -n "$ROLLOUT_QUANT" ]; then ROLLOUT+=("ds4.rollout.quantization=$ROLLOUT_QUANT"); fi
 
 DATA=(

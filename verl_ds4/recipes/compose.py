@@ -40,6 +40,23 @@ TRAINERS: dict[str, Trainer] = {
 }
 
 
+def verl_config_dir() -> str:
+    """verl's ``trainer/config`` folder, found without importing verl (which pulls in torch).
+
+    It is the folder verl's own ``@hydra.main(config_path="config")`` entry points read.
+    """
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.origin:
+        raise ImportError("verl is not installed; install verl==0.9.1 (pip install -e .).")
+    path = os.path.join(os.path.dirname(spec.origin), "trainer", "config")
+    if not os.path.isfile(os.path.join(path, "ppo_trainer.yaml")):
+        raise FileNotFoundError(f"verl's config folder {path} has no ppo_trainer.yaml; is verl installed correctly?")
+    return path
+
+
 def recipe_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Overrides that select recipe ``name``, followed by ``overrides``.
 
@@ -66,7 +83,7 @@ def compose_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = (), res
     Returns:
         The composed config (struct mode off, like verl's ``main`` receives it).
     """
-    from hydra import compose, initialize_config_module
+    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if recipe not in TRAINERS:
@@ -75,7 +92,7 @@ def compose_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = (), res
     all_overrides = recipe_overrides(trainer.default_recipe, overrides)
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
             cfg = compose(config_name=trainer.config_name, overrides=all_overrides)
     finally:
         GlobalHydra.instance().clear()
