@@ -3,7 +3,7 @@
 verl builds DS4 through Megatron-Bridge (``use_mbridge=True``, ``vanilla_mbridge=False``): the bridge
 maps HF ``DeepseekV4ForCausalLM`` (``model_type="deepseek_v4"``) onto its provider, and verl applies
 the engine config plus ``override_transformer_config`` on top. The rules here are what that
-provider accepts for DS4 (see ``docs`` in the shared notes, sections 1 and 4):
+provider accepts for DS4 (shared doc ds4-context-parallel.md, sections 1, 3 and 4):
 
 - tensor parallelism is unsupported (``tensor_model_parallel_size`` must be 1);
 - CP>1 needs THD (packed) input, ``cp_partition_mode="contiguous"`` and a packing scheduler in
