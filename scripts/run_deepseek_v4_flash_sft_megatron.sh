@@ -41,6 +41,9 @@ OFFLOAD=${OFFLOAD:-false}
 PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-sft}
 EXP_NAME=${EXP_NAME:-flash-megatron}
 CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/$PROJECT_NAME/$EXP_NAME}
+# Resume: auto (latest checkpoint in CKPT_DIR), disable, or a RESUME_FROM checkpoint folder.
+RESUME_MODE=${RESUME_MODE:-auto}
+RESUME_FROM=${RESUME_FROM:-}
 PYTHON=${PYTHON:-python3}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
@@ -80,6 +83,11 @@ TRAINER=(
     "trainer.experiment_name=$EXP_NAME"
     "trainer.default_local_dir=$CKPT_DIR"
 )
+if [ -n "$RESUME_FROM" ]; then
+    TRAINER+=(trainer.resume_mode=resume_path "trainer.resume_from_path=$RESUME_FROM")
+else
+    TRAINER+=("trainer.resume_mode=$RESUME_MODE")
+fi
 
 ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${DATA[@]}" "${TRAINER[@]}" "${PASSTHROUGH[@]}")
 

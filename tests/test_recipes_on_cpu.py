@@ -177,6 +177,7 @@ BAD_CASES = [
     ("rollout_tp", "ppo", ["ds4.rollout.tp=3"], "actor_rollout_ref.rollout.tensor_model_parallel_size: rollout replicas of TPxDPxPP=3x1x1=3 GPUs do not divide the 64 GPUs"),
     ("r3_without_rollout_routes", "grpo", ["ds4.router_replay=R3"], "enable_rollout_routing_replay: is False while router_replay.mode=R3"),
     ("filter_overlong", "ppo", ["data.filter_overlong_prompts=true"], "DS4 checkpoints ship no chat template"),
+    ("resume_path_empty", "sft", ["trainer.resume_mode=resume_path"], "is empty while trainer.resume_mode=resume_path"),
     ("pp_gt_layers", "sft", ["ds4.mesh.pp=64", "ds4.mesh.nnodes=8"], "PP=64 exceeds the 43 decoder layers"),
 ]
 

@@ -253,6 +253,17 @@ def _check_paths(cfg: DictConfig, trainer: str, roles: list[RoleMesh], report: V
         if _get(cfg, tok):
             keys.append((tok, "MODEL_PATH"))
     keys += [("data.train_files", env_for["data.train_files"]), ("data.val_files", env_for["data.val_files"])]
+    if str(_get(cfg, "trainer.resume_mode", "auto")) == "resume_path":
+        if not _get(cfg, "trainer.resume_from_path"):
+            report.errors.append(
+                Problem(
+                    "trainer.resume_from_path",
+                    "is empty while trainer.resume_mode=resume_path.",
+                    "set it to a checkpoint folder (launcher RESUME_FROM) or use resume_mode=auto.",
+                )
+            )
+        else:
+            keys.append(("trainer.resume_from_path", "RESUME_FROM"))
     for key, env in keys:
         for path in _as_list(_get(cfg, key)):
             if is_remote_path(path):
