@@ -55,7 +55,8 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
     rows = [header]
     world = report.world_size
     for r in report.roles:
-        ok = world % (r.tp * r.pp * r.cp) == 0 and world % (r.pp * r.etp * r.ep) == 0
+        ok = min(r.tp, r.pp, r.cp, r.ep, r.etp) >= 1
+        ok = ok and world % (r.tp * r.pp * r.cp) == 0 and world % (r.pp * r.etp * r.ep) == 0
         rows.append(
             [
                 r.role,
