@@ -115,9 +115,9 @@ def _compare_config(tp: int, cp: int, seed: int, stats: dict) -> None:
         if need_roll:
             # documented difference 1: the last real row of each sequence wraps to its first token
             # (and for zigzag, verl puts that token on the sequence's last padding row instead).
-            slot, pos, valid, _ = plan._rows(cp_rank)
-            seq_len = plan.seqlens.index_select(0, slot)
-            last_real = valid & (pos == seq_len - 1)
+            info = plan.rank_rows(cp_rank)
+            slot, pos, valid = info.slot, info.position, info.valid
+            last_real = valid & (pos == info.seqlen - 1)
             differs = last_real | (~valid & (pos == plan.seqlens_padded.index_select(0, slot) - 1))
             keep = ~differs
             assert torch.equal(rows[0][keep], ref_rows[0][keep]), where
