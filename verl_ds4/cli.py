@@ -12,7 +12,9 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Add one line per subcommand.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("verl_ds4.layout.plan_cli", "show a micro-batch's CP layout: per-rank rows, padding, cost, straggler ratio"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
