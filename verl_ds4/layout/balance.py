@@ -504,6 +504,7 @@ def balance_order(
     rounds: int | None = None,
     max_moves: int | None = None,
     good_enough: float = 1.002,
+    kicks: int | None = None,
     exhaustive_max: int = 6,
 ) -> torch.Tensor:
     """Return the permutation ``order`` (int64 ``[B]``) minimising the largest per-rank cost.
@@ -512,8 +513,9 @@ def balance_order(
     padding options (it carries padded lengths, e.g. taken from a layout plan). ``rounds`` bounds
     the local-search rounds (default: 4 for 1024 sequences, up to 48 for small batches);
     ``max_moves`` bounds the candidate moves evaluated per round; the search stops early once the
-    straggler ratio is at most ``good_enough``; batches of at most ``exhaustive_max`` sequences
-    are solved exactly.
+    straggler ratio is at most ``good_enough``; ``kicks`` random restarts from perturbed copies of
+    the best order follow (default: up to 8 for batches of at most 64 sequences, none above);
+    batches of at most ``exhaustive_max`` sequences are solved exactly.
     """
     prob = problem or BalanceProblem.contiguous(
         seqlens,
@@ -536,7 +538,24 @@ def balance_order(
         rounds = max(4, min(48, 4096 // b))
     if max_moves is None:
         max_moves = max(192, min(3072, (1 << 17) // b))
-    order, _ = _local_search(prob, order, costs, rounds, max_moves, good_enough)
+    if kicks is None:
+        kicks = 0 if b > 64 else min(8, 256 // b)
+    order, costs = _local_search(prob, order, costs, rounds, max_moves, good_enough)
+    # iterated local search: perturb the best order with two random moves, search again, keep
+    # the result if it is better. The generator is seeded, so every rank gets the same answer.
+    gen = torch.Generator().manual_seed(0x5EED)
+    mean = prob.total_cost / prob.cp_size
+    for _ in range(kicks):
+        if float(costs.max()) <= mean * good_enough:
+            break
+        kicked = order
+        for _ in range(2):
+            i, j = torch.randint(0, b, (2,), generator=gen).tolist()
+            if i != j:
+                kicked = _apply_move(kicked, i, j, swap=bool(torch.rand((), generator=gen) < 0.5))
+        kicked, kicked_costs = _local_search(prob, kicked, prob.costs(kicked), min(rounds, 16), max_moves, good_enough)
+        if _better(kicked_costs, costs):
+            order, costs = kicked, kicked_costs
     return order
 
 
@@ -586,29 +605,57 @@ def straggler_ratio(costs: torch.Tensor) -> float:
     return float(costs.max()) / mean if mean > 0 else 1.0
 
 
+def _cheapest_fill(prob: BalanceProblem):
+    """``fill(k)``: a lower bound on the cost of any ``k`` buffer rows.
+
+    Row cost depends only on the position inside a sequence and grows with it, so the ``k``
+    cheapest rows of the batch are the padding rows (at ``min(pad_row_cost, c(0))``) and then
+    all rows at position 0, all at position 1, ... (``m(p)`` sequences are longer than ``p``).
+    """
+    cm = prob.cost_model
+    n_sorted = torch.sort(prob.seqlens).values
+    p = torch.arange(int(n_sorted[-1]) if n_sorted.numel() else 0, dtype=torch.int64)
+    m = prob.num_seqs - torch.searchsorted(n_sorted, p, right=True)  # sequences longer than p
+    c = cm.token_cost(p)
+    pad_rows = prob.total_rows - int(prob.seqlens.sum())
+    pad_cost = min(cm.pad_row_cost, float(cm.token_cost(torch.zeros(1))[0]))
+    cnt = torch.cat([torch.tensor([0, pad_rows]), pad_rows + m.cumsum(0)])
+    cost = torch.cat([torch.tensor([0.0, pad_rows * pad_cost], dtype=torch.float64), pad_rows * pad_cost + (m * c).cumsum(0)])
+    unit = torch.cat([torch.tensor([pad_cost], dtype=torch.float64), c])  # cost of one row in each bucket
+
+    def fill(k: torch.Tensor) -> torch.Tensor:
+        k = k.clamp(min=0)
+        q = (torch.searchsorted(cnt, k, right=True) - 1).clamp(0, unit.numel() - 1)
+        return cost[q] + (k - cnt[q]).to(torch.float64) * unit[q]
+
+    return fill
+
+
 def straggler_lower_bound(prob: BalanceProblem, top: int = 32) -> float:
     """A lower bound on the straggler ratio of *any* order (tells unreachable targets apart).
 
-    Every row costs at least ``c_min = min(c(0), pad_row_cost)``. Wherever a sequence of ``n``
-    real tokens is placed, rank boundaries cut it into pieces: a first piece of ``l0`` tokens
-    (``1 <= l0 <= min(n, L)``), then pieces of ``L`` tokens, then the rest. The rank holding a
-    piece ``[s, e)`` costs at least ``F(e) - F(s) + c_min * (L - (e - s))``. The bound is, for the
-    ``top`` most costly sequences, the smallest over ``l0`` of the largest piece bound, divided by
-    the mean rank cost (at least 1). Padding alignment is relaxed, so the bound may be loose.
+    Wherever a sequence of ``n`` real tokens is placed, rank boundaries cut it into pieces: a
+    first piece of ``l0`` tokens (``1 <= l0 <= min(n, L)``), then pieces of ``L`` tokens, then the
+    rest. The rank holding a piece ``[s, e)`` costs at least ``F(e) - F(s)`` plus the cheapest
+    possible ``L - (e - s)`` other rows (:func:`_cheapest_fill`). The bound is, over the ``top``
+    most costly sequences, the smallest over ``l0`` of the largest piece bound, divided by the mean
+    rank cost (and at least 1). Alignment padding is relaxed, so the bound may be loose.
     """
     cm = prob.cost_model
     L = prob.local_rows
     mean = prob.total_cost / prob.cp_size
-    c_min = min(float(cm.token_cost(torch.zeros(1))[0]), cm.pad_row_cost)
+    fill = _cheapest_fill(prob)
     best = 1.0
     heavy = torch.argsort(prob.seq_cost, descending=True)[:top]
     for n in torch.unique(prob.seqlens[heavy]).tolist():
+        if n == 0:
+            continue
         l0 = torch.arange(1, min(n, L) + 1, dtype=torch.int64).view(-1, 1)
         pieces = (n - 1) // L + 2
         ends = (l0 + L * torch.arange(pieces, dtype=torch.int64).view(1, -1)).clamp(max=n)
         starts = torch.cat([torch.zeros_like(l0), ends[:, :-1]], 1)
-        length = (ends - starts).to(torch.float64)
-        piece = cm.prefix_cost(ends) - cm.prefix_cost(starts) + c_min * (L - length)
+        length = ends - starts
+        piece = cm.prefix_cost(ends) - cm.prefix_cost(starts) + fill(L - length)
         piece = torch.where(length > 0, piece, torch.zeros_like(piece))
         best = max(best, float(piece.max(1).values.min()) / mean)
     return best
