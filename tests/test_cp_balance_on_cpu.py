@@ -282,3 +282,15 @@ def test_balanced_plan_round_trips_exactly_over_gloo(model_name):
     orders = run_distributed(_round_trip, world_size=cp, args=(lens, values, model_name))
     assert all(o == orders[0] for o in orders)  # every rank planned the same order
     assert orders[0] != list(range(lens.numel()))  # the buffer really was reordered
+
+
+def test_dcp_workload_is_near_linear_for_ds4_and_quadratic_for_dense():
+    from verl_ds4.layout.cost import dcp_workload
+
+    # a 4x longer sequence on 4x the ranks: DS4 per-rank work grows ~1.3x (indexer, HCA), dense ~4.4x
+    ds4 = dcp_workload(131072, 16) / dcp_workload(32768, 4)
+    assert 1.0 < ds4 < 1.5
+    dense = dcp_workload(131072, 16, "dense") / dcp_workload(32768, 4, "dense")
+    assert dense == pytest.approx(4.0 * (31 / 16) / (7 / 4), rel=0.01)  # last slice of n^2/2
+    with pytest.raises(ValueError, match="cp_size >= 1"):
+        dcp_workload(10, 0)

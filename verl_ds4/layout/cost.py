@@ -27,6 +27,29 @@ All DS4 coefficients are derived in one place, :class:`DS4CostShape`, from the m
 (defaults: DS4-Flash as published in ``transformers``' ``DeepseekV4Config`` and the shared doc).
 With those defaults one sequence filling a contiguous CP buffer gives the per-rank max/mean the
 shared doc estimates (1.03 at 16K/CP4, 1.11 at 64K/CP16, 1.19 at 128K/CP16); a test pins this.
+
+Dynamic CP (verl ``dynamic_context_parallel``): why there is no drop-in cost hook
+---------------------------------------------------------------------------------
+:func:`dcp_workload` is the DS4-aware replacement for the workload Megatron's dynamic-CP
+scheduler uses, but it cannot be plugged in without copying code, as of verl 0.9.1 and
+Megatron-LM ``dev``:
+
+* verl builds ``verl.utils.dynamic_cp_scheduler.DynamicCPScheduler`` inline in
+  ``MegatronEngine.forward_backward_batch`` (``workers/engine/megatron/transformer_impl.py``),
+  with no config field or engine hook for the workload; ``DynamicCPScheduler.schedule`` takes
+  Megatron's ``DefaultDynamicCPScheduler`` (``get_megatron_dynamic_cp_scheduler_cls``) and calls
+  its ``get_groups_and_subsamples``.
+* In Megatron-LM ``dev`` that method calls ``next_hdp_group_packing_aware``
+  (``megatron/core/datasets/data_schedule_utils.py``), whose workload ``seq_len**2 / cp_size`` is
+  a local closure, and whose per-rank cap (``tallest * max_seqlen_per_dp_cp_rank``) is in the same
+  quadratic units. No parameter, attribute or registry reaches either. (Older ``dev`` revisions
+  passed a ``workload_fn`` to ``next_hdp_group``; that API is gone.)
+* Replacing it would mean copying the ~250-line group-forming algorithm (forbidden here) or
+  patching Megatron's module globals at run time for every model (a silent behaviour change).
+  megatron-core 0.16.1, the CPU pin, does not ship the scheduler at all.
+
+What does apply under dynamic CP: each scheduled micro-batch is planned with its
+``local_cp_size``, so ``PlanOptions(balance=...)`` balances the sequence order inside it.
 """
 
 from __future__ import annotations
@@ -44,6 +67,7 @@ __all__ = [
     "ds4_cost_model",
     "dense_causal_cost_model",
     "get_cost_model",
+    "dcp_workload",
     "COST_MODELS",
 ]
 
@@ -252,3 +276,19 @@ def get_cost_model(model: str | TokenCostModel) -> TokenCostModel:
     if model not in COST_MODELS:
         raise ValueError(f"unknown cost model {model!r}; expected one of {sorted(COST_MODELS)} or a TokenCostModel")
     return COST_MODELS[model]()
+
+
+def dcp_workload(seq_len: int, cp_size: int, cost_model: str | TokenCostModel = "ds4") -> float:
+    """Per-rank compute of one sequence split contiguously over ``cp_size`` ranks (its last, most
+    loaded slice), in the cost model's unit: the DS4-aware counterpart of Megatron's dynamic-CP
+    workload ``seq_len**2 / cp_size``, with the same argument order.
+
+    Not wired into Megatron's scheduler (see the module docstring for why).
+    """
+    if seq_len < 0 or cp_size < 1:
+        raise ValueError(f"need seq_len >= 0 and cp_size >= 1, got seq_len={seq_len}, cp_size={cp_size}")
+    model = get_cost_model(cost_model)
+    chunk = -(-seq_len // cp_size)
+    ends = torch.tensor([seq_len, max(seq_len - chunk, 0)])
+    f = model.prefix_cost(ends)
+    return float(f[0] - f[1])
