@@ -26,9 +26,12 @@ Algorithm (all vectorised; Python loops run over rounds, never over sequences):
      above the buffer mean with those below it so the cumulative cost tracks the straight line
      from 0 to the total (boundaries then cut near ``r * mean``); longest-first; and a snake
      partition by cost. The best is kept.
-  2. local search: best-improvement over swap and move(remove+insert) neighbourhoods centred on
+  2. heavy sequences (far above the mean cost per row) are cut at rank boundaries half-way
+     through their excess, with a balancing walk of the others around them.
+  3. local search: best-improvement over swap and move(remove+insert) neighbourhoods centred on
      the most and least loaded ranks, objective (max rank cost, then sum of squares).
-  3. tiny batches (``B <= exhaustive_max``): all ``B!`` orders are evaluated, so the answer is optimal.
+  4. small batches: seeded restarts from perturbed copies of the best order (iterated local
+     search); tiny batches (``B <= exhaustive_max``): all ``B!`` orders are evaluated, so the answer is optimal.
 """
 
 from __future__ import annotations
@@ -208,10 +211,8 @@ def _better(a: torch.Tensor, b: torch.Tensor) -> bool:
 # constructive candidates
 
 
-def _excess_merge_order(prob: BalanceProblem) -> torch.Tensor:
+def _excess_merge_order(prob: BalanceProblem, excess: torch.Tensor) -> torch.Tensor:
     """Interleave above-mean and below-mean sequences so cumulative cost tracks the mean line."""
-    mean_row = prob.total_cost / prob.total_rows
-    excess = prob.seq_cost - mean_row * prob.padded.to(torch.float64)
     pos = excess >= 0
     key = torch.empty_like(excess)
     for mask in (pos, ~pos):
@@ -240,7 +241,12 @@ def _snake_order(prob: BalanceProblem) -> torch.Tensor:
     return srt[torch.argsort(key)]
 
 
-def _heavy_walk_order(prob: BalanceProblem, threshold: float) -> torch.Tensor | None:
+def _excess(prob: BalanceProblem) -> torch.Tensor:
+    """Per-sequence cost above the mean row cost times its rows (negative: cheaper than average)."""
+    return prob.seq_cost - (prob.total_cost / prob.total_rows) * prob.padded.to(torch.float64)
+
+
+def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tensor) -> torch.Tensor | None:
     """Cut heavy sequences at rank boundaries, and fill around them with a balancing walk.
 
     A sequence is heavy when its excess (cost above the mean row cost times its rows) is more
@@ -255,7 +261,6 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float) -> torch.Tensor | 
     cp, b, L = prob.cp_size, prob.num_seqs, prob.local_rows
     tau = prob.total_cost / cp
     mean_row = prob.total_cost / prob.total_rows
-    excess = prob.seq_cost - mean_row * prob.padded.to(torch.float64)
     heavy = torch.argsort(excess, descending=True)[: cp - 1]
     heavy = heavy[excess[heavy] > threshold * tau]
     m = heavy.numel()
@@ -325,13 +330,16 @@ def _candidates(prob: BalanceProblem) -> torch.Tensor:
     b = prob.num_seqs
     ident = torch.arange(b)
     longest = torch.argsort(prob.padded, descending=True, stable=True)
-    cands = [ident, _excess_merge_order(prob)]
+    excess = _excess(prob)
+    cands = [ident, _excess_merge_order(prob, excess)]
     if b <= 256:  # cheap extra starting points where the local search is cheap too
         cands += [longest, _snake_order(prob), longest.flip(0)]
+    top = float(excess.max()) / (prob.total_cost / prob.cp_size)
     for threshold in (0.25, 0.05):
-        walk = _heavy_walk_order(prob, threshold)
-        if walk is not None:
-            cands.append(walk)
+        if top > threshold:  # some sequence is heavy
+            walk = _heavy_walk_order(prob, threshold, excess)
+            if walk is not None:
+                cands.append(walk)
     return torch.stack(cands)
 
 
@@ -503,7 +511,7 @@ def balance_order(
     problem: BalanceProblem | None = None,
     rounds: int | None = None,
     max_moves: int | None = None,
-    good_enough: float = 1.002,
+    good_enough: float = 1.005,
     kicks: int | None = None,
     exhaustive_max: int = 6,
 ) -> torch.Tensor:
@@ -514,7 +522,7 @@ def balance_order(
     the local-search rounds (default: 4 for 1024 sequences, up to 48 for small batches);
     ``max_moves`` bounds the candidate moves evaluated per round; the search stops early once the
     straggler ratio is at most ``good_enough``; ``kicks`` random restarts from perturbed copies of
-    the best order follow (default: up to 8 for batches of at most 64 sequences, none above);
+    the best order follow (default: ``min(32, 512 // B)`` for at most 64 sequences, none above);
     batches of at most ``exhaustive_max`` sequences are solved exactly.
     """
     prob = problem or BalanceProblem.contiguous(
@@ -539,7 +547,7 @@ def balance_order(
     if max_moves is None:
         max_moves = max(192, min(3072, (1 << 17) // b))
     if kicks is None:
-        kicks = 0 if b > 64 else min(8, 256 // b)
+        kicks = 0 if b > 64 else min(32, 512 // b)
     order, costs = _local_search(prob, order, costs, rounds, max_moves, good_enough)
     # iterated local search: perturb the best order with two random moves, search again, keep
     # the result if it is better. The generator is seeded, so every rank gets the same answer.
