@@ -12,7 +12,9 @@ Contract:
     depend on the order, so the balanced layout keeps every DS4 invariant and unpacking restores
     the original order exactly (the plan's job).
   * Deterministic: the result is a pure function of the lengths and options (no clocks, no
-    unseeded randomness), because every CP rank computes the plan on its own and all must agree.
+    unseeded randomness, stable sorts, float64 host arithmetic on tensors small enough to be
+    reduced on one thread), because every CP rank computes the plan on its own and all must
+    agree. Ranks are assumed to run the same torch build on the same kind of CPU.
   * Never worse than the plain order under the chosen cost model: the identity order is always
     a candidate and a move is only accepted when it lowers the objective.
 
@@ -238,7 +240,7 @@ def _snake_order(prob: BalanceProblem) -> torch.Tensor:
     rnd, pos = i // cp, i % cp
     group = torch.where(rnd % 2 == 0, pos, cp - 1 - pos)
     key = group * b + i
-    return srt[torch.argsort(key)]
+    return srt[torch.argsort(key, stable=True)]
 
 
 def _excess(prob: BalanceProblem) -> torch.Tensor:
@@ -261,7 +263,7 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tens
     cp, b, L = prob.cp_size, prob.num_seqs, prob.local_rows
     tau = prob.total_cost / cp
     mean_row = prob.total_cost / prob.total_rows
-    heavy = torch.argsort(excess, descending=True)[: cp - 1]
+    heavy = torch.argsort(excess, descending=True, stable=True)[: cp - 1]
     heavy = heavy[excess[heavy] > threshold * tau]
     m = heavy.numel()
     if m == 0:
@@ -282,9 +284,9 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tens
     is_heavy[heavy] = True
     rest = (~is_heavy).nonzero().flatten()
     light = rest[excess[rest] < 0]
-    light = light[torch.argsort(excess[light])].tolist()  # most negative first
+    light = light[torch.argsort(excess[light], stable=True)].tolist()  # most negative first
     dense = rest[excess[rest] >= 0]
-    dense = dense[torch.argsort(excess[dense], descending=True)].tolist()
+    dense = dense[torch.argsort(excess[dense], descending=True, stable=True)].tolist()
     plan = list(zip(heavy.tolist(), cut.tolist(), bounds.tolist(), excess[heavy].tolist()))
     out: list[int] = []
     x, d = 0, 0.0  # rows placed, cumulative deviation from the mean line
@@ -455,7 +457,7 @@ def _neighbourhood(prob: BalanceProblem, cur: _Current, costs: torch.Tensor, max
     worst = int(costs.argmax())
     f, l = int(first[worst]), int(last[worst])
     n_src = max(4, int(math.sqrt(max_moves / 3)))
-    heavy = f + torch.argsort(cur.cost[f : l + 1], descending=True)[: max(1, n_src // 3)]
+    heavy = f + torch.argsort(cur.cost[f : l + 1], descending=True, stable=True)[: max(1, n_src // 3)]
     src = torch.unique(torch.cat([torch.tensor([f, l]), heavy, _spread(f, l, n_src)]))
     n_dst = max(4, max_moves // (3 * src.numel()))
     near = (first[1:].view(-1, 1) + torch.arange(-1, 2).view(1, -1)).flatten().clamp(0, b - 1)
