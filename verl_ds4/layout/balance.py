@@ -23,17 +23,20 @@ Cost of a rank: each of its rows costs ``c(position inside its sequence)``; padd
 cheap head on the left rank, its expensive tail on the right one). Costs are evaluated with
 closed-form prefix sums at the ``cp - 1`` boundaries only, batched over candidate orders.
 
-Algorithm (all vectorised; Python loops run over rounds, never over sequences):
+Algorithm (vectorised, except the heavy-sequence constructions, which loop over sequences in
+Python and run only when some sequence costs over a quarter of a mean rank):
   1. candidates: plain order; an "excess merge" that interleaves sequences whose cost per row is
      above the buffer mean with those below it so the cumulative cost tracks the straight line
      from 0 to the total (boundaries then cut near ``r * mean``); longest-first; and a snake
      partition by cost. The best is kept.
-  2. heavy sequences (far above the mean cost per row) are cut at rank boundaries half-way
-     through their excess, with a balancing walk of the others around them.
-  3. local search: best-improvement over swap and move(remove+insert) neighbourhoods centred on
-     the most and least loaded ranks, objective (max rank cost, then sum of squares).
+  2. heavy sequences (far above the mean cost per row) are cut at rank boundaries: half-way
+     through their excess with a balancing walk of the others around them, or where their two
+     ranks cost the same with the cheapest other sequences reserved for those ranks.
+  3. local search: best-improvement over swap and move (remove + insert) neighbourhoods around
+     the most loaded rank, objective (max rank cost, then sum of squares), each candidate
+     evaluated incrementally in O(cp).
   4. small batches: seeded restarts from perturbed copies of the best order (iterated local
-     search); tiny batches (``B <= exhaustive_max``): all ``B!`` orders are evaluated, so the answer is optimal.
+     search); tiny batches (``B <= exhaustive_max``): all ``B!`` orders are evaluated (optimal).
 """
 
 from __future__ import annotations
@@ -213,6 +216,14 @@ def _better(a: torch.Tensor, b: torch.Tensor) -> bool:
 # constructive candidates
 
 
+def _excess_merge_order_of(prob: BalanceProblem, ids: torch.Tensor, excess: torch.Tensor) -> torch.Tensor:
+    """:func:`_excess_merge_order` of the subset ``ids`` (positions into ``ids``), around its own mean."""
+    rows = prob.padded[ids].to(torch.float64)
+    sub = prob.seq_cost[ids]
+    sub_excess = sub - float(sub.sum()) / max(float(rows.sum()), 1.0) * rows
+    return _excess_merge_order(prob, sub_excess)
+
+
 def _excess_merge_order(prob: BalanceProblem, excess: torch.Tensor) -> torch.Tensor:
     """Interleave above-mean and below-mean sequences so cumulative cost tracks the mean line."""
     pos = excess >= 0
@@ -328,6 +339,93 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tens
     return torch.tensor(out, dtype=torch.int64)
 
 
+def _heavy_split_order(prob: BalanceProblem, threshold: float, excess: torch.Tensor) -> torch.Tensor | None:
+    """Cut each very heavy sequence where its two ranks cost the same, both filled cheapest-first.
+
+    Heavy: excess above ``threshold`` of a mean rank (at most ``cp - 1`` of them, one per evenly
+    spread boundary). The cut is chosen assuming the rest of both ranks is filled with the
+    cheapest other sequences (lowest cost per row); those ranks are then filled that way, and
+    everything else is placed by the mean-line walk of :func:`_heavy_walk_order`'s fillers.
+    Returns ``None`` when nothing is heavy.
+    """
+    cp, b, L = prob.cp_size, prob.num_seqs, prob.local_rows
+    tau = prob.total_cost / cp
+    heavy = torch.argsort(excess, descending=True, stable=True)[: cp - 1]
+    heavy = heavy[excess[heavy] > threshold * tau]
+    m = heavy.numel()
+    if m == 0:
+        return None
+    is_heavy = torch.zeros(b, dtype=torch.bool)
+    is_heavy[heavy] = True
+    rest = (~is_heavy).nonzero().flatten()
+    density = prob.seq_cost / prob.padded.clamp(min=1).to(torch.float64)
+    cheap = rest[torch.argsort(density[rest], stable=True)]  # cheapest per row first
+    crows = prob.padded[cheap].cumsum(0).to(torch.float64)
+    ccost = prob.seq_cost[cheap].cumsum(0)
+    hp = prob.padded[heavy].view(-1, 1)
+    t = (torch.linspace(0, 1, 1025, dtype=torch.float64).view(1, -1) * hp).round().to(torch.int64)
+    t = torch.minimum(t, hp - 1).clamp(min=1)
+    real = torch.minimum(t, prob.seqlens[heavy].view(-1, 1))
+    head = prob.cost_model.prefix_cost(real) + prob.cost_model.pad_row_cost * (t - real)
+    tail = prob.seq_cost[heavy].view(-1, 1) - head
+
+    def fill(k: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        # cost of the k cheapest rows after the first `offset` cheap rows (used by earlier heavies)
+        k = k.clamp(min=0).to(torch.float64) + offset
+        i = torch.searchsorted(crows, k).clamp(max=crows.numel() - 1)
+        pr = torch.where(i > 0, crows[(i - 1).clamp(min=0)], torch.zeros_like(k))
+        pc = torch.where(i > 0, ccost[(i - 1).clamp(min=0)], torch.zeros_like(k))
+        full = pc + (k - pr) * density[cheap][i]
+        i0 = torch.searchsorted(crows, offset).clamp(max=crows.numel() - 1)
+        pr0 = torch.where(i0 > 0, crows[(i0 - 1).clamp(min=0)], torch.zeros_like(offset))
+        pc0 = torch.where(i0 > 0, ccost[(i0 - 1).clamp(min=0)], torch.zeros_like(offset))
+        return full - (pc0 + (offset - pr0) * density[cheap][i0])
+
+    used = torch.zeros(m, 1, dtype=torch.float64)
+    if m > 1:
+        used[1:, 0] = (2 * L - hp.flatten()[:-1].to(torch.float64)).clamp(min=0).cumsum(0)
+    left = head + fill(L - t, used)
+    right = tail + fill(L - (hp - t), used + (L - t).clamp(min=0))
+    cut = t.gather(1, torch.maximum(left, right).argmin(1, keepdim=True)).flatten()
+    bounds = ((torch.arange(m, dtype=torch.float64) + 0.5) * (cp - 1) / m).floor().to(torch.int64) + 1
+
+    # reserve the cheapest sequences for the ranks around the cuts; the rest follow the excess merge
+    need = float((2 * L - hp.flatten()).clamp(min=0).sum())
+    n_res = int(torch.searchsorted(crows, torch.tensor(need, dtype=torch.float64))) + 1
+    reserved = cheap[:n_res].tolist()
+    others = cheap[n_res:]
+    stream = others[_excess_merge_order_of(prob, others, excess)].tolist() if others.numel() else []
+    rows = prob.padded.tolist()
+    out: list[int] = []
+    x = 0
+    ri = si = 0
+
+    def place(f: int) -> None:
+        nonlocal x
+        out.append(f)
+        x += rows[f]
+
+    for h, c, r in zip(heavy.tolist(), cut.tolist(), bounds.tolist()):
+        while x < (r - 1) * L and si < len(stream):
+            place(stream[si])
+            si += 1
+        start = r * L - c
+        while x < start and ri < len(reserved):
+            f = reserved[ri]
+            if x + rows[f] > start and (x + rows[f] - start) > (start - x):
+                break  # stopping short is closer to the cut point than overshooting
+            place(f)
+            ri += 1
+        place(h)
+        end = (x // L + 1) * L if x % L else x
+        while x < end and ri < len(reserved):
+            place(reserved[ri])
+            ri += 1
+    out.extend(stream[si:])
+    out.extend(reserved[ri:])
+    return torch.tensor(out, dtype=torch.int64)
+
+
 def _candidates(prob: BalanceProblem) -> torch.Tensor:
     b = prob.num_seqs
     ident = torch.arange(b)
@@ -342,6 +440,10 @@ def _candidates(prob: BalanceProblem) -> torch.Tensor:
             walk = _heavy_walk_order(prob, threshold, excess)
             if walk is not None:
                 cands.append(walk)
+    if top > 0.5:
+        split = _heavy_split_order(prob, 0.5, excess)
+        if split is not None:
+            cands.append(split)
     return torch.stack(cands)
 
 
@@ -468,7 +570,17 @@ def _neighbourhood(prob: BalanceProblem, cur: _Current, costs: torch.Tensor, max
     ii, jj = ii[keep], jj[keep]
     n = ii.numel()
     swap = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(2 * n, dtype=torch.bool)])
-    return torch.cat([ii, ii, jj]), torch.cat([jj, jj, ii]), swap
+    i_all, j_all = torch.cat([ii, ii, jj]), torch.cat([jj, jj, ii])
+    # a heavy sequence on the worst rank (over a quarter of a mean rank): try every slot for it,
+    # i.e. every boundary and every cut point the other sequences allow
+    top = int(heavy[0])
+    if float(cur.cost[top]) > 0.25 * prob.total_cost / prob.cp_size:
+        j = torch.arange(b)
+        j = j[j != top]
+        i_all = torch.cat([i_all, torch.full_like(j, top)])
+        j_all = torch.cat([j_all, j])
+        swap = torch.cat([swap, torch.zeros(j.numel(), dtype=torch.bool)])
+    return i_all, j_all, swap
 
 
 def _local_search(
