@@ -11,7 +11,6 @@ with the field into both modules: a stand-in for the newer Megatron-Core the GPU
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -20,6 +19,7 @@ import torch
 
 from verl_ds4.layout import CPLayout
 from verl_ds4.testing.distributed import run_distributed
+from verl_ds4.testing.megatron_compat import emulate_cp_partition_mode_field
 
 CASES_PER_CONFIG = 24
 
@@ -38,22 +38,6 @@ def _nested(lengths: list[int], trailing: tuple[int, ...], gen: torch.Generator,
         values = torch.randint(1, 50_000, (total, *trailing), generator=gen)
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-
-
-def _install_cp_partition_mode_field():
-    """Emulate a Megatron-Core whose PackedSeqParams has ``cp_partition_mode`` (see module docstring)."""
-    import verl.models.mcore.util as verl_util
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    import verl_ds4.mcore.thd as ours
-
-    @dataclasses.dataclass
-    class PackedSeqParamsWithMode(PackedSeqParams):
-        cp_partition_mode: str = "zigzag"
-
-    verl_util.PackedSeqParams = PackedSeqParamsWithMode
-    verl_util._PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE = True
-    ours.PackedSeqParams = PackedSeqParamsWithMode
 
 
 PSP_FIELDS = (
@@ -171,7 +155,7 @@ def _world(rank: int, world_size: int, configs: list[tuple[int, int]], emulate_f
     from megatron.core import parallel_state as mpu
 
     if emulate_field:
-        _install_cp_partition_mode_field()
+        emulate_cp_partition_mode_field()
     stats = dict(cases_equal=0, rows_compared=0, postprocess_equal=0, verl_crashed=0, verl_misaligned=0)
     for tp, cp in configs:
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)

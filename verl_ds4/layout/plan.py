@@ -197,17 +197,24 @@ class THDPlan:
             return cached
         device = self.seqlens.device
         local = torch.arange(self.local_rows, device=device)
+        slots = torch.arange(self.batch_size, device=device)
         keep_position = None
         if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            rows = local + cp_rank * self.local_rows
-            slot = torch.searchsorted(self._cu_padded[1:], rows, right=True)
-            position = rows - self._cu_padded.index_select(0, slot)
+            # Rows of each sequence inside this rank's window [w0, w0 + L): one repeat_interleave,
+            # no per-row binary search.
+            w0 = cp_rank * self.local_rows
+            starts = self._cu_padded[:-1]
+            counts = self._cu_padded[1:].clamp(w0, w0 + self.local_rows) - starts.clamp(w0, w0 + self.local_rows)
+            slot = torch.repeat_interleave(slots, counts, output_size=self.local_rows)
+            position = local - (starts - w0).index_select(0, slot)
         else:
+            # Every sequence contributes 2 * half rows: its chunk r, then its chunk 2cp-1-r.
             cp = self.cp_size
-            local_starts = self._cu_padded // cp
-            slot = torch.searchsorted(local_starts[1:], local, right=True)
+            half = self.seqlens_padded // (2 * cp)
+            slot = torch.repeat_interleave(slots, 2 * half, output_size=self.local_rows)
+            local_starts = self._cu_padded[:-1] // cp
             offset = local - local_starts.index_select(0, slot)
-            half = self.seqlens_padded.index_select(0, slot) // (2 * cp)
+            half = half.index_select(0, slot)
             first_chunk = offset < half
             position = torch.where(first_chunk, cp_rank * half + offset, (2 * cp - 2 - cp_rank) * half + offset)
             # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
