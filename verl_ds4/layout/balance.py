@@ -654,15 +654,21 @@ def balance_order(
         return _exhaustive(prob)
     cands = _candidates(prob)
     cand_costs = prob.costs(cands)
-    k = _pick_best(cand_costs)
-    order, costs = cands[k], cand_costs[k]
     if rounds is None:
         rounds = max(4, min(48, 4096 // b))
     if max_moves is None:
         max_moves = max(192, min(3072, (1 << 17) // b))
     if kicks is None:
         kicks = 0 if b > 64 else min(32, 512 // b)
-    order, costs = _local_search(prob, order, costs, rounds, max_moves, good_enough)
+    # local search from the two best starting points (a better start can end in a worse optimum)
+    k = _pick_best(cand_costs)
+    order, costs = _local_search(prob, cands[k], cand_costs[k], rounds, max_moves, good_enough)
+    if cands.shape[0] > 1 and float(costs.max()) > (prob.total_cost / prob.cp_size) * good_enough:
+        rest = torch.cat([torch.arange(k), torch.arange(k + 1, cands.shape[0])])
+        k2 = int(rest[_pick_best(cand_costs[rest])])
+        order2, costs2 = _local_search(prob, cands[k2], cand_costs[k2], rounds, max_moves, good_enough)
+        if _better(costs2, costs):
+            order, costs = order2, costs2
     # iterated local search: perturb the best order with two random moves, search again, keep
     # the result if it is better. The generator is seeded, so every rank gets the same answer.
     gen = torch.Generator().manual_seed(0x5EED)
