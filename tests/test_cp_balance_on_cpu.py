@@ -294,3 +294,29 @@ def test_dcp_workload_is_near_linear_for_ds4_and_quadratic_for_dense():
     assert dense == pytest.approx(4.0 * (31 / 16) / (7 / 4), rel=0.01)  # last slice of n^2/2
     with pytest.raises(ValueError, match="cp_size >= 1"):
         dcp_workload(10, 0)
+
+
+def test_ds4_proxy_cp_parity_holds_with_balance_on(monkeypatch, tmp_path):
+    """The DS4-proxy CP parity (real Megatron-Core GPTModel + DS4 attention, gloo ranks) with the
+    balanced order switched on in every plan the THD path builds: CP 2 and 4 reproduce CP 1."""
+    import verl_ds4.layout as layout_pkg
+    from verl_ds4.layout.plan import PlanOptions as RealPlanOptions
+    from verl_ds4.models.ds4.parity import RAGGED, compare, format_table, rows_passed, run_parity
+
+    reference = run_parity(1, dtypes=("fp64",), layout_checks=False)
+    marker = tmp_path / "balanced"
+
+    def balanced_options(**kw):
+        if str(kw.get("layout")) == "contiguous" and kw.get("cp_size", 1) > 1:
+            kw["balance"] = "ds4"
+            marker.write_text("used")  # ranks are forked: the file proves the patch reached them
+        return RealPlanOptions(**kw)
+
+    monkeypatch.setattr(layout_pkg, "PlanOptions", balanced_options)
+    for cp in (2, 4):
+        order = bal.balance_order(torch.tensor(RAGGED), cp_size=cp, cost_model="ds4", min_local_rows=128)
+        assert order.tolist() != list(range(len(RAGGED)))  # the proxy batch really is reordered
+        rows = compare(run_parity(cp, dtypes=("fp64",), layout_checks=False), reference)
+        assert rows_passed(rows), format_table(rows, f"CP={cp} balanced")
+        assert max(r.max_rel for r in rows) <= 1e-10
+    assert marker.read_text() == "used"
