@@ -2,15 +2,12 @@
 
 Given sequence lengths (a list, or a parquet file and a column), the CP size and the layout,
 print for every CP rank its rows, real tokens, padding, compute cost under a per-token cost
-model, and the straggler ratio (largest per-rank cost / mean). With ``--balance`` the
-contiguous buffer is reordered to minimise the largest per-rank cost and both the plain and the
-balanced layouts are shown. ``--plot out.png`` draws the packed buffer, one colour per sequence,
-with rank boundaries, and the per-rank costs (needs matplotlib: ``pip install 'verl-ds4[plot]'``).
-
-Examples::
-
-    verl-ds4 plan --lengths 5,127,1000,23,129,900,55,257,800,95,509,148 --cp 4 --layout contiguous
-    verl-ds4 plan --parquet train.parquet --column input_ids --cp 8 --balance ds4 --plot layout.png
+model, and the straggler ratio (largest per-rank cost / mean). With --balance the contiguous
+buffer is reordered to minimise the largest per-rank cost, and the plain and balanced layouts are
+both shown. --plot out.png draws the packed buffer (one colour per sequence, hatched padding,
+rank boundaries) and the per-rank costs; it needs matplotlib (pip install 'verl-ds4[plot]').
+Examples: verl-ds4 plan --lengths 5,127,1000,23 --cp 2 --min-local-rows 128;
+verl-ds4 plan --parquet train.parquet --column input_ids --limit 256 --cp 8 --balance ds4 --plot layout.png
 """
 
 from __future__ import annotations
