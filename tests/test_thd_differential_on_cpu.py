@@ -226,3 +226,19 @@ def test_bucket_verl_crashes_on_is_aligned_here():
             assert plan.total_rows % math.lcm(bucket, 2 * tp * cp) == 0
             assert bool((plan.seqlens_padded % (2 * tp * cp) == 0).all())
             assert plan.layout is CPLayout.ZIGZAG
+
+
+def test_postprocess_refuses_to_rebuild_a_reordered_plan():
+    """A balanced (reordered) buffer cannot be recovered from cu_seqlens: refuse, never misalign."""
+    from verl_ds4.layout import PlanOptions, build_plan
+    from verl_ds4.mcore import thd
+
+    gen = torch.Generator().manual_seed(3)
+    x = _nested([30, 5, 200, 7], (), gen)
+    plan = build_plan(x.offsets().diff(), PlanOptions("contiguous", cp_size=2), order=[2, 0, 3, 1])
+    plan.source_offsets = x.offsets()
+    params = thd.packed_seq_params_for(plan, layout_consumer_checked=True)
+    assert thd.plan_of(params, x, CPLayout.CONTIGUOUS, 2) is plan
+    same_lengths = _nested([30, 5, 200, 7], (), gen)
+    with pytest.raises(ValueError, match="reordered"):
+        thd.plan_of(params, same_lengths, CPLayout.CONTIGUOUS, 2)

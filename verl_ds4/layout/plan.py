@@ -55,6 +55,10 @@ class PlanOptions:
         min_local_rows: pad the buffer so that every rank owns at least this many rows.
         pad_to_length_bucket: pad the buffer to a multiple of this many rows (fewer distinct shapes).
         fp8_padding: apply FP8 block-quantisation alignment.
+        balance: contiguous layout only: ``None`` (plain order) or the name of a per-token cost
+            model (``"ds4"`` or ``"dense"``, see :mod:`.cost`); ``build_plan`` then orders the
+            sequences in the buffer to minimise the largest per-rank cost (:mod:`.balance`).
+            Padding and row counts are unchanged; outputs still come back in original order.
     """
 
     layout: CPLayout | str = CPLayout.ZIGZAG
@@ -63,9 +67,23 @@ class PlanOptions:
     min_local_rows: int | None = None
     pad_to_length_bucket: int | None = None
     fp8_padding: bool = False
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", CPLayout.parse(self.layout))
+        if self.balance is not None:
+            from .cost import COST_MODELS
+
+            if self.balance not in COST_MODELS:
+                raise ValueError(
+                    f"PlanOptions.balance must be None or one of {sorted(COST_MODELS)} (a cost model name), "
+                    f"got {self.balance!r}."
+                )
+            if self.layout is not CPLayout.CONTIGUOUS:
+                raise ValueError(
+                    f"PlanOptions.balance={self.balance!r} reorders sequences of the contiguous layout only, "
+                    f"but layout='{self.layout}'. Use layout='contiguous' or balance=None."
+                )
         for name in ("tp_size", "cp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -374,6 +392,10 @@ def build_plan(
         raise ValueError("cannot plan an empty micro-batch (no sequences).")
     seqlens = seqlens.long()
     device = seqlens.device
+    if order is None and options.balance is not None and options.cp_size > 1:
+        from .balance import balanced_order_for_plan
+
+        order = balanced_order_for_plan(seqlens, options)
     if order is not None:
         order = torch.as_tensor(order, dtype=torch.long, device=device)
         if order.shape != seqlens.shape:
