@@ -218,7 +218,6 @@ class THDPlan:
         if cached is not None:
             return cached
         device = self.seqlens.device
-        slots = torch.arange(self.batch_size, device=device)
         starts = self._cu_padded[:-1]
         if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
             w0 = cp_rank * self.local_rows
@@ -232,24 +231,26 @@ class THDPlan:
             half = self.seqlens_padded // (2 * cp)
             local_start = starts // cp
             # chunk r at local rows [ls, ls + h), chunk 2cp-1-r at [ls + h, ls + 2h)
-            counts = torch.stack([half, half], 1).flatten()
+            # run 2s + c is chunk c (0: chunk r, 1: chunk 2cp-1-r) of sequence s
+            counts = half.repeat_interleave(2)
             position_base = torch.stack(
                 [cp_rank * half - local_start, (2 * cp - 2 - cp_rank) * half - local_start], 1
             ).flatten()
-            slots = slots.repeat_interleave(2)
-            # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
-            keep = torch.tensor([1, 0], device=device).repeat(self.batch_size)
+            keep = True
         run = torch.repeat_interleave(
             torch.arange(counts.shape[0], device=device), counts, output_size=self.local_rows
         )
         local = torch.arange(self.local_rows, device=device)
         position = local + position_base.index_select(0, run)
-        slot = slots.index_select(0, run) if slots.shape[0] != self.batch_size else run
+        if keep is None:
+            slot, keep_position = run, None
+        else:
+            # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
+            slot, keep_position = run >> 1, (run & 1) == 0
         source = position + self._buffer_token_starts.index_select(0, slot)
         seqlen = self._buffer_seqlens.index_select(0, slot)
-        keep = keep.index_select(0, run) if keep is not None else None
         valid = position < seqlen
-        rows = RankRows(slot, position, source, seqlen, valid, keep.bool() if keep is not None else None)
+        rows = RankRows(slot, position, source, seqlen, valid, keep_position)
         self._rank_cache[cp_rank] = rows
         return rows
 
