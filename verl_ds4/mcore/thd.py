@@ -1,0 +1,216 @@
+"""THD pre/post-processing for Megatron-Core, built on :mod:`verl_ds4.layout`.
+
+:func:`preprocess_thd_engine` and :func:`postprocess_thd_engine` are drop-ins for verl 0.9.1's
+functions of the same names (``verl/models/mcore/util.py``): same signatures, same return types,
+and identical tensors (packed rows, position ids, every ``PackedSeqParams`` field, reassembled
+outputs) on every input where verl 0.9.1 works, computed without a Python loop over sequences.
+Our own forward functions use the lower-level :func:`make_plan`, :func:`pack_input` and
+:func:`packed_seq_params_for` to pack every per-token tensor of a micro-batch from one plan.
+
+Deliberate differences from verl 0.9.1:
+
+1. Label shift (``need_roll=True``) wraps inside each sequence: the last real token's label is the
+   sequence's first token, on every layout and CP size. verl 0.9.1 gives, on that one row per
+   sequence, the next buffer row with zigzag at CP=1 (the next sequence's first token when a
+   sequence needs no padding: a label leaking across the packed boundary) or a padding zero with
+   zigzag at CP>1 when the sequence is padded (and the first token on its last padding row).
+   The row is masked by the loss mask in verl's recipes, so losses do not change.
+2. With zigzag and ``need_roll=True`` the returned position ids are those of the label tokens,
+   as verl returns for contiguous; verl's zigzag positions there are partly unshifted. Every caller
+   in verl discards the position ids of the label call.
+3. Extra tail padding (``pad_to_length_bucket``, ``min_local_rows``) is rounded to the layout's
+   per-sequence alignment (``2*tp*cp`` for zigzag, ``tp*cp`` for contiguous). verl 0.9.1 aligns
+   the bucket to ``cp`` only: zigzag with a bucket that is not a multiple of ``2*tp*cp`` then
+   crashes with a shape error or silently drops tokens, and contiguous with ``tp>1`` gets an odd
+   number of rows per rank. Where verl's result is already aligned, the two agree.
+4. Contiguous with CP>1 on a Megatron-Core whose ``PackedSeqParams`` lacks ``cp_partition_mode``
+   raises the same ``ValueError`` as verl, but before any packing work. The layout is always
+   recorded as ``packed_seq_params.cp_partition_mode`` (a plain attribute when the field is
+   missing) so our own attention modules can read it; :func:`packed_seq_params_for` with
+   ``layout_consumer_checked=True`` (the engine's start-up check passed) allows it.
+5. Dynamic CP on a Megatron-Core without dynamic CP groups raises a clear error (verl raises
+   ``AttributeError``).
+6. The plan is cached on the returned ``PackedSeqParams`` (attribute ``verl_ds4_plan``), so
+   post-processing the same micro-batch does not rebuild it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from verl_ds4.layout import CPLayout, PlanOptions, THDPlan, build_plan
+from verl_ds4.layout.plan import plan_from_padded_lengths
+
+PLAN_ATTRIBUTE = "verl_ds4_plan"
+
+
+def packed_seq_params_has_cp_partition_mode() -> bool:
+    """Whether the installed Megatron-Core's ``PackedSeqParams`` has a ``cp_partition_mode`` field."""
+    cls = PackedSeqParams
+    return is_dataclass(cls) and "cp_partition_mode" in {f.name for f in fields(cls)}
+
+
+def cp_context(local_cp_size: int | None):
+    """``(cp_size, cp_rank, cp_group, extra PackedSeqParams kwargs)`` of the caller.
+
+    With ``local_cp_size`` (dynamic CP) the group is Megatron's dynamic data-context-parallel group
+    of that size; otherwise the static CP group of the parallel state.
+    """
+    if local_cp_size is None:
+        return mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(), _static_cp_group(), {}
+    get_groups = getattr(mpu, "get_dynamic_data_context_parallel_groups", None)
+    if get_groups is None:
+        raise ValueError(
+            f"local_cp_size={local_cp_size} asks for dynamic context parallelism, but the installed "
+            "Megatron-Core has no dynamic CP groups (parallel_state.get_dynamic_data_context_parallel_groups). "
+            "Install a Megatron-Core with dynamic CP or disable dynamic CP."
+        )
+    group = get_groups(group_size=local_cp_size)
+    rank = torch.distributed.get_rank(group=group)
+    return local_cp_size, rank, group, {"local_cp_size": local_cp_size, "cp_group": group}
+
+
+def _static_cp_group():
+    if mpu.get_context_parallel_world_size() == 1:
+        return None
+    return mpu.get_context_parallel_group()
+
+
+def check_layout_consumable(layout: CPLayout, cp_size: int, layout_consumer_checked: bool = False) -> None:
+    """Refuse to hand contiguous rows to attention that would read them as zigzag."""
+    if layout is CPLayout.ZIGZAG or cp_size <= 1 or layout_consumer_checked:
+        return
+    if not packed_seq_params_has_cp_partition_mode():
+        raise ValueError(
+            f"cp_layout='{layout}' requires PackedSeqParams.cp_partition_mode, which this "
+            "Megatron-core version does not provide. Upgrade Megatron-core or use the zigzag layout."
+        )
+
+
+def make_plan(input_ids: torch.Tensor, options: PlanOptions) -> THDPlan:
+    """Plan a jagged ``[B, j, ...]`` micro-batch (reads only its offsets)."""
+    offsets = input_ids.offsets()
+    plan = build_plan(offsets.diff(), options)
+    plan.source_offsets = offsets  # lets post-processing recognise the same micro-batch
+    return plan
+
+
+def packed_seq_params_for(
+    plan: THDPlan, extra: dict | None = None, layout_consumer_checked: bool = False
+) -> PackedSeqParams:
+    """The THD ``PackedSeqParams`` of a plan, with the layout recorded and the plan attached.
+
+    Field values match verl 0.9.1: every ``cu_seqlens*`` field is the global padded one.
+    """
+    check_layout_consumable(plan.layout, plan.cp_size, layout_consumer_checked)
+    kwargs = dict(extra or {})
+    has_field = packed_seq_params_has_cp_partition_mode()
+    if has_field:
+        kwargs["cp_partition_mode"] = plan.layout.value
+    cu = plan.cu_seqlens_padded
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        max_seqlen_q=plan.max_seqlen_padded,
+        cu_seqlens_kv=cu,
+        max_seqlen_kv=plan.max_seqlen_padded,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        **kwargs,
+    )
+    if not has_field:
+        params.cp_partition_mode = plan.layout.value
+    setattr(params, PLAN_ATTRIBUTE, plan)
+    return params
+
+
+def pack_input(input_ids: torch.Tensor, plan: THDPlan, cp_rank: int, need_roll: bool = False):
+    """``(rows [1, local_rows, ...], position_ids [1, local_rows])`` of a jagged per-token tensor."""
+    values = input_ids.values()
+    rows = plan.pack(values, cp_rank, shift=need_roll)
+    positions = plan.position_ids(cp_rank, shift=need_roll)
+    return rows.unsqueeze(0), positions.unsqueeze(0)
+
+
+def preprocess_thd_engine(
+    input_ids: torch.Tensor,
+    pre_process: bool = True,
+    need_roll: bool = False,
+    use_fp8_padding: bool = False,
+    local_cp_size: int | None = None,
+    min_local_rows: int | None = None,
+    pad_to_length_bucket: int | None = None,
+    cp_layout: str = "zigzag",
+) -> tuple[torch.Tensor, PackedSeqParams, torch.Tensor | None]:
+    """Pack a jagged THD micro-batch and keep this CP rank's rows (verl 0.9.1's signature).
+
+    Returns ``(rows [1, local_rows, ...], packed_seq_params, position_ids [1, local_rows])``, or
+    ``(input_ids, packed_seq_params, None)`` when ``pre_process`` is False.
+    """
+    layout = CPLayout.parse(cp_layout)
+    cp_size, cp_rank, _, extra = cp_context(local_cp_size)
+    check_layout_consumable(layout, cp_size)
+    options = PlanOptions(
+        layout=layout,
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        cp_size=cp_size,
+        min_local_rows=min_local_rows,
+        pad_to_length_bucket=pad_to_length_bucket,
+        fp8_padding=use_fp8_padding,
+    )
+    plan = make_plan(input_ids, options)
+    params = packed_seq_params_for(plan, extra)
+    if not pre_process:
+        return input_ids, params, None
+    rows, positions = pack_input(input_ids, plan, cp_rank, need_roll=need_roll)
+    return rows, params, positions
+
+
+def plan_of(packed_seq_params: PackedSeqParams, input_ids: torch.Tensor, layout: CPLayout, cp_size: int) -> THDPlan:
+    """The plan behind ``packed_seq_params`` for ``input_ids``: the cached one, or rebuilt from its fields."""
+    plan = getattr(packed_seq_params, PLAN_ATTRIBUTE, None)
+    offsets = input_ids.offsets()
+    if (
+        plan is not None
+        and plan.layout is layout
+        and plan.cp_size == cp_size
+        and getattr(plan, "source_offsets", None) is offsets
+    ):
+        return plan
+    padded = packed_seq_params.cu_seqlens_q_padded.long().diff()
+    return plan_from_padded_lengths(offsets.diff(), padded, layout, cp_size)
+
+
+def postprocess_thd_engine(
+    output: torch.Tensor,
+    packed_seq_params: PackedSeqParams,
+    input_ids: torch.Tensor,
+    batch_size: int,
+    post_process: bool = True,
+    local_cp_size: int | None = None,
+    cp_layout: str = "zigzag",
+) -> torch.Tensor:
+    """Gather ``output [1, local_rows, ...]`` over CP and unpack it to a jagged ``[B, j, ...]`` tensor.
+
+    verl 0.9.1's signature; sequences come back in original order, padding rows dropped, and the
+    gradient flows through this rank's rows.
+    """
+    layout = CPLayout.parse(cp_layout)
+    if not post_process:
+        return output
+    if local_cp_size is not None:
+        cp_size = local_cp_size
+        group = packed_seq_params.cp_group
+        cp_rank = torch.distributed.get_rank(group=group)
+    else:
+        cp_size, cp_rank, group = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(), None
+        if cp_size > 1:
+            group = mpu.get_context_parallel_group()
+    if input_ids.shape[0] != batch_size:
+        raise ValueError(f"batch_size={batch_size} does not match input_ids with {input_ids.shape[0]} sequences.")
+    plan = plan_of(packed_seq_params, input_ids, layout, cp_size)
+    return plan.unpack(output[0], group=group, cp_rank=cp_rank)

@@ -1,0 +1,108 @@
+"""Run a function on N real processes joined in a gloo ``torch.distributed`` group.
+
+Used by the CP tests, the parity harness and benchmarks::
+
+    results = run_distributed(fn, world_size=4, args=(batch,))   # fn(rank, world_size, *args)
+
+Each rank runs ``fn`` after ``init_process_group("gloo")``; the return values come back in rank
+order. A failing rank raises :class:`DistributedRunError` in the caller with that rank's traceback;
+a hang is killed after ``timeout`` seconds. Processes are forked by default (cheap: verl and
+megatron stay imported), each limited to one intra-op thread; pass ``start_method="spawn"`` for a
+clean interpreter (then ``fn`` must be importable by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+
+class DistributedRunError(RuntimeError):
+    """A rank of :func:`run_distributed` failed or timed out."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 300.0,
+    start_method: str = "fork",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    ctx = mp.get_context(start_method)
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {}, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedRunError(
+                    f"{world_size - len(results) - len(failures)} of {world_size} ranks did not finish within "
+                    f"{timeout:.0f} s (a hang in a collective?)." + ("\n" + "\n".join(failures) if failures else "")
+                )
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and not failures:
+                    # A rank died without reporting (killed, segfault): do not wait for the timeout.
+                    codes = ", ".join(f"rank {procs.index(p)} exit code {p.exitcode}" for p in dead)
+                    raise DistributedRunError(f"ranks died without a result: {codes}.")
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                # Other ranks may now block in a collective: give them a moment, then stop.
+                deadline = min(deadline, time.monotonic() + 10.0)
+        if failures:
+            raise DistributedRunError("\n".join(failures))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
