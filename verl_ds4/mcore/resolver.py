@@ -194,9 +194,9 @@ class ResolvedCPLayout:
 
 def packed_seq_params_has_cp_partition_mode() -> bool:
     """Whether the installed ``PackedSeqParams`` can tell Megatron's attention the CP layout."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from verl_ds4.mcore import thd
 
-    return CP_PARTITION_MODE in {f.name for f in dataclasses.fields(PackedSeqParams)}
+    return thd.packed_seq_params_has_cp_partition_mode()
 
 
 def transformer_config_fields() -> frozenset[str]:
@@ -367,10 +367,16 @@ def transformer_config_fills(
 
 
 def _format_requirements(requirements: Iterable[LayoutRequirement]) -> str:
-    parts = []
+    """One phrase per kind of consumer (same class and needs), naming its first module and a count."""
+    groups: dict[tuple, list[LayoutRequirement]] = {}
     for r in requirements:
-        extra = f", >= {r.min_local_rows} rows/rank" if r.min_local_rows else ""
-        parts.append(f"{r.source} needs {r.layout}{extra}")
+        kind = r.source.rsplit("(", 1)[-1] if r.source.endswith(")") else r.source
+        groups.setdefault((kind, r.layout, r.min_local_rows, r.accepts), []).append(r)
+    parts = []
+    for (_, layout, min_rows, _), members in groups.items():
+        extra = f", >= {min_rows} rows/rank" if min_rows else ""
+        more = f" and {len(members) - 1} more like it" if len(members) > 1 else ""
+        parts.append(f"{members[0].source}{more} needs {layout}{extra}")
     return "; ".join(parts)
 
 
