@@ -12,7 +12,9 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Add one line per subcommand.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("verl_ds4.engine.doctor_cli", "check that verl uses verl-ds4's engines and whether this stack can run DS4 with CP"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
