@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -523,6 +524,37 @@ class _CPUMegatronEngineMixin:
         with cuda_literals_on_cpu():
             return super().forward_backward_batch(*args, **kwargs)
 
+    def train_batch(self, data, loss_function):
+        """verl's training step, plus one progress line on the logging rank (see :func:`_progress_line`)."""
+        start = time.perf_counter()
+        outputs = super().train_batch(data, loss_function)
+        self._report_progress(data, outputs, time.perf_counter() - start)
+        return outputs
+
+    def _report_progress(self, data, outputs, step_seconds: float) -> None:
+        if not self.is_mp_src_rank_with_outputs():
+            return
+        from verl.utils import tensordict_utils as tu
+
+        if not hasattr(self, "_progress_started"):
+            self._progress_started = time.perf_counter() - step_seconds
+            self._progress_tokens = 0
+        self._progress_step = getattr(self, "_progress_step", 0) + 1
+        seqlens = tu.get_non_tensor_data(data, key="global_token_num", default=None)
+        tokens = int(sum(seqlens)) if seqlens is not None else 0
+        self._progress_tokens += tokens
+        loss = torch.tensor(float(sum(outputs.get("loss", []) or [0.0])), dtype=torch.float64)
+        group = self.get_data_parallel_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG, group=group)
+        if self.get_data_parallel_rank() == 0:
+            print(
+                _progress_line(
+                    self._progress_step, loss.item(), tokens, step_seconds, time.perf_counter() - self._progress_started
+                ),
+                flush=True,
+            )
+
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         # Everything already lives on the CPU; offload/onload are no-ops here.
         if device not in ("cpu",):
@@ -532,16 +564,34 @@ class _CPUMegatronEngineMixin:
         with cuda_literals_on_cpu():
             return super().save_checkpoint(*args, **kwargs)
 
-    def load_checkpoint(self, *args, **kwargs):
+    def load_checkpoint(self, local_path, *args, **kwargs):
+        step = _global_step_of(local_path)
+        if step is not None:
+            self._progress_step = step
         if self.optimizer is not None:
             _create_empty_optimizer_state(self.optimizer)
         # no_grad: Megatron's distributed optimizer copies loaded values into its fp32 main
         # parameters in place (views of leaves that require grad) without disabling autograd.
         with torch.no_grad(), cuda_literals_on_cpu():
-            result = super().load_checkpoint(*args, **kwargs)
+            result = super().load_checkpoint(local_path, *args, **kwargs)
         if self.optimizer is not None:
             _restore_adam_step_counters(self.optimizer)
         return result
+
+
+def _progress_line(step: int, loss: float, tokens: int, step_seconds: float, elapsed: float) -> str:
+    """``[verl-ds4] step 12 | loss 2.3412 | 1840 tok/s | elapsed 35.2s`` (tokens of the global batch)."""
+    rate = tokens / step_seconds if step_seconds > 0 else float("nan")
+    return f"[verl-ds4] step {step} | loss {loss:.4f} | {rate:.0f} tok/s | elapsed {elapsed:.1f}s"
+
+
+def _global_step_of(path) -> int | None:
+    """N for a verl checkpoint folder ``.../global_step_N``, else None."""
+    name = os.path.basename(os.path.normpath(str(path))) if path else ""
+    prefix = "global_step_"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return int(name[len(prefix) :])
+    return None
 
 
 def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
