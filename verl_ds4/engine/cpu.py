@@ -548,11 +548,13 @@ class _CPUMegatronEngineMixin:
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG, group=group)
         if self.get_data_parallel_rank() == 0:
-            print(
+            from tqdm import tqdm
+
+            # tqdm.write keeps the line above verl's progress bar instead of appending to it.
+            tqdm.write(
                 _progress_line(
                     self._progress_step, loss.item(), tokens, step_seconds, time.perf_counter() - self._progress_started
-                ),
-                flush=True,
+                )
             )
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):

@@ -28,7 +28,11 @@ __all__ = [
     "SPECIAL_TOKENS",
     "arithmetic_conversations",
     "build_char_tokenizer",
+    "ds4_control_tokens",
     "ds4_proxy_hf_config",
+    "padded_vocab_size",
+    "tokenizer_size",
+    "model_hf_config",
     "prepare_cpu_sft_assets",
     "tiny_llama_config",
     "write_model_dir",
@@ -36,6 +40,23 @@ __all__ = [
 ]
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def ds4_control_tokens() -> list[str]:
+    """DS4's chat control tokens as verl's DS4 encoder writes them (each one atomic token)."""
+    from verl.utils.tokenizer import deepseek as ds
+
+    return [
+        ds.BOS_TOKEN,
+        ds.EOS_TOKEN,
+        ds.USER_TOKEN,
+        ds.ASSISTANT_TOKEN,
+        ds.LATEST_REMINDER_TOKEN,
+        ds.THINK_START_TOKEN,
+        ds.THINK_END_TOKEN,
+        *ds.TASK_TOKENS.values(),
+    ]
+
 # Every character the conversations use (checked when the tokenizer is built).
 ALPHABET = string.ascii_letters + string.digits + " \n.,:;?!+-*/=()'\""
 
@@ -91,13 +112,22 @@ def write_sft_parquet(path: str | Path, conversations: list[list[dict[str, str]]
 
 
 def build_char_tokenizer():
-    """A character-level fast tokenizer with :data:`SPECIAL_TOKENS` and :data:`CHAT_TEMPLATE`."""
+    """A character-level fast tokenizer with :data:`SPECIAL_TOKENS` and :data:`CHAT_TEMPLATE`.
+
+    DS4's control tokens (:func:`ds4_control_tokens`) are atomic special tokens too, so the same
+    tokenizer serves verl's ``MultiTurnSFTDataset`` (chat template) and verl-ds4's
+    ``DS4ChatSFTDataset`` (DS4 chat encoding). Ids: :data:`SPECIAL_TOKENS`, then
+    :data:`ALPHABET` characters, then the DS4 control tokens.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    ds4_tokens = ds4_control_tokens()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in ALPHABET:
         vocab.setdefault(ch, len(vocab))
+    for tok_str in ds4_tokens:
+        vocab.setdefault(tok_str, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -107,10 +137,20 @@ def build_char_tokenizer():
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
-        additional_special_tokens=SPECIAL_TOKENS[4:],
+        additional_special_tokens=[*SPECIAL_TOKENS[4:], *ds4_tokens],
     )
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
+
+
+def padded_vocab_size(n_tokens: int) -> int:
+    """The tokenizer size rounded up to a multiple of 8 (the model's embedding rows)."""
+    return -(-n_tokens // 8) * 8
+
+
+def tokenizer_size() -> int:
+    """Number of tokens of :func:`build_char_tokenizer`."""
+    return len(build_char_tokenizer())
 
 
 def tiny_llama_config(vocab_size: int, **overrides: Any):
@@ -154,7 +194,9 @@ def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None 
     sizes = load_proxy_config(proxy_sizes)
     vocab_size = sizes["vocab_size"] if vocab_size is None else vocab_size
     if vocab_size > sizes["vocab_size"]:
-        raise ValueError(f"vocab_size={vocab_size} exceeds the proxy's vocab_size={sizes['vocab_size']}.")
+        if proxy_sizes is not None:
+            raise ValueError(f"vocab_size={vocab_size} exceeds the given proxy vocab_size={sizes['vocab_size']}.")
+        sizes["vocab_size"] = vocab_size  # the packaged proxy grows its embedding to the tokenizer
     config = DeepseekV4Config(
         vocab_size=vocab_size,
         hidden_size=sizes["hidden_size"],
@@ -200,7 +242,7 @@ def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
     tokenizer = build_char_tokenizer()
     n_tokens = len(tokenizer)
     if hf_config is None:
-        hf_config = tiny_llama_config(vocab_size=-(-n_tokens // 8) * 8)
+        hf_config = tiny_llama_config(vocab_size=padded_vocab_size(n_tokens))
     if hf_config.vocab_size < n_tokens:
         raise ValueError(f"hf_config.vocab_size={hf_config.vocab_size} < tokenizer size {n_tokens}; raise vocab_size.")
     tokenizer.save_pretrained(out_dir)
@@ -208,23 +250,64 @@ def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
     return out_dir
 
 
+MODELS = ("ds4_proxy", "tiny_dense")
+
+
+def model_hf_config(model: str):
+    """The HF config of a CPU demo model: ``ds4_proxy`` (DS4 attention) or ``tiny_dense`` (Llama-shaped)."""
+    vocab = padded_vocab_size(tokenizer_size())
+    if model == "ds4_proxy":
+        return ds4_proxy_hf_config(vocab_size=vocab)
+    if model == "tiny_dense":
+        return tiny_llama_config(vocab_size=vocab)
+    raise ValueError(f"model={model!r}; expected one of {MODELS}.")
+
+
 def prepare_cpu_sft_assets(
-    out_dir: str | Path, *, n_train: int = 400, n_val: int = 0, seed: int = 0, hf_config=None
+    out_dir: str | Path, *, model: str = "ds4_proxy", n_train: int = 400, n_val: int = 0, seed: int = 0
 ) -> dict[str, str]:
-    """Create ``model/`` (tokenizer + config) and ``data/train.parquet`` under ``out_dir``.
+    """Create ``model/`` (tokenizer + HF config) and ``data/train.parquet`` under ``out_dir``.
 
     Returns the paths as strings: ``model``, ``train`` and (if ``n_val``) ``val``.
     Re-running with the same arguments rewrites identical files.
     """
     out_dir = Path(out_dir)
-    model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
+    model_dir = write_model_dir(out_dir / "model", hf_config=model_hf_config(model))
     conversations = arithmetic_conversations(n_train + n_val, seed=seed)
     used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
     unknown = used - set(ALPHABET)
     if unknown:
         raise ValueError(f"conversation characters missing from ALPHABET: {sorted(unknown)}")
-    paths = {"model": str(model_dir), "train": str(write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train]))}
+    paths = {
+        "model": str(model_dir),
+        "train": str(write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train])),
+    }
     if n_val:
         paths["val"] = str(write_sft_parquet(out_dir / "data" / "val.parquet", conversations[n_train:]))
-    (out_dir / "assets.json").write_text(json.dumps({"n_train": n_train, "n_val": n_val, "seed": seed}) + "\n")
+    (out_dir / "assets.json").write_text(
+        json.dumps({"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}) + "\n"
+    )
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_ds4.testing.cpu_sft_data",
+        description="Write the CPU demo's model folder (char tokenizer + HF config) and arithmetic SFT parquet.",
+    )
+    parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")
+    parser.add_argument("--model", choices=MODELS, default="ds4_proxy", help="which tiny model's HF config to write")
+    parser.add_argument("--n-train", type=int, default=400, help="training conversations (default 400)")
+    parser.add_argument("--n-val", type=int, default=0, help="validation conversations (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    args = parser.parse_args(argv)
+    paths = prepare_cpu_sft_assets(args.out, model=args.model, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+    for key, value in paths.items():
+        print(f"{key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
