@@ -67,13 +67,15 @@ class _AllGatherRows(torch.autograd.Function):
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (half-split pairing) of ``x`` [rows, heads, dim] at ``positions`` [rows]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [rows, dim/2]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=compute, device=x.device) / dim))
+    angles = positions.to(compute)[:, None] * inv_freq[None, :]  # [rows, dim/2]
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(compute) * cos.to(compute) + rotated.to(compute) * sin.to(compute)).to(x.dtype)
 
 
 class TorchTHDCausalAttention(MegatronModule):
@@ -182,11 +184,12 @@ class TorchTHDCausalAttention(MegatronModule):
             value = value.repeat_interleave(heads // groups, dim=1)
 
         scale = self.softmax_scale if self.softmax_scale is not None else dim**-0.5
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
+        compute = torch.promote_types(query.dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
+        scores = torch.einsum("qhd,khd->hqk", query.to(compute), key.to(compute)) * scale
         visible = (seq_q[:, None] == seq_k[None, :]) & (rows_k[None, :] <= rows_q[:, None])
         scores = scores.masked_fill(~visible[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)
+        out = torch.einsum("hqk,khd->qhd", probs, value.to(compute)).to(query.dtype)
         return out.reshape(local_rows, heads * dim)
 
 
