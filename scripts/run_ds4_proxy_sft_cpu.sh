@@ -33,6 +33,11 @@ MASTER_PORT=${MASTER_PORT:-29561}
 
 ASSETS="$WORK_DIR/assets"
 "$PYTHON" -m verl_ds4.testing.cpu_sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
+case "$MODEL" in
+    ds4_proxy) MODEL_LIB=verl_ds4.models.ds4.cpu_builder ;;   # registers the deepseek_v4 CPU builder
+    tiny_dense) MODEL_LIB=verl_ds4.testing.tiny_dense ;;      # registers the llama CPU builder
+    *) echo "MODEL=$MODEL: expected ds4_proxy or tiny_dense" >&2; exit 2 ;;
+esac
 
 export VERL_PLATFORM=cpu
 export VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,verl_ds4.engine.cpu
@@ -51,6 +56,7 @@ DATA=(
 )
 MODEL_ARGS=(
     model.path="$ASSETS/model"
+    model.external_lib="$MODEL_LIB"
     model.use_remove_padding=True
 )
 ENGINE=(

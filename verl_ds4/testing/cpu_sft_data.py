@@ -251,6 +251,8 @@ def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
 
 
 MODELS = ("ds4_proxy", "tiny_dense")
+#: The module that registers each model's CPU builder; verl imports it via ``model.external_lib``.
+MODEL_EXTERNAL_LIBS = {"ds4_proxy": "verl_ds4.models.ds4.cpu_builder", "tiny_dense": "verl_ds4.testing.tiny_dense"}
 
 
 def model_hf_config(model: str):
@@ -268,7 +270,8 @@ def prepare_cpu_sft_assets(
 ) -> dict[str, str]:
     """Create ``model/`` (tokenizer + HF config) and ``data/train.parquet`` under ``out_dir``.
 
-    Returns the paths as strings: ``model``, ``train`` and (if ``n_val``) ``val``.
+    Returns strings: ``model``, ``train``, (if ``n_val``) ``val``, and ``external_lib`` (the
+    module to pass as verl's ``model.external_lib`` so the CPU engine can build the model).
     Re-running with the same arguments rewrites identical files.
     """
     out_dir = Path(out_dir)
@@ -279,6 +282,7 @@ def prepare_cpu_sft_assets(
     if unknown:
         raise ValueError(f"conversation characters missing from ALPHABET: {sorted(unknown)}")
     paths = {
+        "external_lib": MODEL_EXTERNAL_LIBS[model],
         "model": str(model_dir),
         "train": str(write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train])),
     }

@@ -60,6 +60,7 @@ def sft_command(
         python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port or free_port()}",
         "-m", "verl.trainer.sft_trainer", "engine=megatron", "optim=megatron",
         f"model.path={assets['model']}",
+        f"model.external_lib={assets['external_lib']}",
         f"data.train_files={assets['train']}",
         "data.val_files=null",
         f"data.train_batch_size={batch}",

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
     "TorchTHDCausalAttention",
+    "register_tiny_dense_cpu_builder",
     "build_tiny_dense_gpt",
     "tiny_dense_layer_spec",
 ]
@@ -229,3 +230,36 @@ def build_tiny_dense_gpt(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type="none",
     )
+
+
+def _dense_transformer_config(hf_config, dtype, overrides):
+    from verl.models.mcore.registry import hf_to_mcore_config
+
+    return hf_to_mcore_config(hf_config, dtype, **overrides)
+
+
+def _dense_build(tf_config, hf_config, *, pre_process, post_process, share_embeddings):
+    from verl.utils.megatron_utils import get_hf_rope_theta
+
+    return build_tiny_dense_gpt(
+        tf_config,
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        rope_theta=get_hf_rope_theta(hf_config),
+        share_embeddings_and_output_weights=share_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def register_tiny_dense_cpu_builder() -> None:
+    """Register this model with the CPU Megatron engine for HF ``model_type="llama"``.
+
+    Runs on import, so ``model.external_lib=verl_ds4.testing.tiny_dense`` selects it in verl.
+    """
+    from verl_ds4.engine.cpu import CPUModelBuilder, register_cpu_model_builder
+
+    register_cpu_model_builder("llama", CPUModelBuilder(_dense_transformer_config, _dense_build))
+
+
+register_tiny_dense_cpu_builder()
