@@ -9,6 +9,9 @@ the tiny DS4 proxy (pure-PyTorch DS4 attention), DS4 chat encoding of the data.
   bf16/fp16), so the tolerance is bf16's, not fp32's.
 * Kill and resume: a CP=2 run is SIGKILLed after its step-2 checkpoint; re-running resumes from it
   and continues with exactly the losses of an uninterrupted run.
+* Value head: verl's ``TrainingWorker(model_type="value_model")`` (the PPO critic) on the CPU engine
+  gives the same per-token values at CP=2 as at CP=1 (a batch padded up to the DS4 proxy's
+  128 rows per CP rank).
 """
 
 from __future__ import annotations
@@ -94,3 +97,31 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted_run(assets, ref
     assert sorted(resumed) == [3, 4], f"resume should continue at step 3, got {resumed}"
     for step in (3, 4):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-6), (step, resumed, reference)
+
+
+def test_value_head_cp2_matches_cp1(assets, tmp_path):
+    """The critic path: verl's TrainingWorker(model_type=value_model) on the CPU engine, DS4 proxy."""
+    import json
+    import sys
+
+    from verl_ds4.testing.cpu_sft_run import free_port
+
+    results = {}
+    for cp in (1, 2):
+        out = tmp_path / f"values_cp{cp}.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            "-m", "verl_ds4.testing.cpu_value_forward", str(Path(assets["model"]).parent), str(cp), str(out),
+        ]
+        log = tmp_path / f"value_cp{cp}.txt"
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, env=cpu_env(), stdout=f, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+        assert proc.returncode == 0, log.read_text()[-4000:]
+        results[cp] = json.loads(out.read_text())
+    one, two = results[1], results[2]
+    assert one["lengths"] == two["lengths"] and len(one["values"]) == sum(one["lengths"]) == len(two["values"])
+    import torch
+
+    a, b = torch.tensor(one["values"]), torch.tensor(two["values"])
+    assert a.abs().sum() > 0
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)  # bf16 model: bf16 tolerance

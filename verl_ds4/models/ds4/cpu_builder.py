@@ -102,16 +102,16 @@ def _declare_ds4_proxy_cp_layout(model, tf_config) -> None:
     ``DS4HybridSelfAttention`` reads the contiguous split from the packed rows (global
     ``cu_seqlens_padded``, ``cp_rank * local_rows``) and ``packed_seq_params.cp_partition_mode``
     as a plain attribute, so it runs on a Megatron-Core whose ``PackedSeqParams`` lacks that
-    field; it needs ``csa_window_size`` rows per CP rank. Without the declaration the resolver
+    field; each layer needs its ``D_window`` rows per CP rank (``min_local_rows()``: the window,
+    or the compression ratio of an HCA layer, 128 in DS4). Without the declaration the resolver
     only sees ``experimental_attention_variant="dsv4_hybrid"`` (Megatron-LM's DS4 attention) and
-    rightly refuses CP > 1 on megatron-core 0.16.1. An attribute the module already declares
-    itself is kept.
+    rightly refuses CP > 1 on megatron-core 0.16.1. A declaration the module makes itself is kept.
     """
     from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
 
     for module in model.modules():
         if isinstance(module, DS4HybridSelfAttention) and not hasattr(module, "cp_layout_requirement"):
-            module.cp_layout_requirement = ("contiguous", int(tf_config.csa_window_size))
+            module.cp_layout_requirement = ("contiguous", int(module.min_local_rows()))
 
 
 #: The tiny DS4 proxy (DS4 hybrid attention in a Megatron-Core GPTModel): HF model_type deepseek_v4.
