@@ -115,9 +115,9 @@ def _compare_config(tp: int, cp: int, seed: int, stats: dict) -> None:
         if need_roll:
             # documented difference 1: the last real row of each sequence wraps to its first token
             # (and for zigzag, verl puts that token on the sequence's last padding row instead).
-            slot, pos, valid, _ = plan._rows(cp_rank)
-            seq_len = plan.seqlens.index_select(0, slot)
-            last_real = valid & (pos == seq_len - 1)
+            info = plan.rank_rows(cp_rank)
+            slot, pos, valid = info.slot, info.position, info.valid
+            last_real = valid & (pos == info.seqlen - 1)
             differs = last_real | (~valid & (pos == plan.seqlens_padded.index_select(0, slot) - 1))
             keep = ~differs
             assert torch.equal(rows[0][keep], ref_rows[0][keep]), where
@@ -226,3 +226,19 @@ def test_bucket_verl_crashes_on_is_aligned_here():
             assert plan.total_rows % math.lcm(bucket, 2 * tp * cp) == 0
             assert bool((plan.seqlens_padded % (2 * tp * cp) == 0).all())
             assert plan.layout is CPLayout.ZIGZAG
+
+
+def test_postprocess_refuses_to_rebuild_a_reordered_plan():
+    """A balanced (reordered) buffer cannot be recovered from cu_seqlens: refuse, never misalign."""
+    from verl_ds4.layout import PlanOptions, build_plan
+    from verl_ds4.mcore import thd
+
+    gen = torch.Generator().manual_seed(3)
+    x = _nested([30, 5, 200, 7], (), gen)
+    plan = build_plan(x.offsets().diff(), PlanOptions("contiguous", cp_size=2), order=[2, 0, 3, 1])
+    plan.source_offsets = x.offsets()
+    params = thd.packed_seq_params_for(plan, layout_consumer_checked=True)
+    assert thd.plan_of(params, x, CPLayout.CONTIGUOUS, 2) is plan
+    same_lengths = _nested([30, 5, 200, 7], (), gen)
+    with pytest.raises(ValueError, match="reordered"):
+        thd.plan_of(params, same_lengths, CPLayout.CONTIGUOUS, 2)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -55,6 +55,10 @@ class PlanOptions:
         min_local_rows: pad the buffer so that every rank owns at least this many rows.
         pad_to_length_bucket: pad the buffer to a multiple of this many rows (fewer distinct shapes).
         fp8_padding: apply FP8 block-quantisation alignment.
+        balance: contiguous layout only: ``None`` (plain order) or the name of a per-token cost
+            model (``"ds4"`` or ``"dense"``, see :mod:`.cost`); ``build_plan`` then orders the
+            sequences in the buffer to minimise the largest per-rank cost (:mod:`.balance`).
+            Padding and row counts are unchanged; outputs still come back in original order.
     """
 
     layout: CPLayout | str = CPLayout.ZIGZAG
@@ -63,9 +67,23 @@ class PlanOptions:
     min_local_rows: int | None = None
     pad_to_length_bucket: int | None = None
     fp8_padding: bool = False
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", CPLayout.parse(self.layout))
+        if self.balance is not None:
+            from .cost import COST_MODELS
+
+            if self.balance not in COST_MODELS:
+                raise ValueError(
+                    f"PlanOptions.balance must be None or one of {sorted(COST_MODELS)} (a cost model name), "
+                    f"got {self.balance!r}."
+                )
+            if self.layout is not CPLayout.CONTIGUOUS:
+                raise ValueError(
+                    f"PlanOptions.balance={self.balance!r} reorders sequences of the contiguous layout only, "
+                    f"but layout='{self.layout}'. Use layout='contiguous' or balance=None."
+                )
         for name in ("tp_size", "cp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -107,6 +125,23 @@ class PlanOptions:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+class RankRows(NamedTuple):
+    """Per local row of one CP rank (all ``[local_rows]`` int64 / bool tensors).
+
+    ``slot``: buffer slot of the row's sequence; ``position``: padded position inside it;
+    ``source``: flat token index (meaningful where ``valid``); ``seqlen``: real length of the
+    row's sequence; ``valid``: a real token (not padding); ``keep_position``: zigzag only, rows
+    of the first chunk (verl keeps their running position on padding).
+    """
+
+    slot: torch.Tensor
+    position: torch.Tensor
+    source: torch.Tensor
+    seqlen: torch.Tensor
+    valid: torch.Tensor
+    keep_position: torch.Tensor | None
 
 
 class THDPlan:
@@ -163,7 +198,7 @@ class THDPlan:
         torch.cumsum(self._buffer_seqlens, 0, out=cu_real[1:])
         self.cu_seqlens = cu_real.to(torch.int32)
         self.cu_seqlens_padded = self._cu_padded.to(torch.int32)
-        self._rank_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._rank_cache: dict[int, RankRows] = {}
         self._token_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ per-rank row maps
@@ -171,52 +206,63 @@ class THDPlan:
         if not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {cp_rank}.")
 
-    def _rows(self, cp_rank: int):
-        """(slot, position, valid, keep_position) of each local row of ``cp_rank``."""
+    def rank_rows(self, cp_rank: int) -> RankRows:
+        """What each of ``cp_rank``'s local rows holds (cached per rank).
+
+        A rank's rows are a few runs per sequence (one for contiguous, two chunks for zigzag)
+        inside which the position grows by one per row. The runs are described per sequence and
+        expanded to rows with one ``repeat_interleave``; the rest is elementwise.
+        """
         self._check_rank(cp_rank)
         cached = self._rank_cache.get(cp_rank)
         if cached is not None:
             return cached
         device = self.seqlens.device
-        local = torch.arange(self.local_rows, device=device)
         slots = torch.arange(self.batch_size, device=device)
-        keep_position = None
+        starts = self._cu_padded[:-1]
         if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            # Rows of each sequence inside this rank's window [w0, w0 + L): one repeat_interleave,
-            # no per-row binary search.
             w0 = cp_rank * self.local_rows
-            starts = self._cu_padded[:-1]
-            counts = self._cu_padded[1:].clamp(w0, w0 + self.local_rows) - starts.clamp(w0, w0 + self.local_rows)
-            slot = torch.repeat_interleave(slots, counts, output_size=self.local_rows)
-            position = local - (starts - w0).index_select(0, slot)
+            w1 = w0 + self.local_rows
+            counts = self._cu_padded[1:].clamp(w0, w1) - starts.clamp(w0, w1)
+            # row j of the window holds padded position j + (w0 - start) of its sequence
+            position_base = w0 - starts
+            keep = None
         else:
-            # Every sequence contributes 2 * half rows: its chunk r, then its chunk 2cp-1-r.
             cp = self.cp_size
             half = self.seqlens_padded // (2 * cp)
-            slot = torch.repeat_interleave(slots, 2 * half, output_size=self.local_rows)
-            local_starts = self._cu_padded[:-1] // cp
-            offset = local - local_starts.index_select(0, slot)
-            half = half.index_select(0, slot)
-            first_chunk = offset < half
-            position = torch.where(first_chunk, cp_rank * half + offset, (2 * cp - 2 - cp_rank) * half + offset)
+            local_start = starts // cp
+            # chunk r at local rows [ls, ls + h), chunk 2cp-1-r at [ls + h, ls + 2h)
+            counts = torch.stack([half, half], 1).flatten()
+            position_base = torch.stack(
+                [cp_rank * half - local_start, (2 * cp - 2 - cp_rank) * half - local_start], 1
+            ).flatten()
+            slots = slots.repeat_interleave(2)
             # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
-            keep_position = first_chunk
-        valid = position < self._buffer_seqlens.index_select(0, slot)
-        result = (slot, position, valid, keep_position)
-        self._rank_cache[cp_rank] = result
-        return result
+            keep = torch.tensor([1, 0], device=device).repeat(self.batch_size)
+        run = torch.repeat_interleave(
+            torch.arange(counts.shape[0], device=device), counts, output_size=self.local_rows
+        )
+        local = torch.arange(self.local_rows, device=device)
+        position = local + position_base.index_select(0, run)
+        slot = slots.index_select(0, run) if slots.shape[0] != self.batch_size else run
+        source = position + self._buffer_token_starts.index_select(0, slot)
+        seqlen = self._buffer_seqlens.index_select(0, slot)
+        keep = keep.index_select(0, run) if keep is not None else None
+        valid = position < seqlen
+        rows = RankRows(slot, position, source, seqlen, valid, keep.bool() if keep is not None else None)
+        self._rank_cache[cp_rank] = rows
+        return rows
 
     def gather_index(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: flat source token of each local row (``-1`` on padding rows).
 
         With ``shift=True`` the source is the next position of the same sequence (the label).
         """
-        slot, position, valid, _ = self._rows(cp_rank)
+        rows = self.rank_rows(cp_rank)
+        source = rows.source
         if shift:
-            position = position + 1
-            position = torch.where(position == self._buffer_seqlens.index_select(0, slot), 0, position)
-        index = self._buffer_token_starts.index_select(0, slot) + position
-        return torch.where(valid, index, -1)
+            source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
+        return torch.where(rows.valid, source, -1)
 
     def position_ids(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: position inside its sequence of each local row's source token.
@@ -224,13 +270,12 @@ class THDPlan:
         Padding rows get 0 (zigzag first-chunk padding rows keep their padded position, as in verl).
         With ``shift=True``: the position of the label token, ``(p + 1) % n``.
         """
-        slot, position, valid, keep_position = self._rows(cp_rank)
+        rows = self.rank_rows(cp_rank)
         if shift:
-            position = position + 1
-            position = torch.where(position == self._buffer_seqlens.index_select(0, slot), 0, position)
-            return torch.where(valid, position, 0)
-        keep = valid if keep_position is None else valid | keep_position
-        return torch.where(keep, position, 0)
+            position = rows.position + 1
+            return torch.where(rows.valid & (position != rows.seqlen), position, 0)
+        keep = rows.valid if rows.keep_position is None else rows.valid | rows.keep_position
+        return torch.where(keep, rows.position, 0)
 
     def global_start(self, cp_rank: int) -> int:
         """First global buffer row of ``cp_rank`` (contiguous layout only)."""
@@ -251,10 +296,16 @@ class THDPlan:
                 f"pack expects a flat per-token tensor with {self.num_tokens} rows (the plan's tokens), "
                 f"got shape {tuple(values.shape)}. Pass a jagged tensor's values()."
             )
-        index = self.gather_index(cp_rank, shift=shift)
-        out = values.index_select(0, index.clamp(min=0))
-        padding = (index < 0).view(-1, *([1] * (values.dim() - 1)))
-        return out.masked_fill(padding, fill)
+        if self.num_tokens == 0:
+            return values.new_full((self.local_rows, *values.shape[1:]), fill)
+        rows = self.rank_rows(cp_rank)
+        source = rows.source
+        if shift:
+            source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
+        # Padding rows read a clamped (in-range) source, then get overwritten with ``fill``.
+        out = values.index_select(0, source.clamp(max=self.num_tokens - 1))
+        padding = ~rows.valid
+        return out.masked_fill(padding.view(-1, *([1] * (values.dim() - 1))), fill)
 
     def token_rows(self) -> torch.Tensor:
         """``[T]`` int64: row of each source token in the rank-ordered concatenation of all ranks."""
@@ -341,6 +392,10 @@ def build_plan(
         raise ValueError("cannot plan an empty micro-batch (no sequences).")
     seqlens = seqlens.long()
     device = seqlens.device
+    if order is None and options.balance is not None and options.cp_size > 1:
+        from .balance import balanced_order_for_plan
+
+        order = balanced_order_for_plan(seqlens, options)
     if order is not None:
         order = torch.as_tensor(order, dtype=torch.long, device=device)
         if order.shape != seqlens.shape:

@@ -181,6 +181,12 @@ def plan_of(packed_seq_params: PackedSeqParams, input_ids: torch.Tensor, layout:
         and getattr(plan, "source_offsets", None) is offsets
     ):
         return plan
+    if plan is not None and plan.order is not None:
+        raise ValueError(
+            "packed_seq_params carries a plan with a reordered (balanced) buffer, but post-processing got "
+            "a different micro-batch (input_ids) or layout; the order cannot be rebuilt from cu_seqlens. "
+            "Post-process with the same input_ids object the plan was made from."
+        )
     padded = packed_seq_params.cu_seqlens_q_padded.long().diff()
     return plan_from_padded_lengths(offsets.diff(), padded, layout, cp_size)
 

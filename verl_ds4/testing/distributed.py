@@ -5,7 +5,8 @@ Used by the CP tests, the parity harness and benchmarks::
     results = run_distributed(fn, world_size=4, args=(batch,))   # fn(rank, world_size, *args)
 
 Each rank runs ``fn`` after ``init_process_group("gloo")``; the return values come back in rank
-order. A failing rank raises :class:`DistributedRunError` in the caller with that rank's traceback;
+order (return plain Python objects: lists, numbers; a tensor sent back from a finished child
+process may point at freed shared memory). A failing rank raises :class:`DistributedRunError` in the caller with that rank's traceback;
 a hang is killed after ``timeout`` seconds. Processes are forked by default (cheap: verl and
 megatron stay imported), each limited to one intra-op thread; pass ``start_method="spawn"`` for a
 clean interpreter (then ``fn`` must be importable by name).
