@@ -76,7 +76,7 @@ OPTIM=(
 )
 TRAINER=(
     trainer.device=cpu
-    trainer.logger=[console]
+    'trainer.logger=[console]'
     trainer.project_name=verl-ds4-cpu
     trainer.experiment_name="${MODEL}_cp${CP}"
     trainer.default_local_dir="$WORK_DIR/checkpoints"
