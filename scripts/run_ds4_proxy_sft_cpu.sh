@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Tiny DeepSeek-V4-proxy SFT on CPU with verl's own SFT trainer and verl-ds4's Megatron engine.
+#
+#   data (arithmetic chats) -> DS4 chat encoding (DS4ChatSFTDataset) -> THD packing, contiguous CP
+#   -> DS4-proxy Megatron GPTModel (pure-PyTorch DS4 attention) -> loss -> optimizer step -> checkpoint
+#
+# Runs `torchrun --nproc_per_node=2 -m verl.trainer.sft_trainer engine=megatron optim=megatron ...`
+# on the CPU: VERL_PLATFORM=cpu selects verl-ds4's CPU platform (gloo), verl imports the CPU
+# platform and the CPU Megatron engines through VERL_USE_EXTERNAL_MODULES.
+#
+# Usage:  bash scripts/run_ds4_proxy_sft_cpu.sh [extra Hydra overrides...]
+#   resume after an interruption: run the same command again (trainer.resume_mode=auto).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# ---------------------------------- user-adjustable ----------------------------------
+PYTHON=${PYTHON:-python}
+NPROC=${NPROC:-2}                       # processes (CPU "devices")
+CP=${CP:-2}                             # context-parallel size; data-parallel size = NPROC / CP
+MODEL=${MODEL:-ds4_proxy}               # ds4_proxy | tiny_dense
+WORK_DIR=${WORK_DIR:-runs/ds4_proxy_sft_cpu}
+N_TRAIN=${N_TRAIN:-400}                 # conversations written to the training parquet
+STEPS=${STEPS:-80}                      # optimizer steps
+BATCH=${BATCH:-16}                      # global batch size (conversations per step)
+MICRO_BATCH=${MICRO_BATCH:-8}           # conversations per micro-batch per data-parallel rank
+LR=${LR:-3e-3}
+SAVE_FREQ=${SAVE_FREQ:-40}              # checkpoint every N steps (and at the last step)
+SEED=${SEED:-42}
+RESUME_MODE=${RESUME_MODE:-auto}        # auto | disable | resume_path
+MASTER_PORT=${MASTER_PORT:-29561}
+# --------------------------------------------------------------------------------------
+
+ASSETS="$WORK_DIR/assets"
+"$PYTHON" -m verl_ds4.testing.cpu_sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
+case "$MODEL" in
+    ds4_proxy) MODEL_LIB=verl_ds4.models.ds4.cpu_builder ;;   # registers the deepseek_v4 CPU builder
+    tiny_dense) MODEL_LIB=verl_ds4.testing.tiny_dense ;;      # registers the llama CPU builder
+    *) echo "MODEL=$MODEL: expected ds4_proxy or tiny_dense" >&2; exit 2 ;;
+esac
+
+export VERL_PLATFORM=cpu
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,verl_ds4.engine.cpu
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+DATA=(
+    data.train_files="$ASSETS/data/train.parquet"
+    data.val_files=null
+    data.train_batch_size="$BATCH"
+    data.micro_batch_size_per_gpu="$MICRO_BATCH"
+    data.use_dynamic_bsz=False
+    data.max_length=256
+    data.num_workers=0
+    data.custom_cls.path=pkg://verl_ds4.models.ds4.sft_dataset
+    data.custom_cls.name=DS4ChatSFTDataset
+)
+MODEL_ARGS=(
+    model.path="$ASSETS/model"
+    model.external_lib="$MODEL_LIB"
+    model.use_remove_padding=True
+)
+ENGINE=(
+    engine.dtype=bfloat16
+    engine.tensor_model_parallel_size=1
+    engine.pipeline_model_parallel_size=1
+    engine.context_parallel_size="$CP"
+    engine.sequence_parallel=False
+    engine.use_distributed_optimizer=True
+    engine.use_dist_checkpointing=True
+    engine.seed="$SEED"
+)
+OPTIM=(
+    optim.lr="$LR"
+    optim.clip_grad=1.0
+    optim.weight_decay=0.01
+)
+TRAINER=(
+    trainer.device=cpu
+    'trainer.logger=[console]'
+    trainer.project_name=verl-ds4-cpu
+    trainer.experiment_name="${MODEL}_cp${CP}"
+    trainer.default_local_dir="$WORK_DIR/checkpoints"
+    trainer.total_training_steps="$STEPS"
+    trainer.total_epochs=100
+    trainer.save_freq="$SAVE_FREQ"
+    trainer.resume_mode="$RESUME_MODE"
+    trainer.seed="$SEED"
+)
+
+start=$(date +%s)
+"$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC" --master_port="$MASTER_PORT" \
+    -m verl.trainer.sft_trainer engine=megatron optim=megatron \
+    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" "$@"
+echo "[run_ds4_proxy_sft_cpu] wall time $(( $(date +%s) - start ))s; checkpoints in $WORK_DIR/checkpoints"

@@ -1,0 +1,317 @@
+"""Deterministic, download-free SFT assets for the CPU main job.
+
+* :func:`arithmetic_conversations` - a few hundred short chat conversations (integer
+  arithmetic questions and their answers), a pure function of ``(n, seed)``.
+* :func:`write_sft_parquet` - verl's SFT format: a parquet file with a ``messages`` column.
+* :func:`build_char_tokenizer` - a character-level ``PreTrainedTokenizerFast`` (HF
+  ``tokenizers`` WordLevel model over single characters) with a tiny chat template; built
+  from a fixed alphabet, so the same ids on every machine.
+* :func:`write_model_dir` - a local "model path" for verl: the tokenizer plus an HF
+  ``config.json`` (a tiny Llama-shaped config for the dense stepping stone; callers can
+  write any other config, e.g. the DS4 proxy's).
+
+verl reads all of it through its normal code paths (``HFModelConfig`` loads the tokenizer
+and config from the folder, ``MultiTurnSFTDataset`` applies the chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ALPHABET",
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "arithmetic_conversations",
+    "build_char_tokenizer",
+    "ds4_control_tokens",
+    "ds4_proxy_hf_config",
+    "padded_vocab_size",
+    "tokenizer_size",
+    "model_hf_config",
+    "prepare_cpu_sft_assets",
+    "tiny_llama_config",
+    "write_model_dir",
+    "write_sft_parquet",
+]
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def ds4_control_tokens() -> list[str]:
+    """DS4's chat control tokens as verl's DS4 encoder writes them (each one atomic token)."""
+    from verl.utils.tokenizer import deepseek as ds
+
+    return [
+        ds.BOS_TOKEN,
+        ds.EOS_TOKEN,
+        ds.USER_TOKEN,
+        ds.ASSISTANT_TOKEN,
+        ds.LATEST_REMINDER_TOKEN,
+        ds.THINK_START_TOKEN,
+        ds.THINK_END_TOKEN,
+        *ds.TASK_TOKENS.values(),
+    ]
+
+# Every character the conversations use (checked when the tokenizer is built).
+ALPHABET = string.ascii_letters + string.digits + " \n.,:;?!+-*/=()'\""
+
+# One turn = <|role|> content <|end|>. The generation prompt is the bare <|assistant|>, so
+# verl's MultiTurnSFTDataset masks it out of the loss and trains on content + <|end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_OPS = {
+    "+": ("plus", lambda a, b: a + b),
+    "-": ("minus", lambda a, b: a - b),
+    "*": ("times", lambda a, b: a * b),
+}
+
+
+def arithmetic_conversations(n: int = 400, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` conversations, each 2 or 4 turns of integer arithmetic Q/A (deterministic)."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(n):
+        turns = []
+        for _turn in range(rng.choice((1, 1, 2))):
+            op = rng.choice(sorted(_OPS))
+            word, fn = _OPS[op]
+            a, b = rng.randint(0, 99), rng.randint(0, 20 if op == "*" else 99)
+            style = rng.randrange(3)
+            if style == 0:
+                question = f"What is {a} {op} {b}?"
+            elif style == 1:
+                question = f"Compute {a} {word} {b}."
+            else:
+                question = f"{a} {op} {b} = ?"
+            turns.append({"role": "user", "content": question})
+            turns.append({"role": "assistant", "content": f"{a} {op} {b} = {fn(a, b)}."})
+        conversations.append(turns)
+    return conversations
+
+
+def write_sft_parquet(path: str | Path, conversations: list[list[dict[str, str]]]) -> Path:
+    """Write ``conversations`` as verl SFT parquet (one ``messages`` list per row)."""
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"messages": conversations}).to_parquet(path, index=False)
+    return path
+
+
+def build_char_tokenizer():
+    """A character-level fast tokenizer with :data:`SPECIAL_TOKENS` and :data:`CHAT_TEMPLATE`.
+
+    DS4's control tokens (:func:`ds4_control_tokens`) are atomic special tokens too, so the same
+    tokenizer serves verl's ``MultiTurnSFTDataset`` (chat template) and verl-ds4's
+    ``DS4ChatSFTDataset`` (DS4 chat encoding). Ids: :data:`SPECIAL_TOKENS`, then
+    :data:`ALPHABET` characters, then the DS4 control tokens.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ds4_tokens = ds4_control_tokens()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in ALPHABET:
+        vocab.setdefault(ch, len(vocab))
+    for tok_str in ds4_tokens:
+        vocab.setdefault(tok_str, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=[*SPECIAL_TOKENS[4:], *ds4_tokens],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def padded_vocab_size(n_tokens: int) -> int:
+    """The tokenizer size rounded up to a multiple of 8 (the model's embedding rows)."""
+    return -(-n_tokens // 8) * 8
+
+
+def tokenizer_size() -> int:
+    """Number of tokens of :func:`build_char_tokenizer`."""
+    return len(build_char_tokenizer())
+
+
+def tiny_llama_config(vocab_size: int, **overrides: Any):
+    """A tiny Llama-shaped HF config (the dense CPU stepping-stone model)."""
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None = None):
+    """An HF ``DeepseekV4Config`` describing the tiny DS4 proxy (``model_type="deepseek_v4"``).
+
+    The proxy's own sizes (``verl_ds4/models/ds4/configs/tiny_proxy.json`` unless
+    ``proxy_sizes`` is given) travel in the attribute ``verl_ds4_proxy``, which the CPU engine's
+    ``deepseek_v4`` builder reads; the standard HF fields mirror them so verl's config readers
+    (tokenizer ids, FLOP counter, MTP switch) see a consistent small model. MTP is off.
+    """
+    from transformers import DeepseekV4Config
+
+    from verl_ds4.models.ds4.proxy import load_proxy_config
+
+    sizes = load_proxy_config(proxy_sizes)
+    vocab_size = sizes["vocab_size"] if vocab_size is None else vocab_size
+    if vocab_size > sizes["vocab_size"]:
+        if proxy_sizes is not None:
+            raise ValueError(f"vocab_size={vocab_size} exceeds the given proxy vocab_size={sizes['vocab_size']}.")
+        sizes["vocab_size"] = vocab_size  # the packaged proxy grows its embedding to the tokenizer
+    config = DeepseekV4Config(
+        vocab_size=vocab_size,
+        hidden_size=sizes["hidden_size"],
+        moe_intermediate_size=sizes["ffn_hidden_size"],
+        num_hidden_layers=len(sizes["compress_ratios"]),
+        num_attention_heads=sizes["num_attention_heads"],
+        num_key_value_heads=1,
+        head_dim=sizes["head_dim"],
+        qk_rope_head_dim=sizes["rope_dim"],
+        q_lora_rank=sizes["q_lora_rank"],
+        o_groups=sizes["o_groups"],
+        o_lora_rank=sizes["o_lora_rank"],
+        sliding_window=sizes["window_size"],
+        index_n_heads=sizes["index_n_heads"],
+        index_head_dim=sizes["index_head_dim"],
+        index_topk=sizes["index_topk"],
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_shared_experts=0,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=sizes.get("max_sequence_length", 8192),
+        rope_theta=sizes.get("rope_theta", 10000.0),
+        compress_rope_theta=sizes.get("compress_rope_theta", 160000.0),
+        tie_word_embeddings=False,
+        architectures=["DeepseekV4ForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config.verl_ds4_proxy = {k: v for k, v in sizes.items() if not k.startswith("_")}
+    return config
+
+
+def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
+    """Write tokenizer files and ``config.json`` into ``out_dir`` (a verl ``model.path``).
+
+    ``hf_config`` defaults to :func:`tiny_llama_config` sized to the tokenizer (vocab rounded
+    up to a multiple of 8). A config whose ``vocab_size`` is smaller than the tokenizer is an
+    error.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    n_tokens = len(tokenizer)
+    if hf_config is None:
+        hf_config = tiny_llama_config(vocab_size=padded_vocab_size(n_tokens))
+    if hf_config.vocab_size < n_tokens:
+        raise ValueError(f"hf_config.vocab_size={hf_config.vocab_size} < tokenizer size {n_tokens}; raise vocab_size.")
+    tokenizer.save_pretrained(out_dir)
+    hf_config.save_pretrained(out_dir)
+    return out_dir
+
+
+MODELS = ("ds4_proxy", "tiny_dense")
+#: The module that registers each model's CPU builder; verl imports it via ``model.external_lib``.
+MODEL_EXTERNAL_LIBS = {"ds4_proxy": "verl_ds4.models.ds4.cpu_builder", "tiny_dense": "verl_ds4.testing.tiny_dense"}
+
+
+def model_hf_config(model: str):
+    """The HF config of a CPU demo model: ``ds4_proxy`` (DS4 attention) or ``tiny_dense`` (Llama-shaped)."""
+    vocab = padded_vocab_size(tokenizer_size())
+    if model == "ds4_proxy":
+        return ds4_proxy_hf_config(vocab_size=vocab)
+    if model == "tiny_dense":
+        return tiny_llama_config(vocab_size=vocab)
+    raise ValueError(f"model={model!r}; expected one of {MODELS}.")
+
+
+def prepare_cpu_sft_assets(
+    out_dir: str | Path, *, model: str = "ds4_proxy", n_train: int = 400, n_val: int = 0, seed: int = 0
+) -> dict[str, str]:
+    """Create ``model/`` (tokenizer + HF config) and ``data/train.parquet`` under ``out_dir``.
+
+    Returns strings: ``model``, ``train``, (if ``n_val``) ``val``, and ``external_lib`` (the
+    module to pass as verl's ``model.external_lib`` so the CPU engine can build the model).
+    Re-running with the same arguments rewrites identical files.
+    """
+    out_dir = Path(out_dir)
+    model_dir = write_model_dir(out_dir / "model", hf_config=model_hf_config(model))
+    conversations = arithmetic_conversations(n_train + n_val, seed=seed)
+    used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
+    unknown = used - set(ALPHABET)
+    if unknown:
+        raise ValueError(f"conversation characters missing from ALPHABET: {sorted(unknown)}")
+    paths = {
+        "external_lib": MODEL_EXTERNAL_LIBS[model],
+        "model": str(model_dir),
+        "train": str(write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train])),
+    }
+    if n_val:
+        paths["val"] = str(write_sft_parquet(out_dir / "data" / "val.parquet", conversations[n_train:]))
+    (out_dir / "assets.json").write_text(
+        json.dumps({"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}) + "\n"
+    )
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_ds4.testing.cpu_sft_data",
+        description="Write the CPU demo's model folder (char tokenizer + HF config) and arithmetic SFT parquet.",
+    )
+    parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")
+    parser.add_argument("--model", choices=MODELS, default="ds4_proxy", help="which tiny model's HF config to write")
+    parser.add_argument("--n-train", type=int, default=400, help="training conversations (default 400)")
+    parser.add_argument("--n-val", type=int, default=0, help="validation conversations (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    args = parser.parse_args(argv)
+    paths = prepare_cpu_sft_assets(args.out, model=args.model, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+    for key, value in paths.items():
+        print(f"{key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
