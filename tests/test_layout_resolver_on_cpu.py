@@ -1,0 +1,343 @@
+"""The layout resolver and the engines' start-up checks (real megatron-core, real verl, CPU).
+
+Models are real Megatron-Core ``GPTModel``s built on one gloo rank; CP sizes are passed to the
+resolver directly (no forward runs here; see test_engine_data_paths_on_cpu.py for CP groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verl_ds4.mcore import resolver
+from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
+from verl_ds4.testing.tiny_gpt import PerTokenAttention, build_tiny_gpt
+
+
+@pytest.fixture(scope="module")
+def parallel_state():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mpu.initialize_model_parallel()
+    yield mpu
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def with_cp_partition_mode(monkeypatch):
+    """Emulate a Megatron-Core (Megatron-LM dev) whose PackedSeqParams has cp_partition_mode."""
+    monkeypatch.setattr(resolver, "packed_seq_params_has_cp_partition_mode", lambda: True)
+
+
+DS4_HF = SimpleNamespace(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"])
+DENSE_HF = SimpleNamespace(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+FIELDS = ("cp_partition_mode", "sequence_packing_scheduler")
+
+
+# ------------------------------------------------------------------ resolve_cp_layout on real models
+
+
+def test_standard_megatron_attention_resolves_zigzag(parallel_state):
+    model = build_tiny_gpt()  # Megatron's DotProductAttention in every layer
+    resolved = resolver.resolve_cp_layout(model, cp_size=2)
+    assert resolved.layout == "zigzag"
+    assert resolved.min_local_rows is None
+    assert "DotProductAttention" in resolved.describe()
+
+
+def test_declaring_module_decides_layout_and_min_rows(parallel_state):
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 128))
+    resolved = resolver.resolve_cp_layout(model, cp_size=4, pad_to_length_bucket=64)
+    assert (resolved.layout, resolved.min_local_rows, resolved.cp_size) == ("contiguous", 128, 4)
+    options = resolved.plan_options()
+    assert (options.layout.value, options.min_local_rows, options.cp_size, options.pad_to_length_bucket) == (
+        "contiguous",
+        128,
+        4,
+        64,
+    )
+    # Dynamic CP: the per-micro-batch size replaces the static one, only when enabled.
+    with pytest.raises(CPLayoutError, match="dynamic"):
+        resolved.plan_options(local_cp_size=2)
+    dynamic = resolver.resolve_cp_layout(model, cp_size=4, dynamic_cp=True)
+    assert dynamic.plan_options(local_cp_size=2).cp_size == 2
+
+
+def test_dsv4_config_needs_contiguous_with_window_rows(parallel_state, with_cp_partition_mode):
+    model = build_tiny_gpt()
+    config = model.config
+    config.experimental_attention_variant = "dsv4_hybrid"  # what Megatron-LM dev sets for DS4
+    config.csa_window_size = 128
+    resolved = resolver.resolve_cp_layout(model, config, cp_size=2)
+    assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 128)
+
+
+def test_dsv4_with_tp_is_rejected(parallel_state, with_cp_partition_mode):
+    model = build_tiny_gpt()
+    model.config.experimental_attention_variant = "dsv4_hybrid"
+    with pytest.raises(CPLayoutError, match="tensor_model_parallel_size=2.*Set tensor_model_parallel_size=1"):
+        resolver.resolve_cp_layout(model, cp_size=2, tp_size=2)
+    with pytest.raises(CPLayoutError, match="tensor parallelism"):
+        resolver.transformer_config_fills(DS4_HF, user_overrides={}, cp_size=2, tp_size=2, config_fields=FIELDS)
+
+
+def test_dsv4_on_megatron_without_cp_partition_mode_is_rejected_at_startup(parallel_state):
+    """Released Megatron-Core: contiguous rows cannot be signalled to Megatron's DS4 attention."""
+    assert not resolver.packed_seq_params_has_cp_partition_mode()  # megatron-core 0.16.1
+    model = build_tiny_gpt()
+    model.config.experimental_attention_variant = "dsv4_hybrid"
+    with pytest.raises(CPLayoutError, match="PackedSeqParams.cp_partition_mode.*experimental_attention_variant"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    # CP=1 needs no signalling.
+    assert resolver.resolve_cp_layout(model, cp_size=1).layout == "contiguous"
+
+
+def test_declaring_module_needs_no_packed_seq_params_field(parallel_state):
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 128))
+    assert resolver.resolve_cp_layout(model, cp_size=2).layout == "contiguous"
+
+
+def test_explicit_contiguous_on_zigzag_attention_is_rejected(parallel_state, with_cp_partition_mode):
+    model = build_tiny_gpt()
+    with pytest.raises(CPLayoutError, match="cp_partition_mode='contiguous'.*DotProductAttention.*cannot consume"):
+        resolver.resolve_cp_layout(model, cp_size=2, user_overrides={"cp_partition_mode": "contiguous"})
+    # Without CP the setting is harmless and kept.
+    assert resolver.resolve_cp_layout(model, cp_size=1, user_overrides={"cp_partition_mode": "contiguous"})
+
+
+def test_explicit_zigzag_for_ds4_is_rejected(parallel_state, with_cp_partition_mode):
+    with pytest.raises(CPLayoutError, match="cp_partition_mode='zigzag'.*DeepSeek-V4.*contiguous"):
+        resolver.transformer_config_fills(
+            DS4_HF, user_overrides={"cp_partition_mode": "zigzag"}, cp_size=2, tp_size=1, config_fields=FIELDS
+        )
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 128))
+    with pytest.raises(CPLayoutError, match="cp_partition_mode='zigzag'.*PerTokenAttention"):
+        resolver.resolve_cp_layout(model, cp_size=2, user_overrides={"cp_partition_mode": "zigzag"})
+
+
+def test_modules_needing_different_layouts_are_rejected_unless_one_converts(parallel_state):
+    mixed = build_tiny_gpt(
+        num_layers=3, attention=lambda i: PerTokenAttention("contiguous", 128) if i else PerTokenAttention("zigzag")
+    )
+    with pytest.raises(CPLayoutError, match="different CP layouts.*layers.0.*zigzag.*layers.1.*and 1 more.*contiguous"):
+        resolver.resolve_cp_layout(mixed, cp_size=2)
+    converting = build_tiny_gpt(
+        num_layers=2,
+        attention=lambda i: PerTokenAttention("contiguous", 128)
+        if i
+        else PerTokenAttention("zigzag", accepts=("contiguous",)),
+    )
+    resolved = resolver.resolve_cp_layout(converting, cp_size=2)
+    assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 128)
+
+
+def test_bad_protocol_values_name_the_module(parallel_state):
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("ring", 128))
+    with pytest.raises(CPLayoutError, match="layers.0.self_attention.core_attention.*'ring'"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 0))
+    with pytest.raises(CPLayoutError, match="min_local_rows=0"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+
+
+def test_protocol_accepts_objects_and_callables(parallel_state):
+    model = build_tiny_gpt()
+    requirement = SimpleNamespace(layout="contiguous", min_local_rows=64)
+    model.decoder.layers[0].self_attention.core_attention.cp_layout_requirement = lambda: requirement
+    model.decoder.layers[1].self_attention.core_attention.cp_layout_requirement = ("contiguous", 32)
+    resolved = resolver.resolve_cp_layout(model, cp_size=2)
+    assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 64)
+
+
+def test_resolved_layout_is_attached_to_model_and_config(parallel_state):
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 16))
+    resolved = resolver.resolve_cp_layout(model, cp_size=2)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    resolver.attach([wrapper], resolved, model.config)
+    assert resolver.attached(wrapper) is resolved
+    assert resolver.layout_for_config(model.config) is resolved
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.layout = "zigzag"
+
+
+# ------------------------------------------------------------------ filling the user's overrides
+
+
+def test_fills_only_missing_values_and_keeps_the_users_scheduler():
+    fills = resolver.transformer_config_fills(DS4_HF, user_overrides={}, cp_size=2, tp_size=1, config_fields=FIELDS)
+    assert fills == {"cp_partition_mode": "contiguous", "sequence_packing_scheduler": "default_dynamic_cp"}
+    fills = resolver.transformer_config_fills(
+        DS4_HF,
+        user_overrides={"sequence_packing_scheduler": "dp_balanced"},
+        cp_size=2,
+        tp_size=1,
+        config_fields=FIELDS,
+    )
+    assert fills == {"cp_partition_mode": "contiguous"}
+    with pytest.raises(CPLayoutError, match="sequence_packing_scheduler='naive'"):
+        resolver.transformer_config_fills(
+            DS4_HF, user_overrides={"sequence_packing_scheduler": "naive"}, cp_size=2, tp_size=1, config_fields=FIELDS
+        )
+    # Fields the installed TransformerConfig lacks are never filled (megatron-core 0.16.1 has neither).
+    assert resolver.transformer_config_fills(DS4_HF, user_overrides={}, cp_size=2, tp_size=1) == {}
+    assert resolver.transformer_config_fills(DENSE_HF, user_overrides={}, cp_size=2, tp_size=1) == {}
+    assert resolver.transformer_config_fills(DS4_HF, user_overrides={}, cp_size=1, tp_size=1) == {}
+
+
+def _engine_config(**overrides):
+    base = dict(
+        use_mbridge=True,
+        vanilla_mbridge=True,
+        context_parallel_size=2,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        dynamic_context_parallel=False,
+        pad_to_length=False,
+        use_remove_padding=True,
+        pad_to_length_bucket=None,
+        override_transformer_config={},
+        max_seqlen_per_dp_cp_rank=None,
+    )
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def test_users_scheduler_survives_verls_build_tf_config(monkeypatch):
+    """verl 0.9.1's real ``_build_tf_config`` overwrites the scheduler for deepseek_v4; ours keeps it.
+
+    Only the bridge is replaced (mbridge is not installed here, and no bridge builds DS4 on CPU /
+    megatron-core 0.16.1): it records the overrides verl hands it. The engine object is made without running verl's
+    ``__init__`` (no GPU); ``_build_tf_config`` is verl's code.
+    """
+    import sys
+    import types
+
+    import verl.workers.config.megatron_peft as megatron_peft
+    import verl.workers.engine.megatron.transformer_impl as impl
+
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, install_verl_hooks
+
+    install_verl_hooks()
+    seen = []
+
+    class RecordingBridge:
+        @classmethod
+        def from_config(cls, hf_config, dtype=None):
+            bridge = cls()
+            bridge.config = SimpleNamespace(fp16=False, bf16=False)
+            return bridge
+
+        def set_extra_args(self, **kwargs):
+            seen.append(dict(kwargs))
+
+    fake_mbridge = types.ModuleType("verl.models.mcore.mbridge")
+    fake_mbridge.AutoBridge = RecordingBridge
+    monkeypatch.setitem(sys.modules, "verl.models.mcore.mbridge", fake_mbridge)
+    monkeypatch.setattr(impl, "check_mtp_config", lambda *a, **k: None)
+    monkeypatch.setattr(impl, "get_mcore_weight_converter", lambda *a, **k: None)
+    monkeypatch.setattr(megatron_peft, "get_peft_cls", lambda **k: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+
+    def run(engine_cls, user):
+        engine = object.__new__(engine_cls)
+        engine.model_config = SimpleNamespace(
+            model_type="language_model",
+            hf_config=SimpleNamespace(**vars(DS4_HF)),
+            share_embeddings_and_output_weights=False,
+        )
+        engine.engine_config = _engine_config(dtype="bfloat16", override_transformer_config=dict(user))
+        engine.enable_routing_replay = False
+        seen.clear()
+        engine._build_tf_config()
+        return seen[-1]
+
+    user = {"sequence_packing_scheduler": "dp_balanced"}
+    # verl's own engine replaces the user's value (the bug this engine fixes) ...
+    assert run(impl.MegatronEngineWithLMHead, user)["sequence_packing_scheduler"] == "default_dynamic_cp"
+    # ... ours keeps it, and fills nothing that megatron-core 0.16.1's TransformerConfig lacks.
+    ours = run(DS4MegatronEngineWithLMHead, user)
+    assert ours["sequence_packing_scheduler"] == "dp_balanced"
+    assert "cp_partition_mode" not in ours
+    # With a Megatron-Core that has the fields, missing values are filled and verl cannot replace them.
+    monkeypatch.setattr(resolver, "transformer_config_fields", lambda: frozenset(FIELDS))
+    ours = run(DS4MegatronEngineWithLMHead, user)
+    assert (ours["sequence_packing_scheduler"], ours["cp_partition_mode"]) == ("dp_balanced", "contiguous")
+    # Outside our engine the guard is inactive: verl's function behaves as before.
+    assert run(impl.MegatronEngineWithLMHead, {})["sequence_packing_scheduler"] == "default_dynamic_cp"
+
+
+# ------------------------------------------------------------------ engine start-up errors
+
+
+@pytest.mark.parametrize(
+    ("engine_name", "hf_config", "settings", "match"),
+    [
+        ("DS4MegatronEngineWithValueHead", DENSE_HF, {"dynamic_context_parallel": True}, "not supported for value"),
+        ("DS4MegatronEngineWithLMHead", DS4_HF, {"tensor_model_parallel_size": 2}, "tensor parallelism"),
+        (
+            "DS4MegatronEngineWithLMHead",
+            DS4_HF,
+            {"override_transformer_config": {"cp_partition_mode": "zigzag"}},
+            "needs the contiguous CP layout",
+        ),
+        (
+            "DS4MegatronEngineWithLMHead",
+            DENSE_HF,
+            {"pad_to_length": True, "pad_to_length_bucket": 0},
+            "pad_to_length_bucket",
+        ),
+    ],
+)
+def test_engine_rejects_bad_settings_before_building_anything(engine_name, hf_config, settings, match, monkeypatch):
+    import verl_ds4.engine.megatron as engines
+
+    def must_not_run(*args, **kwargs):  # verl's __init__ initialises parallel state and CUDA
+        raise AssertionError("verl's engine __init__ ran before the start-up check")
+
+    monkeypatch.setattr(engines.MegatronEngineWithLMHead, "__init__", must_not_run)
+    model_config = SimpleNamespace(hf_config=hf_config, model_type="value_model")
+    with pytest.raises(CPLayoutError, match=match):
+        getattr(engines, engine_name)(model_config, _engine_config(**settings), None, None)
+
+
+def test_engine_layout_method_and_active_context(parallel_state):
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, active_layout, current_layout
+
+    engine = object.__new__(DS4MegatronEngineWithLMHead)
+    engine.engine_config = _engine_config(context_parallel_size=1)
+    engine.tf_config = None
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 128))
+    with pytest.raises(RuntimeError, match="initialize"):
+        engine._get_context_parallel_layout(model)
+    resolved = engine._resolve_cp_layout([model])
+    assert engine._get_context_parallel_layout(model) == "contiguous"
+    assert resolver.attached(model) is resolved
+    assert current_layout() is None
+    with active_layout(resolved):
+        assert current_layout() is resolved
+    assert current_layout() is None
+    assert isinstance(resolved, ResolvedCPLayout)
+
+
+def test_pad_to_length_bucket_comes_from_the_engine_setting(parallel_state):
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead
+
+    engine = object.__new__(DS4MegatronEngineWithLMHead)
+    engine.engine_config = _engine_config(context_parallel_size=1, pad_to_length=True, pad_to_length_bucket=96)
+    engine.tf_config = None
+    resolved = engine._resolve_cp_layout([build_tiny_gpt(attention=lambda i: PerTokenAttention("zigzag"))])
+    assert resolved.pad_to_length_bucket == 96
+    assert os.environ.get("VERL_DS4_DISABLE_ENGINE") is None

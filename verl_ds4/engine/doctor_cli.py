@@ -1,0 +1,187 @@
+"""Check this Python environment: does verl use verl-ds4's engines, and can this stack run DS4 with CP?
+
+Reports (1) whether verl's EngineRegistry resolves ``language_model`` / ``value_model`` on
+``strategy=megatron`` to verl-ds4's engines (on NVIDIA GPUs, and on this machine's platform),
+(2) the installed versions of verl, megatron-core, Megatron-Bridge, TransformerEngine, vLLM and
+torch, and (3) whether this stack can run DeepSeek-V4 with context parallelism, and what is missing.
+
+Exit status: 0 when the engines resolve to verl-ds4's; 1 otherwise; with ``--require-ds4`` also 1
+when the stack cannot run DS4 with CP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+#: distribution names to report (first one installed wins)
+PACKAGES = {
+    "verl": ("verl",),
+    "verl-ds4": ("verl-ds4",),
+    "megatron-core": ("megatron-core", "megatron_core"),
+    "Megatron-Bridge": ("megatron-bridge", "megatron_bridge"),
+    "TransformerEngine": ("transformer-engine", "transformer_engine", "transformer-engine-torch"),
+    "vLLM": ("vllm",),
+    "torch": ("torch",),
+}
+MIN_TRANSFORMER_ENGINE = (2, 9)
+DS4_ATTENTION_MODULE = "megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention"
+DS4_BRIDGE_MODULE = "megatron.bridge.models.deepseek.deepseek_v4_bridge"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--require-ds4",
+        action="store_true",
+        help="exit 1 unless this stack can run DeepSeek-V4 with context parallelism on GPUs",
+    )
+
+
+def installed_version(names) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    parts = []
+    for piece in (text or "").split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(parts) == 2:
+            break
+    return tuple(parts)
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def engine_resolution() -> tuple[dict[str, str], str | None]:
+    """``({label: class path}, error)`` of verl's registry for megatron, NVIDIA GPUs and this platform."""
+    rows: dict[str, str] = {}
+    error = None
+    try:
+        from verl_ds4.engine import plugin
+
+        plugin.self_check()  # imports verl (loading the verl.plugins entry points) and verl's Megatron engine
+    except Exception as exc:  # noqa: BLE001 - reported
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        from verl.utils.device import get_device_name, get_vendor
+        from verl.workers.engine import EngineRegistry
+    except Exception as exc:  # noqa: BLE001
+        return rows, error or f"{type(exc).__name__}: {exc}"
+    here = (os.getenv("VERL_ENGINE_DEVICE") or get_device_name(), os.getenv("VERL_ENGINE_VENDOR") or get_vendor())
+    for device, vendor, where in (("cuda", "nvidia", "NVIDIA GPU"), (*here, f"this machine ({here[0]}/{here[1]})")):
+        for model_type in ("language_model", "value_model"):
+            saved = {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VERL_ENGINE_VENDOR")}
+            os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = device, vendor
+            try:
+                cls = EngineRegistry.get_engine_cls(model_type, "megatron")
+                rows[f"{where}: {model_type}"] = f"{cls.__module__}.{cls.__qualname__}"
+            except Exception as exc:  # noqa: BLE001
+                rows[f"{where}: {model_type}"] = f"none ({type(exc).__name__}: {exc})"
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+    return rows, error
+
+
+def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
+    """What this stack lacks to run DeepSeek-V4 with context parallelism on GPUs (empty: nothing)."""
+    missing = []
+    if versions.get("megatron-core") is None:
+        missing.append("megatron-core is not installed")
+    else:
+        if not _module_exists(DS4_ATTENTION_MODULE):
+            missing.append(
+                "Megatron-Core has no DS4 hybrid attention (experimental_attention_variant='dsv4_hybrid'); "
+                "install Megatron-LM dev (e.g. fd1121b8ff7e3a4f83a28d35aed172d7bc0260e1, see docker/)"
+            )
+        try:
+            from verl_ds4.mcore.resolver import packed_seq_params_has_cp_partition_mode, transformer_config_fields
+
+            if not packed_seq_params_has_cp_partition_mode():
+                missing.append("megatron.core PackedSeqParams has no cp_partition_mode (contiguous CP cannot be signalled)")
+            if "cp_partition_mode" not in transformer_config_fields():
+                missing.append("megatron.core TransformerConfig has no cp_partition_mode")
+        except Exception as exc:  # noqa: BLE001
+            missing.append(f"megatron.core does not import ({type(exc).__name__}: {exc})")
+    if versions.get("Megatron-Bridge") is None:
+        missing.append("Megatron-Bridge is not installed (it maps HF DeepseekV4ForCausalLM onto Megatron)")
+    elif not _module_exists(DS4_BRIDGE_MODULE):
+        missing.append("Megatron-Bridge has no DeepSeek-V4 bridge (use 0.6.x or c7774d44d4b3)")
+    te = versions.get("TransformerEngine")
+    if te is None:
+        missing.append(f"TransformerEngine >= {'.'.join(map(str, MIN_TRANSFORMER_ENGINE))} is not installed")
+    elif _version_tuple(te) < MIN_TRANSFORMER_ENGINE:
+        missing.append(f"TransformerEngine {te} < {'.'.join(map(str, MIN_TRANSFORMER_ENGINE))}")
+    for module, what in (("fast_hadamard_transform", "fast_hadamard_transform"), ("cutlass", "nvidia-cutlass-dsl")):
+        if not _module_exists(module):
+            missing.append(f"{what} is not installed")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            missing.append("no CUDA GPU visible (DS4 kernels need SM90 / SM100)")
+        elif torch.cuda.get_device_capability()[0] < 9:
+            missing.append(f"GPU compute capability {torch.cuda.get_device_capability()} < 9.0 (needs SM90 / SM100)")
+    except Exception as exc:  # noqa: BLE001
+        missing.append(f"torch does not import ({exc})")
+    return missing
+
+
+def run(args: argparse.Namespace) -> int:
+    versions = {label: installed_version(names) for label, names in PACKAGES.items()}
+    print(f"verl-ds4 doctor  (python {sys.version.split()[0]}, {sys.executable})")
+    print("\nInstalled versions:")
+    for label, version in versions.items():
+        print(f"  {label:18s} {version or 'not installed'}")
+
+    print("\nverl engine registry, strategy=megatron:")
+    rows, error = engine_resolution()
+    ours = True
+    for label, cls in rows.items():
+        mark = "ok " if cls.startswith("verl_ds4.") else "-- "
+        print(f"  {mark}{label:42s} -> {cls}")
+        if label.startswith("NVIDIA GPU") and not cls.startswith("verl_ds4."):
+            ours = False
+    if error:
+        ours = False
+        print(f"  plugin self-check FAILED: {error}")
+    elif not rows:
+        ours = False
+    else:
+        print("  plugin self-check: ok (verl.plugins entry point 'verl_ds4' registers the engines)")
+    if os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower() == "none":
+        print("  note: VERL_USE_EXTERNAL_PLUGINS=none stops verl from loading the plugin in training processes")
+
+    missing = ds4_cp_missing(versions)
+    print("\nDeepSeek-V4 with context parallelism on this stack:")
+    if missing:
+        print("  NO, missing:")
+        for item in missing:
+            print(f"    - {item}")
+        print("  (attention modules that declare cp_layout_requirement, e.g. a pure-PyTorch DS4 attention,")
+        print("   can still use the contiguous layout with CP on this stack)")
+    else:
+        print("  yes")
+    status = 0 if ours else 1
+    if args.require_ds4 and missing:
+        status = 1
+    return status

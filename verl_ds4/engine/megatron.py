@@ -1,0 +1,449 @@
+"""verl-ds4's Megatron engines: verl 0.9.1's engines with one resolved CP layout for every data path.
+
+:class:`DS4MegatronEngineWithLMHead` and :class:`DS4MegatronEngineWithValueHead` subclass verl's
+``MegatronEngineWithLMHead`` / ``MegatronEngineWithValueHead`` and are registered under
+``strategy=megatron`` by :mod:`verl_ds4.engine.plugin`. They differ from verl's in three ways:
+
+1. Before the model is built, :func:`verl_ds4.mcore.resolver.transformer_config_fills` fills the
+   missing ``cp_partition_mode`` / ``sequence_packing_scheduler`` and rejects settings DS4 cannot
+   run with; a user's explicit value is kept (verl 0.9.1 overwrites it for ``deepseek_v4``).
+2. After the model is built, :func:`verl_ds4.mcore.resolver.resolve_cp_layout` decides the layout
+   and padding once; the :class:`~verl_ds4.mcore.resolver.ResolvedCPLayout` is attached to the
+   model chunks and the ``TransformerConfig`` and exposed as ``engine.resolved_cp_layout``.
+3. While the engine runs ``forward_backward_batch`` the resolved object is *active*
+   (:func:`active_layout`), and verl's own copies of the layout rule read it instead of deciding
+   again (:func:`install_verl_hooks`):
+
+   ==================================================================  ==========================================
+   verl 0.9.1 call site (looked up at call time)                       what answers while an engine is active
+   ==================================================================  ==========================================
+   ``MegatronEngine._get_context_parallel_layout`` (method)            overridden: ``resolved.layout``
+   ``verl.models.mcore.get_mcore_engine_forward_fn``                   our :mod:`verl_ds4.mcore.model_forward`
+   ``verl.models.mcore.get_mcore_forward_fused_model_engine_fn``       our :mod:`verl_ds4.mcore.model_forward_fused`
+   ``router_replay_utils._context_parallel_layout``                    ``resolved.layout``
+   ``router_replay_utils.preprocess_thd_engine`` / ``postprocess_...``  our packing with the resolved options
+   ``transformer_impl.DynamicCPScheduler`` (the DCP block)             scheduler fed the resolved layout / rows
+   ``verl.utils.megatron_utils.mapping_string_to_attn_backend``        guards the resolver-owned override keys
+   ==================================================================  ==========================================
+
+   Outside an active engine every hook calls verl's original, so verl's stock engines in the same
+   process behave exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import verl.models.mcore as _verl_mcore
+import verl.utils.megatron.router_replay_utils as _router_replay_utils
+import verl.utils.megatron_utils as _verl_megatron_utils
+import verl.workers.engine.megatron.transformer_impl as _transformer_impl
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+
+from verl_ds4.mcore import resolver
+from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DS4MegatronEngineWithLMHead",
+    "DS4MegatronEngineWithValueHead",
+    "active_layout",
+    "current_layout",
+    "install_verl_hooks",
+]
+
+_ACTIVE: contextvars.ContextVar[ResolvedCPLayout | None] = contextvars.ContextVar(
+    "verl_ds4_active_cp_layout", default=None
+)
+_OWNED_OVERRIDES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "verl_ds4_owned_overrides", default=None
+)
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def active_layout(resolved: ResolvedCPLayout):
+    """Make ``resolved`` the layout verl's hooked call sites read, for the duration of the block."""
+    if not isinstance(resolved, ResolvedCPLayout):
+        raise TypeError(f"expected a ResolvedCPLayout, got {type(resolved).__name__}")
+    token = _ACTIVE.set(resolved)
+    try:
+        yield resolved
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_layout() -> ResolvedCPLayout | None:
+    """The layout of the engine running now in this context (``None`` outside our engines)."""
+    return _ACTIVE.get()
+
+
+# ----------------------------------------------------------------------------------------------
+# Override guard: keeps the resolver's (and the user's) cp_partition_mode / scheduler
+# ----------------------------------------------------------------------------------------------
+
+
+class _GuardedOverrides(dict):
+    """``override_transformer_config`` whose resolver-owned keys later code cannot replace.
+
+    verl 0.9.1's ``_build_tf_config`` calls ``.update({...})`` on this dict for ``deepseek_v4`` after
+    the user's overrides were read; the guard keeps the owned values (the user's, or the
+    resolver's fill) and drops the attempted replacement, logging what it kept.
+    """
+
+    def __init__(self, data: Mapping, owned: Mapping[str, Any]):
+        super().__init__(data)
+        self._owned = dict(owned)
+        for key, value in self._owned.items():
+            if value is _ABSENT:
+                super().pop(key, None)
+            else:
+                super().__setitem__(key, value)
+
+    def _filter(self, items: Mapping) -> dict:
+        kept = {}
+        for key, value in items.items():
+            if key in self._owned:
+                current = self._owned[key]
+                if current is _ABSENT or current != value:
+                    logger.info(
+                        "verl-ds4: kept override_transformer_config.%s=%s; a later default tried to set %r",
+                        key,
+                        "<unset>" if current is _ABSENT else repr(current),
+                        value,
+                    )
+                continue
+            kept[key] = value
+        return kept
+
+    def update(self, other=(), /, **kwargs):
+        merged = dict(other, **kwargs)
+        super().update(self._filter(merged))
+
+    def __setitem__(self, key, value):
+        kept = self._filter({key: value})
+        if kept:
+            super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if key not in self and key not in self._owned:
+            super().__setitem__(key, default)
+        return self.get(key)
+
+
+def _guarded_mapping_string_to_attn_backend(original):
+    @functools.wraps(original)
+    def wrapper(args: dict) -> dict:
+        result = original(args)
+        owned = _OWNED_OVERRIDES.get()
+        if owned is None:
+            return result
+        return _GuardedOverrides(result, owned)
+
+    wrapper.__verl_ds4_hook__ = True
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------------------
+# Hooks on verl's module-level call sites
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward_fn_getter(original, kind: str):
+    @functools.wraps(original)
+    def getter(hf_config):
+        resolved = current_layout()
+        if resolved is None:
+            return original(hf_config)
+        if kind == "fused":
+            from verl_ds4.mcore.model_forward_fused import fused_forward_model_engine
+
+            vision = _is_vision_config(hf_config)
+            return functools.partial(fused_forward_model_engine(vision), resolved=resolved)
+        from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
+
+        return functools.partial(gptmodel_forward_model_engine, resolved=resolved)
+
+    getter.__verl_ds4_hook__ = True
+    return getter
+
+
+def _is_vision_config(hf_config) -> bool:
+    from verl.models.mcore.registry import supported_vlm
+
+    architectures = getattr(hf_config, "architectures", None) or [None]
+    return architectures[0] in supported_vlm
+
+
+def _router_layout_rule(original):
+    @functools.wraps(original)
+    def rule(tf_config) -> str:
+        resolved = current_layout() or resolver.layout_for_config(tf_config)
+        return original(tf_config) if resolved is None else resolved.layout
+
+    rule.__verl_ds4_hook__ = True
+    return rule
+
+
+def _router_pack(original):
+    """``preprocess_thd_engine`` as router replay calls it, packing with the resolved options."""
+
+    @functools.wraps(original)
+    def pack(tensor, pre_process=True, need_roll=False, use_fp8_padding=False, local_cp_size=None, **kwargs):
+        resolved = current_layout()
+        if resolved is None:
+            return original(
+                tensor,
+                pre_process=pre_process,
+                need_roll=need_roll,
+                use_fp8_padding=use_fp8_padding,
+                local_cp_size=local_cp_size,
+                **kwargs,
+            )
+        from verl_ds4.mcore.model_forward import pack_thd
+
+        return pack_thd(tensor, resolved, pre_process=pre_process, need_roll=need_roll, local_cp_size=local_cp_size)
+
+    pack.__verl_ds4_hook__ = True
+    return pack
+
+
+def _router_unpack(original):
+    @functools.wraps(original)
+    def unpack(output, packed_seq_params, input_ids, batch_size, post_process=True, local_cp_size=None, **kwargs):
+        resolved = current_layout()
+        if resolved is None:
+            return original(
+                output,
+                packed_seq_params,
+                input_ids,
+                batch_size,
+                post_process=post_process,
+                local_cp_size=local_cp_size,
+                **kwargs,
+            )
+        from verl_ds4.mcore.model_forward import unpack_thd
+
+        return unpack_thd(
+            output, packed_seq_params, input_ids, resolved, post_process=post_process, local_cp_size=local_cp_size
+        )
+
+    unpack.__verl_ds4_hook__ = True
+    return unpack
+
+
+class ResolvedDynamicCPScheduler(_transformer_impl.DynamicCPScheduler):
+    """verl's dynamic-CP scheduler fed the resolved layout and minimum rows.
+
+    verl 0.9.1 (transformer_impl.py:882) re-derives the layout from the attention variant and gives
+    the minimum rows only to the fused path; here both come from the active resolved object, and the
+    router padding mask of every micro-batch is rebuilt with the same packing as the tokens.
+    """
+
+    def schedule(self, batch, dcp_group, *, tp_size: int, cp_layout: str = "zigzag", min_local_rows=None):
+        resolved = current_layout()
+        if resolved is None:
+            return super().schedule(
+                batch, dcp_group, tp_size=tp_size, cp_layout=cp_layout, min_local_rows=min_local_rows
+            )
+        if tp_size != resolved.tp_size:
+            raise CPLayoutError(f"dynamic CP scheduled with tp_size={tp_size}, but the engine resolved {resolved.tp_size}")
+        micro_batches = super().schedule(
+            batch, dcp_group, tp_size=tp_size, cp_layout=resolved.layout, min_local_rows=resolved.min_local_rows
+        )
+        from verl_ds4.mcore.model_forward import refresh_dynamic_cp_padding
+
+        for micro_batch in micro_batches:
+            refresh_dynamic_cp_padding(micro_batch, resolved, dcp_group)
+        return micro_batches
+
+
+_HOOKS_INSTALLED = False
+
+
+def install_verl_hooks() -> None:
+    """Route verl 0.9.1's copies of the layout rule through the active resolved layout (idempotent)."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+
+    def hook(module, name, make):
+        current = getattr(module, name)
+        if getattr(current, "__verl_ds4_hook__", False) or current is ResolvedDynamicCPScheduler:
+            return
+        setattr(module, name, make(current))
+
+    hook(_verl_mcore, "get_mcore_engine_forward_fn", lambda f: _forward_fn_getter(f, "plain"))
+    hook(_verl_mcore, "get_mcore_forward_fused_model_engine_fn", lambda f: _forward_fn_getter(f, "fused"))
+    hook(_router_replay_utils, "_context_parallel_layout", _router_layout_rule)
+    hook(_router_replay_utils, "preprocess_thd_engine", _router_pack)
+    hook(_router_replay_utils, "postprocess_thd_engine", _router_unpack)
+    hook(_transformer_impl, "DynamicCPScheduler", lambda _cls: ResolvedDynamicCPScheduler)
+    hook(_verl_megatron_utils, "mapping_string_to_attn_backend", _guarded_mapping_string_to_attn_backend)
+    _HOOKS_INSTALLED = True
+
+
+def hooks_installed() -> dict[str, bool]:
+    """Which verl call sites currently answer through verl-ds4 (for ``verl-ds4 doctor`` and tests)."""
+    return {
+        "verl.models.mcore.get_mcore_engine_forward_fn": getattr(
+            _verl_mcore.get_mcore_engine_forward_fn, "__verl_ds4_hook__", False
+        ),
+        "verl.models.mcore.get_mcore_forward_fused_model_engine_fn": getattr(
+            _verl_mcore.get_mcore_forward_fused_model_engine_fn, "__verl_ds4_hook__", False
+        ),
+        "router_replay_utils._context_parallel_layout": getattr(
+            _router_replay_utils._context_parallel_layout, "__verl_ds4_hook__", False
+        ),
+        "router_replay_utils.preprocess_thd_engine": getattr(
+            _router_replay_utils.preprocess_thd_engine, "__verl_ds4_hook__", False
+        ),
+        "router_replay_utils.postprocess_thd_engine": getattr(
+            _router_replay_utils.postprocess_thd_engine, "__verl_ds4_hook__", False
+        ),
+        "transformer_impl.DynamicCPScheduler": _transformer_impl.DynamicCPScheduler is ResolvedDynamicCPScheduler,
+        "megatron_utils.mapping_string_to_attn_backend": getattr(
+            _verl_megatron_utils.mapping_string_to_attn_backend, "__verl_ds4_hook__", False
+        ),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Engines
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_to_length_bucket(engine_config) -> int | None:
+    if getattr(engine_config, "pad_to_length", False) and getattr(engine_config, "use_remove_padding", False):
+        return engine_config.pad_to_length_bucket
+    return None
+
+
+def _user_overrides(engine_config) -> dict[str, Any]:
+    return dict(getattr(engine_config, "override_transformer_config", None) or {})
+
+
+class _ResolvedLayoutEngine:
+    """Mixin over verl's Megatron engine: resolve the CP layout once and make every path use it."""
+
+    #: The engine's CP layout, set once the model is built (``None`` before).
+    resolved_cp_layout: ResolvedCPLayout | None = None
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        install_verl_hooks()
+        self._check_startup_settings(model_config, engine_config)
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+
+    # -- start-up checks -----------------------------------------------------------------------
+
+    def _check_startup_settings(self, model_config, engine_config) -> None:
+        """Reject settings that cannot work before verl initialises parallel state."""
+        bucket = _pad_to_length_bucket(engine_config)
+        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+            raise CPLayoutError(f"engine pad_to_length_bucket must be a positive int, got {bucket!r}")
+        # DS4 + TP>1, DS4 + explicit zigzag, unsupported scheduler: raised here, before any model is built.
+        self._config_fills = resolver.transformer_config_fills(
+            model_config.hf_config,
+            user_overrides=_user_overrides(engine_config),
+            cp_size=engine_config.context_parallel_size,
+            tp_size=engine_config.tensor_model_parallel_size,
+            dynamic_cp=bool(getattr(engine_config, "dynamic_context_parallel", False)),
+        )
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _build_tf_config(self):
+        user = _user_overrides(self.engine_config)
+        fills = getattr(self, "_config_fills", None)
+        if fills is None:
+            fills = resolver.transformer_config_fills(
+                self.model_config.hf_config,
+                user_overrides=user,
+                cp_size=self.engine_config.context_parallel_size,
+                tp_size=self.engine_config.tensor_model_parallel_size,
+                dynamic_cp=bool(self.engine_config.dynamic_context_parallel),
+            )
+        owned = None
+        if resolver.is_ds4_hf_config(self.model_config.hf_config) or any(
+            key in user for key in resolver.OWNED_OVERRIDE_KEYS
+        ):
+            owned = {key: user.get(key, fills.get(key, _ABSENT)) for key in resolver.OWNED_OVERRIDE_KEYS}
+        token = _OWNED_OVERRIDES.set(owned)
+        try:
+            return super()._build_tf_config()
+        finally:
+            _OWNED_OVERRIDES.reset(token)
+
+    def _build_megatron_module(self):
+        module = super()._build_megatron_module()
+        self._resolve_cp_layout(module)
+        return module
+
+    def initialize(self):
+        super().initialize()
+        if self.resolved_cp_layout is None:  # a subclass built the module without our _build_megatron_module
+            self._resolve_cp_layout(self.module)
+
+    def _resolve_cp_layout(self, module) -> ResolvedCPLayout:
+        engine_config = self.engine_config
+        resolved = resolver.resolve_cp_layout(
+            module,
+            self.tf_config,
+            cp_size=engine_config.context_parallel_size,
+            tp_size=engine_config.tensor_model_parallel_size,
+            dynamic_cp=bool(getattr(engine_config, "dynamic_context_parallel", False)),
+            pad_to_length_bucket=_pad_to_length_bucket(engine_config),
+            user_overrides=_user_overrides(engine_config),
+        )
+        resolver.attach(module, resolved, self.tf_config)
+        self.resolved_cp_layout = resolved
+        logger.info("verl-ds4 %s: %s", type(self).__name__, resolved.describe())
+        return resolved
+
+    def _require_layout(self) -> ResolvedCPLayout:
+        if self.resolved_cp_layout is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no resolved CP layout: call initialize() before running batches."
+            )
+        return self.resolved_cp_layout
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _get_context_parallel_layout(self, unwrapped_model) -> str:  # verl: a staticmethod with the rule
+        return self._require_layout().layout
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        with active_layout(self._require_layout()):
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        with active_layout(self._require_layout()):
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+
+
+class DS4MegatronEngineWithLMHead(_ResolvedLayoutEngine, MegatronEngineWithLMHead):
+    """verl's Megatron LM-head engine (actor, reference, SFT) with one resolved CP layout."""
+
+
+class DS4MegatronEngineWithValueHead(_ResolvedLayoutEngine, MegatronEngineWithValueHead):
+    """verl's Megatron value-head engine (critic) with one resolved CP layout.
+
+    Dynamic CP is not supported for value models (verl 0.9.1 has no value path through its dynamic
+    CP scheduler); it is rejected at start-up.
+    """
+
+    def _check_startup_settings(self, model_config, engine_config) -> None:
+        if getattr(engine_config, "dynamic_context_parallel", False):
+            raise CPLayoutError(
+                "dynamic_context_parallel=True is not supported for value models (the critic): verl 0.9.1 has no "
+                "value-head path through the dynamic-CP scheduler. Set dynamic_context_parallel=False for the "
+                "critic (e.g. critic.megatron.dynamic_context_parallel=False) and use a static "
+                "context_parallel_size instead."
+            )
+        super()._check_startup_settings(model_config, engine_config)

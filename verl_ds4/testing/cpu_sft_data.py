@@ -1,0 +1,180 @@
+"""Deterministic, download-free SFT assets for the CPU main job.
+
+* :func:`arithmetic_conversations` - a few hundred short chat conversations (integer
+  arithmetic questions and their answers), a pure function of ``(n, seed)``.
+* :func:`write_sft_parquet` - verl's SFT format: a parquet file with a ``messages`` column.
+* :func:`build_char_tokenizer` - a character-level ``PreTrainedTokenizerFast`` (HF
+  ``tokenizers`` WordLevel model over single characters) with a tiny chat template; built
+  from a fixed alphabet, so the same ids on every machine.
+* :func:`write_model_dir` - a local "model path" for verl: the tokenizer plus an HF
+  ``config.json`` (a tiny Llama-shaped config for the dense stepping stone; callers can
+  write any other config, e.g. the DS4 proxy's).
+
+verl reads all of it through its normal code paths (``HFModelConfig`` loads the tokenizer
+and config from the folder, ``MultiTurnSFTDataset`` applies the chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ALPHABET",
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "arithmetic_conversations",
+    "build_char_tokenizer",
+    "prepare_cpu_sft_assets",
+    "tiny_llama_config",
+    "write_model_dir",
+    "write_sft_parquet",
+]
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Every character the conversations use (checked when the tokenizer is built).
+ALPHABET = string.ascii_letters + string.digits + " \n.,:;?!+-*/=()'\""
+
+# One turn = <|role|> content <|end|>. The generation prompt is the bare <|assistant|>, so
+# verl's MultiTurnSFTDataset masks it out of the loss and trains on content + <|end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_OPS = {
+    "+": ("plus", lambda a, b: a + b),
+    "-": ("minus", lambda a, b: a - b),
+    "*": ("times", lambda a, b: a * b),
+}
+
+
+def arithmetic_conversations(n: int = 400, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` conversations, each 2 or 4 turns of integer arithmetic Q/A (deterministic)."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(n):
+        turns = []
+        for _turn in range(rng.choice((1, 1, 2))):
+            op = rng.choice(sorted(_OPS))
+            word, fn = _OPS[op]
+            a, b = rng.randint(0, 99), rng.randint(0, 20 if op == "*" else 99)
+            style = rng.randrange(3)
+            if style == 0:
+                question = f"What is {a} {op} {b}?"
+            elif style == 1:
+                question = f"Compute {a} {word} {b}."
+            else:
+                question = f"{a} {op} {b} = ?"
+            turns.append({"role": "user", "content": question})
+            turns.append({"role": "assistant", "content": f"{a} {op} {b} = {fn(a, b)}."})
+        conversations.append(turns)
+    return conversations
+
+
+def write_sft_parquet(path: str | Path, conversations: list[list[dict[str, str]]]) -> Path:
+    """Write ``conversations`` as verl SFT parquet (one ``messages`` list per row)."""
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"messages": conversations}).to_parquet(path, index=False)
+    return path
+
+
+def build_char_tokenizer():
+    """A character-level fast tokenizer with :data:`SPECIAL_TOKENS` and :data:`CHAT_TEMPLATE`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in ALPHABET:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def tiny_llama_config(vocab_size: int, **overrides: Any):
+    """A tiny Llama-shaped HF config (the dense CPU stepping-stone model)."""
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
+    """Write tokenizer files and ``config.json`` into ``out_dir`` (a verl ``model.path``).
+
+    ``hf_config`` defaults to :func:`tiny_llama_config` sized to the tokenizer (vocab rounded
+    up to a multiple of 8). A config whose ``vocab_size`` is smaller than the tokenizer is an
+    error.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    n_tokens = len(tokenizer)
+    if hf_config is None:
+        hf_config = tiny_llama_config(vocab_size=-(-n_tokens // 8) * 8)
+    if hf_config.vocab_size < n_tokens:
+        raise ValueError(f"hf_config.vocab_size={hf_config.vocab_size} < tokenizer size {n_tokens}; raise vocab_size.")
+    tokenizer.save_pretrained(out_dir)
+    hf_config.save_pretrained(out_dir)
+    return out_dir
+
+
+def prepare_cpu_sft_assets(
+    out_dir: str | Path, *, n_train: int = 400, n_val: int = 0, seed: int = 0, hf_config=None
+) -> dict[str, str]:
+    """Create ``model/`` (tokenizer + config) and ``data/train.parquet`` under ``out_dir``.
+
+    Returns the paths as strings: ``model``, ``train`` and (if ``n_val``) ``val``.
+    Re-running with the same arguments rewrites identical files.
+    """
+    out_dir = Path(out_dir)
+    model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
+    conversations = arithmetic_conversations(n_train + n_val, seed=seed)
+    used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
+    unknown = used - set(ALPHABET)
+    if unknown:
+        raise ValueError(f"conversation characters missing from ALPHABET: {sorted(unknown)}")
+    paths = {"model": str(model_dir), "train": str(write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train]))}
+    if n_val:
+        paths["val"] = str(write_sft_parquet(out_dir / "data" / "val.parquet", conversations[n_train:]))
+    (out_dir / "assets.json").write_text(json.dumps({"n_train": n_train, "n_val": n_val, "seed": seed}) + "\n")
+    return paths
