@@ -134,3 +134,26 @@ def test_register_engines_is_idempotent(model_type):
     found = EngineRegistry._engines[model_type]["megatron"][("cuda", "nvidia")]
     assert found.__module__ == "verl_ds4.engine.megatron"
     assert plugin.self_check().error is None
+
+
+def test_dynamic_cp_block_schedules_with_the_resolved_layout(monkeypatch):
+    """verl's DCP block (transformer_impl.py:882) passes its own rule; the scheduler gets ours."""
+    import verl.workers.engine.megatron.transformer_impl as impl
+    from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler
+
+    from verl_ds4.engine.megatron import ResolvedDynamicCPScheduler, active_layout, install_verl_hooks
+    from verl_ds4.mcore.resolver import ResolvedCPLayout
+
+    install_verl_hooks()
+    assert impl.DynamicCPScheduler is ResolvedDynamicCPScheduler  # the name verl's block looks up
+    calls = []
+    monkeypatch.setattr(DynamicCPScheduler, "schedule", lambda self, batch, group, **kw: calls.append(kw) or [])
+    scheduler = impl.DynamicCPScheduler(max_seqlen_per_dp_cp_rank=256, dp_size=1, cp_size=2)
+    # What verl 0.9.1 passes for DS4 without fused kernels: contiguous, but no minimum rows.
+    verl_args = dict(tp_size=1, cp_layout="contiguous", min_local_rows=None)
+    scheduler.schedule(None, None, **verl_args)
+    assert calls[-1] == verl_args  # outside our engine: verl's behaviour, unchanged
+    resolved = ResolvedCPLayout(layout="contiguous", min_local_rows=128, cp_size=2, tp_size=1, dynamic_cp=True)
+    with active_layout(resolved):
+        scheduler.schedule(None, None, **verl_args)
+    assert calls[-1] == dict(tp_size=1, cp_layout="contiguous", min_local_rows=128)
