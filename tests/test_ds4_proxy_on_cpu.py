@@ -137,3 +137,16 @@ def _bshd_with_cp(rank, world):
 def test_bshd_with_cp_is_rejected():
     message = run_distributed(_bshd_with_cp, world_size=2)[0]
     assert message is not None and "THD" in message and "BSHD" in message
+
+
+def test_packaged_proxy_config_and_validation(tmp_path):
+    from verl_ds4.models.ds4.proxy import load_proxy_config
+
+    cfg = load_proxy_config()
+    assert {0, 4, 128} <= set(cfg["compress_ratios"])
+    broken = {k: v for k, v in cfg.items() if k != "window_size"}
+    with pytest.raises(ValueError, match="window_size"):
+        load_proxy_config(broken)
+    path = tmp_path / "proxy.json"
+    path.write_text(__import__("json").dumps(cfg))
+    assert load_proxy_config(path) == cfg

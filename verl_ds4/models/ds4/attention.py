@@ -303,7 +303,7 @@ class DS4HybridAttention(nn.Module):
                 )
             xe = torch.cat((exchange_left_halo(x, halo, cp_group), x), dim=0)
         rows = self._locate_rows(cu_seqlens_padded, local_rows, cp_rank, halo)
-        q_pos, q_seq = rows.pos[halo:], rows.seq[halo:]
+        q_pos = rows.pos[halo:]
         dtype = x.dtype
         n, d = spec.num_heads, spec.head_dim
         scale = d**-0.5
@@ -325,7 +325,7 @@ class DS4HybridAttention(nn.Module):
         values = [kv_win]
 
         if self.compressor is not None:
-            comp, comp_visible = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, local_rows, cp_rank, cp_size, cp_group, cos_q, sin_q)
+            comp, comp_visible = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
             logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
             values.append(comp)
 
@@ -344,11 +344,12 @@ class DS4HybridAttention(nn.Module):
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(local_rows, g * spec.o_lora_rank)
         return self.linear_proj(mixed)
 
-    def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, local_rows, cp_rank, cp_size, cp_group, cos_q, sin_q):
+    def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q):
         """Compressed KV of every completed block in the buffer ([NB, d], gathered over CP) and the
         [T, NB] mask of the blocks each local query attends to."""
         spec = self.spec
         m = spec.compress_ratio
+        local_rows = x.shape[0]
         device = x.device
         cu = cu_seqlens_padded.to(device=device, dtype=torch.long)
         n_blocks = (cu[1:] - cu[:-1]) // m  # per sequence
@@ -369,11 +370,13 @@ class DS4HybridAttention(nn.Module):
         q_pos, q_seq = rows.pos[rows.halo :], rows.seq[rows.halo :]
         visible = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
         if self.indexer is not None and block_seq.numel():
-            keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
-            if cp_size > 1:
-                keys = all_gather_rows(keys, counts, cp_group)
+            # The indexer sees detached inputs and top-k has no gradient: without DS4's separate
+            # indexer loss (not implemented) nothing here needs autograd.
             with torch.no_grad():
-                scores = self.indexer.scores(x.detach(), q_r.detach(), keys.detach(), cos_q, sin_q)
+                keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
+                if cp_size > 1:
+                    keys = all_gather_rows(keys, counts, cp_group)
+                scores = self.indexer.scores(x.detach(), q_r.detach(), keys, cos_q, sin_q)
                 scores = scores.masked_fill(~visible, float("-inf"))
                 k = min(spec.index_topk, scores.shape[1])
                 order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]

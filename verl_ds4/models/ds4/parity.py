@@ -48,6 +48,7 @@ class Row:
 
     ``expect="match"``: passes when ``max_rel <= tol``. ``expect="differ"``: a negative control that
     passes when ``max_rel > tol`` (the harness must be able to see a broken layout).
+    ``expect="error"``: passes when the expected error was raised (diffs are 0 then, inf otherwise).
     """
 
     quantity: str
@@ -60,7 +61,7 @@ class Row:
     def passed(self) -> bool:
         if not math.isfinite(self.max_rel):
             return False
-        return self.max_rel <= self.tol if self.expect == "match" else self.max_rel > self.tol
+        return self.max_rel > self.tol if self.expect == "differ" else self.max_rel <= self.tol
 
 
 @dataclass
@@ -118,12 +119,11 @@ def _actor_step(model, input_ids, layout, cp_rank, min_rows, cp_size, group):
     both = torch.stack((logp, entropy), dim=-1)  # [1, L, 2]
     jagged = postprocess_thd_engine(both, params, input_ids, input_ids.shape[0], cp_layout=layout)
     flat = jagged.values()  # [T, 2], original token order
-    lengths = input_ids.offsets().diff()
     last = input_ids.offsets()[1:] - 1
     mask = torch.ones(flat.shape[0], dtype=torch.bool)
     mask[last] = False
     loss = -(flat[:, 0] * mask).sum() / mask.sum()
-    return flat, loss, lengths
+    return flat, loss
 
 
 def _critic_step(critic, input_ids, targets, layout, cp_rank, min_rows, cp_size):
@@ -174,7 +174,7 @@ def _worker(rank: int, world: int, cfg, dtypes, batches, seed: int, layout_check
                 input_ids, targets = _batch(lengths, cfg["vocab_size"], seed + 2)
                 actor.zero_grad(set_to_none=True)
                 critic.zero_grad(set_to_none=True)
-                per_token, loss, _ = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group)
+                per_token, loss = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group)
                 loss.backward()
                 values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world)
                 value_loss.backward()
@@ -198,7 +198,7 @@ def _worker(rank: int, world: int, cfg, dtypes, batches, seed: int, layout_check
             except ValueError as err:
                 result.checks["zigzag_error"] = str(err)
             with _layout_guard_bypassed(), torch.no_grad():
-                per_token, _, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
+                per_token, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
             result.checks["zigzag_bypassed_log_probs"] = per_token[:, 0].numpy()
             result.checks["dtype"] = dtypes[0]
         return result if rank == 0 else None
@@ -282,7 +282,7 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         message = checks["zigzag_error"]
         rejected = message is not None and "contiguous" in message
         flag = 0.0 if rejected else math.inf
-        rows.append(Row("zigzag rows rejected by DS4 attention", flag, flag, 0.0))
+        rows.append(Row("zigzag rows rejected by DS4 attention", flag, flag, 0.0, expect="error"))
         first_batch = next(b for (d, b) in reference.results if d == checks["dtype"])
         ref = reference.results[(checks["dtype"], first_batch)]["log_probs"]
         d_abs, d_rel = _diff(checks["zigzag_bypassed_log_probs"], ref)
@@ -303,7 +303,11 @@ def format_table(rows: list[Row], title: str = "") -> str:
     lines.append(f"{'quantity':<{width}}{'max abs diff':>14}{'max rel diff':>14}  result")
     lines.append("-" * (width + 48))
     for r in rows:
-        bound = f"<= {r.tol:.0e}" if r.expect == "match" else f">  {r.tol:.0e}"
+        bound = {"match": f"<= {r.tol:.0e}", "differ": f">  {r.tol:.0e}", "error": "ValueError raised"}[r.expect]
         lines.append(f"{r.quantity:<{width}}{r.max_abs:>14.3e}{r.max_rel:>14.3e}  {'pass' if r.passed else 'FAIL'} ({bound})")
     lines.append("rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (per parameter for gradients, worst shown).")
+    lines.append(
+        f"Batches: ragged = {len(RAGGED)} sequences, {sum(RAGGED)} tokens (straddling rank boundaries); "
+        f"short = {len(SHORT)} sequences, {sum(SHORT)} tokens (padded to cp * 128 rows)."
+    )
     return "\n".join(lines)
