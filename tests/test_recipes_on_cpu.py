@@ -178,6 +178,8 @@ BAD_CASES = [
     ("r3_without_rollout_routes", "grpo", ["ds4.router_replay=R3"], "enable_rollout_routing_replay: is False while router_replay.mode=R3"),
     ("filter_overlong", "ppo", ["data.filter_overlong_prompts=true"], "DS4 checkpoints ship no chat template"),
     ("resume_path_empty", "sft", ["trainer.resume_mode=resume_path"], "is empty while trainer.resume_mode=resume_path"),
+    ("cp_zero", "sft", ["ds4.mesh.cp=0"], "engine.context_parallel_size: is 0; parallel sizes must be >= 1"),
+    ("cp_not_int", "sft", ["ds4.mesh.cp=abc"], "engine.context_parallel_size: is 'abc', not an integer"),
     ("pp_gt_layers", "sft", ["ds4.mesh.pp=64", "ds4.mesh.nnodes=8"], "PP=64 exceeds the 43 decoder layers"),
 ]
 
@@ -287,3 +289,29 @@ def test_sft_launcher_validates_then_execs_torchrun(assets, tmp_path):
     out = subprocess.run(["bash", str(script)], env={**env, "CP": "3"}, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and not record.exists()
     assert "is not divisible by TPxPPxCP=12" in out.stderr
+
+
+def test_verl_entry_point_composes_the_same_config(tmp_path):
+    """verl's own `python -m verl.trainer.main_ppo` (its @hydra.main) resolves the launcher's
+    overrides to exactly the config the dry-run validated (Hydra's --cfg job prints it, no run)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    overrides = [
+        "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]",
+        "+recipe=deepseek_v4_ppo",
+        "ds4_mesh=h200_64gpu_pp4_ep8_cp4",
+        "ds4.rollout.tp=4",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, "--cfg", "job", "--resolve"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    from_entry_point = yaml.safe_load(out.stdout)
+    assert from_entry_point == OmegaConf.to_container(compose_recipe("ppo", overrides))
+    assert from_entry_point["actor_rollout_ref"]["actor"]["megatron"]["context_parallel_size"] == 4
+    assert from_entry_point["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"] == 4

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+
+from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead
 
 logger = logging.getLogger(__name__)
 
@@ -260,15 +263,102 @@ def _dense_build(tf_config, hf_config, *, pre_process, post_process, share_embed
 register_cpu_model_builder("llama", CPUModelBuilder(_dense_transformer_config, _dense_build))
 
 
-def _maybe_register_ds4_proxy() -> None:
-    """Register the DS4 proxy builder if the DS4 proxy package provides one."""
-    try:
-        from verl_ds4.models.ds4 import proxy  # noqa: F401  (provided by the DS4-proxy work)
-    except ImportError:
-        return
-    builder = getattr(proxy, "CPU_MODEL_BUILDER", None)
-    if builder is not None and "deepseek_v4" not in CPU_MODEL_BUILDERS:
-        register_cpu_model_builder("deepseek_v4", builder)
+#: HF config attribute holding the DS4 proxy's sizes (the keys of verl_ds4/models/ds4/configs/tiny_proxy.json).
+DS4_PROXY_CONFIG_ATTRIBUTE = "verl_ds4_proxy"
+
+
+def _ds4_proxy_sizes(hf_config) -> dict:
+    from verl_ds4.models.ds4.proxy import load_proxy_config
+
+    sizes = getattr(hf_config, DS4_PROXY_CONFIG_ATTRIBUTE, None)
+    if not isinstance(sizes, dict):
+        raise ValueError(
+            f"This deepseek_v4 config has no '{DS4_PROXY_CONFIG_ATTRIBUTE}' entry: on CPU only the tiny DS4 proxy can be "
+            "built (a full DeepSeek-V4 needs Megatron-LM dev and GPUs). Write the model folder with "
+            "verl_ds4.testing.cpu_sft_data.ds4_proxy_hf_config()."
+        )
+    return load_proxy_config(sizes)
+
+
+def _ds4_proxy_transformer_config(hf_config, dtype, overrides):
+    import dataclasses
+
+    from megatron.core import parallel_state as mpu
+
+    from verl_ds4.models.ds4.proxy import proxy_transformer_config
+
+    config = proxy_transformer_config(
+        _ds4_proxy_sizes(hf_config), dtype=dtype, cp_size=mpu.get_context_parallel_world_size()
+    )
+    known = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        raise ValueError(
+            f"engine.override_transformer_config keys {unknown} are not fields of the DS4 proxy's TransformerConfig "
+            f"({type(config).__name__}); remove them."
+        )
+    if "experimental_attention_variant" not in overrides:
+        # The proxy's attention is verl-ds4's pure-PyTorch DS4 attention, built by the layer spec
+        # itself and declaring its CP layout (see _declare_ds4_proxy_cp_layout); the variant
+        # field names Megatron-LM dev's DS4 attention, which is not in this model, and would
+        # make the layout resolver ask Megatron-Core for PackedSeqParams.cp_partition_mode.
+        overrides = {**overrides, "experimental_attention_variant": None}
+    if "hetereogenous_dist_checkpoint" not in overrides and len(set(config.csa_compress_ratios)) > 1:
+        # DS4 layers differ by compression ratio (different compressor shapes, none at ratio 0),
+        # so Megatron's dist-checkpointing must key each layer separately (field name as spelled
+        # in megatron-core).
+        overrides = {**overrides, "hetereogenous_dist_checkpoint": True}
+    return dataclasses.replace(config, **overrides)
+
+
+def _ds4_proxy_build(tf_config, hf_config, *, pre_process, post_process, share_embeddings):
+    from megatron.core.models.gpt import GPTModel
+
+    from verl_ds4.models.ds4.proxy import ds4_layer_spec, reset_parameters
+
+    sizes = _ds4_proxy_sizes(hf_config)
+    if sizes["vocab_size"] < hf_config.vocab_size:
+        raise ValueError(
+            f"DS4 proxy vocab_size={sizes['vocab_size']} is smaller than the HF config's vocab_size={hf_config.vocab_size}."
+        )
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=ds4_layer_spec(tf_config),
+        vocab_size=sizes["vocab_size"],
+        max_sequence_length=sizes.get("max_sequence_length", 8192),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type="none",
+    )
+    for param in model.parameters():  # Megatron's torch-norm fallback ignores params_dtype
+        param.data = param.data.to(tf_config.params_dtype)
+    reset_parameters(model, seed=int(sizes.get("seed", 1234)), std=float(sizes.get("init_std", 0.2)))
+    _declare_ds4_proxy_cp_layout(model, tf_config)
+    return model
+
+
+def _declare_ds4_proxy_cp_layout(model, tf_config) -> None:
+    """State what the proxy's DS4 attention consumes, in verl-ds4's CP layout protocol.
+
+    ``DS4HybridSelfAttention`` reads the contiguous split from the packed rows (global
+    ``cu_seqlens_padded``, ``cp_rank * local_rows``) and ``packed_seq_params.cp_partition_mode``
+    as a plain attribute, so it runs on a Megatron-Core whose ``PackedSeqParams`` lacks that
+    field; it needs ``csa_window_size`` rows per CP rank. Without the declaration the resolver
+    only sees ``experimental_attention_variant="dsv4_hybrid"`` (Megatron-LM's DS4 attention) and
+    rightly refuses CP > 1 on megatron-core 0.16.1. An attribute the module already declares
+    itself is kept.
+    """
+    from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
+
+    for module in model.modules():
+        if isinstance(module, DS4HybridSelfAttention) and not hasattr(module, "cp_layout_requirement"):
+            module.cp_layout_requirement = ("contiguous", int(tf_config.csa_window_size))
+
+
+# The tiny DS4 proxy (DS4 hybrid attention in a Megatron-Core GPTModel): HF model_type deepseek_v4.
+register_cpu_model_builder("deepseek_v4", CPUModelBuilder(_ds4_proxy_transformer_config, _ds4_proxy_build))
 
 
 # Settings a CPU build needs: (value, reason). A user override that differs is an error.
@@ -353,7 +443,6 @@ class _CPUMegatronEngineMixin:
         self.param_dtype = PrecisionType.to_dtype(self.engine_config.dtype)
         self.dtype = PrecisionType.to_dtype(self.param_dtype)
 
-        _maybe_register_ds4_proxy()
         model_type = getattr(self.model_config.hf_config, "model_type", None)
         builder = CPU_MODEL_BUILDERS.get(model_type)
         if builder is None:
@@ -435,6 +524,37 @@ class _CPUMegatronEngineMixin:
         with cuda_literals_on_cpu():
             return super().forward_backward_batch(*args, **kwargs)
 
+    def train_batch(self, data, loss_function):
+        """verl's training step, plus one progress line on the logging rank (see :func:`_progress_line`)."""
+        start = time.perf_counter()
+        outputs = super().train_batch(data, loss_function)
+        self._report_progress(data, outputs, time.perf_counter() - start)
+        return outputs
+
+    def _report_progress(self, data, outputs, step_seconds: float) -> None:
+        if not self.is_mp_src_rank_with_outputs():
+            return
+        from verl.utils import tensordict_utils as tu
+
+        if not hasattr(self, "_progress_started"):
+            self._progress_started = time.perf_counter() - step_seconds
+            self._progress_tokens = 0
+        self._progress_step = getattr(self, "_progress_step", 0) + 1
+        seqlens = tu.get_non_tensor_data(data, key="global_token_num", default=None)
+        tokens = int(sum(seqlens)) if seqlens is not None else 0
+        self._progress_tokens += tokens
+        loss = torch.tensor(float(sum(outputs.get("loss", []) or [0.0])), dtype=torch.float64)
+        group = self.get_data_parallel_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG, group=group)
+        if self.get_data_parallel_rank() == 0:
+            print(
+                _progress_line(
+                    self._progress_step, loss.item(), tokens, step_seconds, time.perf_counter() - self._progress_started
+                ),
+                flush=True,
+            )
+
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         # Everything already lives on the CPU; offload/onload are no-ops here.
         if device not in ("cpu",):
@@ -444,16 +564,34 @@ class _CPUMegatronEngineMixin:
         with cuda_literals_on_cpu():
             return super().save_checkpoint(*args, **kwargs)
 
-    def load_checkpoint(self, *args, **kwargs):
+    def load_checkpoint(self, local_path, *args, **kwargs):
+        step = _global_step_of(local_path)
+        if step is not None:
+            self._progress_step = step
         if self.optimizer is not None:
             _create_empty_optimizer_state(self.optimizer)
         # no_grad: Megatron's distributed optimizer copies loaded values into its fp32 main
         # parameters in place (views of leaves that require grad) without disabling autograd.
         with torch.no_grad(), cuda_literals_on_cpu():
-            result = super().load_checkpoint(*args, **kwargs)
+            result = super().load_checkpoint(local_path, *args, **kwargs)
         if self.optimizer is not None:
             _restore_adam_step_counters(self.optimizer)
         return result
+
+
+def _progress_line(step: int, loss: float, tokens: int, step_seconds: float, elapsed: float) -> str:
+    """``[verl-ds4] step 12 | loss 2.3412 | 1840 tok/s | elapsed 35.2s`` (tokens of the global batch)."""
+    rate = tokens / step_seconds if step_seconds > 0 else float("nan")
+    return f"[verl-ds4] step {step} | loss {loss:.4f} | {rate:.0f} tok/s | elapsed {elapsed:.1f}s"
+
+
+def _global_step_of(path) -> int | None:
+    """N for a verl checkpoint folder ``.../global_step_N``, else None."""
+    name = os.path.basename(os.path.normpath(str(path))) if path else ""
+    prefix = "global_step_"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return int(name[len(prefix) :])
+    return None
 
 
 def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -508,31 +646,19 @@ def _restore_adam_step_counters(optimizer) -> None:
                     state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
-def _lm_head_base() -> type:
-    """The engine the CPU LM-head engine extends: verl-ds4's DS4 engine when present."""
-    try:
-        from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead
-
-        return DS4MegatronEngineWithLMHead
-    except ImportError:
-        return MegatronEngineWithLMHead
+# The CPU mixin sits *between* verl-ds4's DS4 engine and verl's engine in the MRO, so the DS4
+# engine's steps (transformer-config fills, CP-layout resolution after the model is built, the
+# active layout during ``forward_backward_batch``) wrap the CPU build and run steps.
 
 
-def _value_head_base() -> type:
-    try:
-        from verl_ds4.engine.megatron import DS4MegatronEngineWithValueHead
-
-        return DS4MegatronEngineWithValueHead
-    except ImportError:
-        return MegatronEngineWithValueHead
+class CPUMegatronEngineWithLMHead(DS4MegatronEngineWithLMHead, _CPUMegatronEngineMixin, MegatronEngineWithLMHead):
+    """verl-ds4's Megatron LM-head engine (actor, reference, SFT) on the CPU."""
 
 
-class CPUMegatronEngineWithLMHead(_CPUMegatronEngineMixin, _lm_head_base()):
-    """verl's Megatron LM-head engine (via verl-ds4's engine when installed) on the CPU."""
-
-
-class CPUMegatronEngineWithValueHead(_CPUMegatronEngineMixin, _value_head_base()):
-    """verl's Megatron value-head engine (via verl-ds4's engine when installed) on the CPU."""
+class CPUMegatronEngineWithValueHead(
+    DS4MegatronEngineWithValueHead, _CPUMegatronEngineMixin, MegatronEngineWithValueHead
+):
+    """verl-ds4's Megatron value-head engine (critic) on the CPU."""
 
 
 _REGISTERED = False

@@ -36,6 +36,12 @@ def _mesh_changes(mesh: Any) -> str:
     return f", overridden: {', '.join(changed)}" if changed else ""
 
 
+def _scheduler(value: Any, report: ValidationReport) -> str:
+    if value is None and any(r.cp > 1 or r.dynamic_cp for r in report.roles):
+        return "null (verl 0.9.1's engine sets default_dynamic_cp for deepseek_v4 with CP>1)"
+    return _fmt(value)
+
+
 def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = None) -> str:
     """Render the resolved parallel plan, the DS4 settings that matter, and every finding."""
     facts = report.facts
@@ -55,7 +61,8 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
     rows = [header]
     world = report.world_size
     for r in report.roles:
-        ok = world % (r.tp * r.pp * r.cp) == 0 and world % (r.pp * r.etp * r.ep) == 0
+        ok = min(r.tp, r.pp, r.cp, r.ep, r.etp) >= 1
+        ok = ok and world % (r.tp * r.pp * r.cp) == 0 and world % (r.pp * r.etp * r.ep) == 0
         rows.append(
             [
                 r.role,
@@ -104,7 +111,7 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
     otc = _get(cfg, otc_key) or {}
     lines.append(
         "DS4 settings: "
-        f"scheduler={_fmt(otc.get('sequence_packing_scheduler'))}, "
+        f"scheduler={_scheduler(otc.get('sequence_packing_scheduler'), report)}, "
         f"indexer_loss_coeff={_fmt(otc.get('dsa_indexer_loss_coeff'))}, "
         f"recompute={_fmt(otc.get('recompute_granularity'))}:{_fmt(otc.get('recompute_modules'))}, "
         f"param_offload={_fmt(_get(cfg, report.roles[0].engine_key + '.param_offload') if report.roles else None)}, "

@@ -161,25 +161,39 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def _int(node: Any, key: str, where: str, default: Any = 1) -> Any:
+    value = node.get(key, default)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise RecipeValidationError(
+            [Problem(f"{where}.{key}", f"is {value!r}, not an integer.", "set an integer size.")]
+        ) from None
+
+
 def _role_mesh(cfg: DictConfig, role: str, engine_key: str, model_key: str, budgets: list[Budget]) -> RoleMesh:
     engine = _get(cfg, engine_key)
     if engine is None:
-        raise ValueError(f"{engine_key} is missing from the composed config; is model_engine=megatron selected?")
+        raise RecipeValidationError(
+            [Problem(engine_key, "is missing from the composed config.", "select model_engine=megatron (the recipes do).")]
+        )
     otc = engine.get("override_transformer_config") or {}
-    vpp = engine.get("virtual_pipeline_model_parallel_size")
-    etp = engine.get("expert_tensor_parallel_size")
-    tp = int(engine.get("tensor_model_parallel_size", 1))
+    vpp = _int(engine, "virtual_pipeline_model_parallel_size", engine_key, None)
+    etp = _int(engine, "expert_tensor_parallel_size", engine_key, None)
+    tp = _int(engine, "tensor_model_parallel_size", engine_key)
     return RoleMesh(
         role=role,
         engine_key=engine_key,
         model_key=model_key,
         tp=tp,
-        pp=int(engine.get("pipeline_model_parallel_size", 1)),
-        vpp=None if vpp is None else int(vpp),
-        cp=int(engine.get("context_parallel_size", 1)),
-        ep=int(engine.get("expert_model_parallel_size", 1)),
+        pp=_int(engine, "pipeline_model_parallel_size", engine_key),
+        vpp=vpp,
+        cp=_int(engine, "context_parallel_size", engine_key),
+        ep=_int(engine, "expert_model_parallel_size", engine_key),
         # Megatron: expert TP defaults to TP when unset.
-        etp=tp if etp is None else int(etp),
+        etp=tp if etp is None else etp,
         dynamic_cp=bool(engine.get("dynamic_context_parallel", False)),
         thd=bool(_get(cfg, f"{model_key}.use_remove_padding", False)),
         cp_partition_mode=otc.get("cp_partition_mode"),
@@ -297,9 +311,16 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
                 "set it to 1 (launcher keeps TP=1) and scale with PP/EP/CP/DP instead.",
             )
         )
-    for name, size in (("pipeline", role.pp), ("context", role.cp), ("expert", role.ep), ("tensor", role.tp)):
+    sizes = (
+        ("tensor_model_parallel_size", role.tp),
+        ("pipeline_model_parallel_size", role.pp),
+        ("context_parallel_size", role.cp),
+        ("expert_model_parallel_size", role.ep),
+        ("expert_tensor_parallel_size", role.etp),
+    )
+    for name, size in sizes:
         if size < 1:
-            errors.append(Problem(f"{ek}.{name}_model_parallel_size", f"is {size}; sizes must be >= 1.", "use >= 1."))
+            errors.append(Problem(f"{ek}.{name}", f"is {size}; parallel sizes must be >= 1.", "use a positive size."))
     if min(role.tp, role.pp, role.cp, role.ep, role.etp) < 1:
         return
     model_parallel = role.tp * role.pp * role.cp

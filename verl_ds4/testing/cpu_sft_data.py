@@ -28,6 +28,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "arithmetic_conversations",
     "build_char_tokenizer",
+    "ds4_proxy_hf_config",
     "prepare_cpu_sft_assets",
     "tiny_llama_config",
     "write_model_dir",
@@ -136,6 +137,55 @@ def tiny_llama_config(vocab_size: int, **overrides: Any):
     )
     settings.update(overrides)
     return LlamaConfig(**settings)
+
+
+def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None = None):
+    """An HF ``DeepseekV4Config`` describing the tiny DS4 proxy (``model_type="deepseek_v4"``).
+
+    The proxy's own sizes (``verl_ds4/models/ds4/configs/tiny_proxy.json`` unless
+    ``proxy_sizes`` is given) travel in the attribute ``verl_ds4_proxy``, which the CPU engine's
+    ``deepseek_v4`` builder reads; the standard HF fields mirror them so verl's config readers
+    (tokenizer ids, FLOP counter, MTP switch) see a consistent small model. MTP is off.
+    """
+    from transformers import DeepseekV4Config
+
+    from verl_ds4.models.ds4.proxy import load_proxy_config
+
+    sizes = load_proxy_config(proxy_sizes)
+    vocab_size = sizes["vocab_size"] if vocab_size is None else vocab_size
+    if vocab_size > sizes["vocab_size"]:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the proxy's vocab_size={sizes['vocab_size']}.")
+    config = DeepseekV4Config(
+        vocab_size=vocab_size,
+        hidden_size=sizes["hidden_size"],
+        moe_intermediate_size=sizes["ffn_hidden_size"],
+        num_hidden_layers=len(sizes["compress_ratios"]),
+        num_attention_heads=sizes["num_attention_heads"],
+        num_key_value_heads=1,
+        head_dim=sizes["head_dim"],
+        qk_rope_head_dim=sizes["rope_dim"],
+        q_lora_rank=sizes["q_lora_rank"],
+        o_groups=sizes["o_groups"],
+        o_lora_rank=sizes["o_lora_rank"],
+        sliding_window=sizes["window_size"],
+        index_n_heads=sizes["index_n_heads"],
+        index_head_dim=sizes["index_head_dim"],
+        index_topk=sizes["index_topk"],
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_shared_experts=0,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=sizes.get("max_sequence_length", 8192),
+        rope_theta=sizes.get("rope_theta", 10000.0),
+        compress_rope_theta=sizes.get("compress_rope_theta", 160000.0),
+        tie_word_embeddings=False,
+        architectures=["DeepseekV4ForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config.verl_ds4_proxy = {k: v for k, v in sizes.items() if not k.startswith("_")}
+    return config
 
 
 def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:

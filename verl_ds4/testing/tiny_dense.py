@@ -85,8 +85,8 @@ class TorchTHDCausalAttention(MegatronModule):
     [L, heads*dim].
     """
 
-    #: The CP layout this attention requires; engines read it to choose how to pack.
-    cp_layout = "contiguous"
+    #: verl-ds4's CP layout protocol (verl_ds4.mcore.resolver): contiguous rows, no minimum.
+    cp_layout_requirement = ("contiguous", None)
 
     def __init__(
         self,
@@ -146,6 +146,12 @@ class TorchTHDCausalAttention(MegatronModule):
         cu_padded = cu_padded.to(device=query.device, dtype=torch.long)
 
         cp_rank, cp_size, group = self._cp()
+        mode = getattr(packed_seq_params, "cp_partition_mode", None)
+        if cp_size > 1 and mode != "contiguous":
+            raise ValueError(
+                f"TorchTHDCausalAttention needs the contiguous CP split, got cp_partition_mode={mode!r}; "
+                "pack the batch with verl_ds4.mcore.thd (the verl-ds4 engine does)."
+            )
         local_rows = query.shape[0]
         total_rows = int(cu_padded[-1].item())
         if local_rows * cp_size != total_rows:
