@@ -21,8 +21,8 @@ import torch
 
 GAMMA = 0.97
 LAM = 0.9
-# (prompt_len, response_len) per sequence: 230 tokens in all (the proxy's minimum is 32 rows per rank),
-# so at CP=2 rank 0 holds rows [0, 115): sequence 0 (rows 0..101) and the start of sequence 1, whose
+# (prompt_len, response_len) per sequence: 230 tokens in all, padded at CP=2 to the proxy's minimum of
+# 2 * 128 rows; rank 0 holds rows [0, 128): sequence 0 (rows 0..101) and the start of sequence 1, whose
 # response starts at row 108 and crosses into rank 1.
 SEQUENCES = ((40, 62), (6, 122))
 VOCAB = 97
@@ -54,9 +54,15 @@ def _critic_values(rank: int, world: int) -> list[torch.Tensor]:
     try:
         critic = build_proxy_model(dtype=torch.float32, value_head=True, seed=2024)
         critic.eval()
+        # Each DS4 attention layer states its CP contract for the resolver (as the CPU engine's proxy
+        # builder does): contiguous rows and D_window = max(window, compression ratio) rows per rank,
+        # 128 here because of the ratio-128 layer.
+        for module in critic.modules():
+            if hasattr(module, "min_local_rows") and hasattr(module, "cp_layout"):
+                module.cp_layout_requirement = (module.cp_layout, int(module.min_local_rows()))
         resolved = resolver.resolved_for(critic)
         assert resolved.cp_size == world and resolved.layout == "contiguous", resolved.describe()
-        assert resolved.min_local_rows == 32, resolved.describe()  # the proxy's csa_window_size
+        assert resolved.min_local_rows == critic.config.min_local_rows == 128, resolved.describe()
         with torch.no_grad():
             values = gptmodel_forward_model_engine(critic, _batch(), {}, value_model=True, resolved=resolved)
         assert values.is_nested and values.dim() == 2, "the value path must return jagged [B, j] values"
