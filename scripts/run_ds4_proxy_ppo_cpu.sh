@@ -10,7 +10,7 @@
 # A test/demo: no GPU, about 2 cores and a few GB of memory; the model is random, so do not expect learning.
 #
 # Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [extra Hydra overrides...]
-set -euo pipefail
+set -euo pipefail  # pipefail: a failing trainer fails the script despite the tee
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -61,6 +61,8 @@ TRAINER=(
     trainer.default_local_dir="$WORK_DIR/checkpoints"
 )
 
+LOG="$WORK_DIR/train.log"
 start=$(date +%s)
-"$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" "$@"
-echo "[run_ds4_proxy_ppo_cpu] wall time $(( $(date +%s) - start ))s; checkpoints in $WORK_DIR/checkpoints"
+"$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" "$@" 2>&1 | tee "$LOG"
+echo "[run_ds4_proxy_ppo_cpu] wall time $(( $(date +%s) - start ))s; log $LOG; checkpoints in $WORK_DIR/checkpoints"
+"$PYTHON" -m verl_ds4.rollout.cpu_ppo_run --summarize "$LOG"
