@@ -328,3 +328,40 @@ def test_replica_launches_a_ray_server_that_generates_and_takes_weights(tmp_path
         assert set(out.token_ids) == {0} and out.extra_fields["global_steps"] == 1
     finally:
         ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# the CPU engine's weight export (what the trainer hands the adapter every step)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cpu_weight_export_unwraps_names_and_steps_aside_for_an_engine_export(monkeypatch):
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from verl_ds4.engine import cpu as cpu_engine
+    from verl_ds4.rollout import cpu_weight_export
+
+    class Wrapper(torch.nn.Module):  # like Megatron's DDP / Float16Module: the model sits in .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    exported = dict(cpu_weight_export.megatron_named_tensors([Wrapper(inner)]))
+    assert sorted(exported) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert torch.equal(exported["1.weight"], inner[1].weight)
+    with pytest.raises(ValueError, match="one model chunk"):
+        list(cpu_weight_export.megatron_named_tensors([inner, inner]))
+
+    lm, vh = cpu_engine.CPUMegatronEngineWithLMHead, cpu_engine.CPUMegatronEngineWithValueHead
+    # an engine without its own export gets this one ...
+    monkeypatch.setattr(lm, "get_per_tensor_param", MegatronEngine.get_per_tensor_param)
+    monkeypatch.setattr(vh, "get_per_tensor_param", MegatronEngine.get_per_tensor_param)
+    assert len(cpu_weight_export.install()) == 2
+    assert lm.get_per_tensor_param is cpu_weight_export._get_per_tensor_param
+    # ... an engine that defines one keeps it
+    own = lambda self, **kw: (iter(()), None)  # noqa: E731
+    monkeypatch.setattr(lm, "get_per_tensor_param", own)
+    monkeypatch.setattr(vh, "get_per_tensor_param", own)
+    assert cpu_weight_export.install() == []
+    assert lm.get_per_tensor_param is own

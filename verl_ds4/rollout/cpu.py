@@ -329,9 +329,12 @@ class CPUServerAdapter(BaseRollout):
             raise ValueError(f"rollout.name={ROLLOUT_NAME!r} does not load LoRA adapters; merge them (lora.merge=True).")
         server = self._server()
         # Every rank drains the export (it may run collectives); rank 0 of the replica keeps it.
+        if server is None:
+            for _ in weights:
+                pass
+            return
         collected = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
-        if server is not None:
-            await server.update_weights.remote(collected, global_steps=global_steps)
+        await server.update_weights.remote(collected, global_steps=global_steps)
 
 
 class CPURolloutReplica(RolloutReplica):

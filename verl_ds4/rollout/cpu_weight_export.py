@@ -31,14 +31,15 @@ def megatron_named_tensors(module) -> Iterator[tuple[str, torch.Tensor]]:
 
     Names are those of the bare ``GPTModel`` (wrapper prefixes such as DDP's ``module.`` removed).
     """
-    from verl.utils.megatron_utils import unwrap_model
-
     chunks = module if isinstance(module, (list, tuple)) else [module]
     if len(chunks) != 1:
         raise ValueError(
             f"The CPU weight export handles one model chunk (no pipeline/virtual pipeline parallelism); got {len(chunks)}."
         )
-    model = unwrap_model(chunks[0])
+    model = chunks[0]
+    # Megatron's wrappers (DistributedDataParallel, Float16Module) hold the model in `.module`.
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
     for name, param in model.named_parameters():
         yield name, param.detach()
 
