@@ -447,3 +447,16 @@ class DS4MegatronEngineWithValueHead(_ResolvedLayoutEngine, MegatronEngineWithVa
                 "context_parallel_size instead."
             )
         super()._check_startup_settings(model_config, engine_config)
+
+
+def _complete_registration_started_by_the_plugin() -> None:
+    # When this module is what imported verl's engine module, the plugin's after-import hook ran
+    # while this module was half-initialised; it finishes the registration now.
+    import sys
+
+    plugin = sys.modules.get("verl_ds4.engine.plugin")
+    if plugin is not None:
+        plugin.complete_pending_registration()
+
+
+_complete_registration_started_by_the_plugin()

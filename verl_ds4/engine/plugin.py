@@ -47,6 +47,9 @@ class PluginState:
     registered: list = dataclasses.field(default_factory=list)  # (model_type, device, vendor, class path)
     error: str | None = None
     disabled: bool = False
+    #: verl's engine module finished importing while verl_ds4.engine.megatron was itself importing
+    #: it; that module completes the registration when it has finished.
+    pending: bool = False
 
 
 STATE = PluginState()
@@ -112,6 +115,21 @@ def _register_now() -> None:
     )
 
 
+def _register_when_possible() -> None:
+    ours = sys.modules.get("verl_ds4.engine.megatron")
+    if ours is not None and getattr(getattr(ours, "__spec__", None), "_initializing", False):
+        STATE.pending = True
+        return
+    _register_now()
+
+
+def complete_pending_registration() -> None:
+    """Called by :mod:`verl_ds4.engine.megatron` once it is importable."""
+    if STATE.pending:
+        STATE.pending = False
+        _register_now()
+
+
 class _AfterImportLoader(importlib.abc.Loader):
     def __init__(self, loader, callback):
         self._loader = loader
@@ -165,10 +183,10 @@ def _activate() -> None:
         logger.warning("verl-ds4 plugin loaded but disabled by VERL_DS4_DISABLE_ENGINE: verl's stock engines are used")
         return
     if ENGINE_MODULE in sys.modules:
-        _register_now()
+        _register_when_possible()
         return
     if not any(isinstance(f, _AfterImportFinder) and f.name == ENGINE_MODULE for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImportFinder(ENGINE_MODULE, _register_now))
+        sys.meta_path.insert(0, _AfterImportFinder(ENGINE_MODULE, _register_when_possible))
     STATE.deferred = True
 
 

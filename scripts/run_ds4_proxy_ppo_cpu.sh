@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Tiny DeepSeek-V4-proxy PPO with a GAE critic on CPU, through verl's own main_ppo (v1 trainer, Ray).
+#
+#   prompts -> cpu_demo rollout (current actor weights) -> rule reward -> critic values (Megatron value head)
+#   -> GAE -> actor update (PPO + KL to the reference model) and critic update -> weight sync -> checkpoint
+#
+# Actor, reference and critic are the tiny DS4 proxy (Megatron-Core GPTModel + verl-ds4's pure-PyTorch DS4
+# attention) on verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout.
+# The recipe is recipes/recipe/ds4_proxy_ppo_cpu.yaml; every CPU-only setting is in configs/cpu/laptop.yaml.
+# A test/demo: no GPU, about 2 cores and a few GB of memory; the model is random, so do not expect learning.
+#
+# Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [extra Hydra overrides...]
+set -euo pipefail  # pipefail: a failing trainer fails the script despite the tee
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# ---------------------------------- user-adjustable ----------------------------------
+PYTHON=${PYTHON:-python}
+WORK_DIR=${WORK_DIR:-runs/ds4_proxy_ppo_cpu}
+STEPS=${STEPS:-3}                       # PPO steps (each: rollout, reward, values, GAE, updates, weight sync)
+BATCH=${BATCH:-8}                       # prompts per step
+RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
+CP=${CP:-2}                             # context-parallel size of actor, reference and critic
+N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
+SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
+RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto
+# --------------------------------------------------------------------------------------
+
+ASSETS="$WORK_DIR/assets"
+"$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" >/dev/null
+REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__file__)')
+
+# Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
+export VERL_PLATFORM=cpu
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,verl_ds4.engine.cpu,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TOKENIZERS_PARALLELISM=false
+
+RECIPE=(
+    'hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]'
+    +recipe=ds4_proxy_ppo_cpu
+)
+DATA=(
+    data.train_files="$ASSETS/data/train.parquet"
+    data.val_files="$ASSETS/data/val.parquet"
+    data.train_batch_size="$BATCH"
+    data.max_response_length="$RESPONSE_LENGTH"
+    reward.custom_reward_function.path="$REWARD_FILE"
+)
+MODEL=(
+    actor_rollout_ref.model.path="$ASSETS/model"
+    actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH"
+    actor_rollout_ref.actor.megatron.context_parallel_size="$CP"
+    actor_rollout_ref.ref.megatron.context_parallel_size="$CP"
+    critic.megatron.context_parallel_size="$CP"
+)
+TRAINER=(
+    trainer.total_training_steps="$STEPS"
+    trainer.save_freq="$SAVE_FREQ"
+    trainer.resume_mode="$RESUME_MODE"
+    trainer.default_local_dir="$WORK_DIR/checkpoints"
+)
+
+LOG="$WORK_DIR/train.log"
+start=$(date +%s)
+"$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" "$@" 2>&1 | tee "$LOG"
+echo "[run_ds4_proxy_ppo_cpu] wall time $(( $(date +%s) - start ))s; log $LOG; checkpoints in $WORK_DIR/checkpoints"
+"$PYTHON" -m verl_ds4.rollout.cpu_ppo_run --summarize "$LOG"

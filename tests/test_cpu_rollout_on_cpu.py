@@ -1,0 +1,367 @@
+"""The ``cpu_demo`` rollout (verl_ds4/rollout): registration, sampling, the server on the real DS4 proxy, weight sync.
+
+Real parts: verl's rollout registries and ``RolloutConfig``/``TokenOutput``, the tiny DS4 proxy built by the
+CPU engine's own model builder (Megatron-Core ``GPTModel`` + pure-PyTorch DS4 attention), verl-ds4's THD
+forward, and Ray (one test starts a real replica and its server actor). The only stand-in is a recording
+object in place of a Ray actor handle in the adapter unit test (the Ray test covers the real handle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import verl_ds4.rollout as cpu_rollout
+from verl_ds4.rollout.cpu import CPURolloutServer, CPUServerAdapter, refuse_cuda, sample_next_token
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rollout_config(**overrides):
+    from verl.workers.config import RolloutConfig
+
+    kwargs = dict(name="cpu_demo", prompt_length=24, response_length=8, tensor_model_parallel_size=1)
+    kwargs.update(overrides)
+    return RolloutConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# registration
+# ------------------------------------------------------------------------------------------------
+
+
+def test_both_registries_resolve_the_name():
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import RolloutReplica, get_rollout_replica_class
+
+    from verl_ds4.rollout.cpu import CPURolloutReplica
+
+    assert cpu_rollout.is_registered()
+    assert get_rollout_class("cpu_demo", "async") is CPUServerAdapter
+    replica_cls = get_rollout_replica_class("cpu_demo")
+    assert replica_cls is CPURolloutReplica and issubclass(replica_cls, RolloutReplica)
+    cpu_rollout.register()  # idempotent
+    assert cpu_rollout.is_registered()
+
+
+def test_registration_refuses_to_replace_another_rollout(monkeypatch):
+    from verl.workers.rollout import base
+
+    monkeypatch.setitem(base._ROLLOUT_REGISTRY, ("cpu_demo", "async"), "somebody.else.Adapter")
+    with pytest.raises(RuntimeError, match="will not replace"):
+        cpu_rollout.register()
+
+
+def test_import_verl_with_external_modules_registers_in_a_fresh_process():
+    code = (
+        "import verl\n"
+        "from verl.workers.rollout.base import get_rollout_class\n"
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "print(get_rollout_class('cpu_demo').__name__, get_rollout_replica_class('cpu_demo').__name__)\n"
+    )
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_ds4.rollout")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["CPUServerAdapter", "CPURolloutReplica"]
+
+
+# ------------------------------------------------------------------------------------------------
+# refusing CUDA, sampling
+# ------------------------------------------------------------------------------------------------
+
+
+def test_refuses_to_run_where_cuda_devices_are_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(RuntimeError, match="rollout.name=vllm"):
+        refuse_cuda("test")
+    with pytest.raises(RuntimeError, match="CPU test/demo rollout"):
+        CPURolloutServer(_rollout_config(), SimpleNamespace(hf_config=None), policy=object())
+
+
+def test_sampling_greedy_top_k_top_p_and_seeded():
+    logits = torch.tensor([0.5, 2.0, 1.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    token, logprob = sample_next_token(logits, 0.0, -1, 1.0, gen)
+    assert token == 1 and logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
+    # top_k=1 and a tiny top_p both leave only the argmax
+    assert {sample_next_token(logits, 1.0, 1, 1.0, gen)[0] for _ in range(20)} == {1}
+    assert {sample_next_token(logits, 1.0, -1, 0.01, gen)[0] for _ in range(20)} == {1}
+    # top_k=2 never samples outside the two largest; log-prob is the temperature-scaled one before the cut
+    seen = {sample_next_token(logits, 2.0, 2, 1.0, gen)[0] for _ in range(200)}
+    assert seen == {1, 2}
+    token, logprob = sample_next_token(logits, 2.0, 2, 1.0, torch.Generator().manual_seed(3))
+    assert logprob == pytest.approx(float(torch.log_softmax(logits / 2.0, -1)[token]))
+    # frequencies follow the distribution; same seed, same draws
+    draws = [sample_next_token(logits, 1.0, -1, 1.0, torch.Generator().manual_seed(s))[0] for s in range(3000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
+    assert torch.allclose(freq, torch.softmax(logits.double(), -1), atol=0.03)
+    a = [sample_next_token(logits, 1.0, -1, 1.0, g)[0] for g in [torch.Generator().manual_seed(7)] * 10]
+    b = [sample_next_token(logits, 1.0, -1, 1.0, g)[0] for g in [torch.Generator().manual_seed(7)] * 10]
+    assert a == b
+
+
+# ------------------------------------------------------------------------------------------------
+# the server on the real DS4 proxy (one forked gloo process: Megatron needs a process group)
+# ------------------------------------------------------------------------------------------------
+
+
+def _proxy_hf_config():
+    from verl_ds4.testing.cpu_sft_data import ds4_proxy_hf_config
+
+    return ds4_proxy_hf_config()
+
+
+def _server_checks(rank: int, world: int) -> dict:
+    import logging
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    from verl_ds4.models.ds4.proxy import reset_parameters
+    from verl_ds4.rollout.policy import MegatronCPUPolicy
+
+    hf_config = _proxy_hf_config()
+    policy = MegatronCPUPolicy(hf_config)
+    model_config = SimpleNamespace(hf_config=hf_config, tokenizer=None, generation_config=None)
+    server = CPURolloutServer(_rollout_config(), model_config, policy=policy)
+    out: dict = {}
+    prompt = [5, 17, 3, 42, 8, 8, 21, 9, 60, 2]
+
+    # 1. sampled tokens carry the log-probs a single full-sequence forward of the same weights gives
+    #    (what the actor recomputes as old log-probs)
+    res = asyncio.run(server.generate(prompt, {"temperature": 1.0, "logprobs": True}, request_id="r1"))
+    out["n_tokens"] = len(res.token_ids)
+    from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
+
+    seq = prompt + res.token_ids
+    nested = torch.nested.nested_tensor_from_jagged(torch.tensor(seq), offsets=torch.tensor([0, len(seq)]))
+    with torch.no_grad():
+        logits = gptmodel_forward_model_engine(policy.model, nested, {}).values().float()
+    full = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+    out["logprob_diff"] = (full - torch.tensor(res.log_probs)).abs().max().item()
+    out["same_request_same_tokens"] = (
+        asyncio.run(server.generate(prompt, {"temperature": 1.0}, request_id="r1")).token_ids == res.token_ids
+    )
+    out["no_logprobs_unless_asked"] = asyncio.run(server.generate(prompt, {"temperature": 0}, "r2")).log_probs is None
+
+    # 2. max_tokens and eos
+    out["max_tokens_3"] = len(asyncio.run(server.generate(prompt, {"temperature": 0, "max_tokens": 3}, "r3")).token_ids)
+    greedy = asyncio.run(server.generate(prompt, {"temperature": 0}, "r4")).token_ids
+    server.eos_token_ids = {greedy[0]}
+    out["eos_stops"] = asyncio.run(server.generate(prompt, {"temperature": 0}, "r5")).token_ids == greedy[:1]
+    out["ignore_eos"] = asyncio.run(server.generate(prompt, {"temperature": 0, "ignore_eos": True}, "r6")).token_ids == greedy
+    server.eos_token_ids = set()
+
+    # 3. weight sync: the actor's Megatron names and tensors load exactly and change what is generated
+    before = policy.next_token_logits(prompt).clone()
+    actor = MegatronCPUPolicy(hf_config).model  # the same builder the CPU engine uses -> same names
+    reset_parameters(actor, seed=999, std=0.3)
+    exported = [(f"module.{name}", p.detach().clone()) for name, p in actor.named_parameters()]
+    loaded = asyncio.run(server.update_weights(exported, global_steps=3))
+    params = dict(policy.model.named_parameters())
+    out["all_loaded"] = loaded == len(params) and all(
+        torch.equal(params[name[len("module.") :]], t) for name, t in exported
+    )
+    with torch.no_grad():
+        expected = gptmodel_forward_model_engine(actor, torch.nested.nested_tensor_from_jagged(
+            torch.tensor(prompt), offsets=torch.tensor([0, len(prompt)])), {}).values()[-1].float()
+    after = policy.next_token_logits(prompt)
+    out["logits_follow_weights"] = torch.allclose(after, expected, atol=1e-5) and not torch.allclose(after, before)
+    out["global_steps"] = asyncio.run(server.generate(prompt, {"temperature": 0, "max_tokens": 1}, "r7")).extra_fields[
+        "global_steps"
+    ]
+
+    # 4. bad exports fail clearly
+    errors = {}
+    for label, bad in {
+        "missing": exported[1:],
+        "unexpected": exported + [("module.extra.weight", torch.zeros(1))],
+        "shape": [(exported[0][0], torch.zeros(3))] + exported[1:],
+    }.items():
+        try:
+            asyncio.run(server.update_weights(bad))
+            errors[label] = None
+        except ValueError as err:
+            errors[label] = str(err)
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def server_results():
+    from verl_ds4.testing.distributed import run_distributed
+
+    return run_distributed(_server_checks, world_size=1, timeout=240)[0]
+
+
+def test_server_logprobs_match_a_full_forward_of_the_same_weights(server_results):
+    assert server_results["n_tokens"] == 8  # response_length
+    assert server_results["logprob_diff"] < 1e-4
+    assert server_results["same_request_same_tokens"]
+    assert server_results["no_logprobs_unless_asked"]
+
+
+def test_server_honours_max_tokens_and_eos(server_results):
+    assert server_results["max_tokens_3"] == 3
+    assert server_results["eos_stops"]
+    assert server_results["ignore_eos"]
+
+
+def test_server_loads_actor_weights_every_update(server_results):
+    assert server_results["all_loaded"]
+    assert server_results["logits_follow_weights"]
+    assert server_results["global_steps"] == 3
+
+
+def test_server_rejects_mismatched_exports(server_results):
+    errors = server_results["errors"]
+    assert "missing" in errors["missing"] and "(1)" in errors["missing"]
+    assert "unexpected ['module.extra.weight']" in errors["unexpected"]
+    assert "shape (3,)" in errors["shape"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the adapter (per actor rank)
+# ------------------------------------------------------------------------------------------------
+
+
+class _RecordingMethod:
+    def __init__(self):
+        self.calls = []
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        future = asyncio.get_event_loop().create_future()
+        future.set_result(len(args[0]))
+        return future
+
+
+def _adapter(monkeypatch, rank: int, tp: int = 1):
+    monkeypatch.setenv("RANK", str(rank))
+    adapter = CPUServerAdapter(_rollout_config(tensor_model_parallel_size=tp), SimpleNamespace(), device_mesh=None)
+    handle = SimpleNamespace(update_weights=_RecordingMethod())
+    adapter.server_handle = handle
+    return adapter, handle
+
+
+def test_adapter_rank0_sends_every_tensor_other_ranks_only_drain(monkeypatch):
+    drained = []
+
+    def export():
+        for i in range(3):
+            drained.append(i)
+            yield f"w{i}", torch.full((2,), float(i))
+
+    adapter, handle = _adapter(monkeypatch, rank=0)
+    asyncio.run(adapter.update_weights(export(), global_steps=5))
+    (args, kwargs), = handle.update_weights.calls
+    assert [n for n, _ in args[0]] == ["w0", "w1", "w2"] and kwargs == {"global_steps": 5}
+    assert torch.equal(args[0][2][1], torch.full((2,), 2.0))
+
+    drained.clear()
+    adapter, handle = _adapter(monkeypatch, rank=1)  # tp=1: rank 1 is replica 1's rank 0
+    assert (adapter.replica_rank, adapter.rollout_rank) == (1, 0)
+    adapter, handle = _adapter(monkeypatch, rank=3, tp=2)  # rank 1 of replica 1: drains, sends nothing
+    assert (adapter.replica_rank, adapter.rollout_rank) == (1, 1)
+    asyncio.run(adapter.update_weights(export()))
+    assert drained == [0, 1, 2] and handle.update_weights.calls == []
+
+    with pytest.raises(ValueError, match="checkpoint_engine.backend=naive"):
+        asyncio.run(adapter.update_weights(export(), wire_format="delta_flush"))
+    with pytest.raises(ValueError, match="LoRA"):
+        asyncio.run(adapter.update_weights(export(), peft_config={"r": 8}))
+
+
+# ------------------------------------------------------------------------------------------------
+# one real Ray run: replica -> server actor -> generate, adapter -> weight update
+# ------------------------------------------------------------------------------------------------
+
+
+def test_replica_launches_a_ray_server_that_generates_and_takes_weights(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from omegaconf import OmegaConf
+
+    from verl_ds4.testing.cpu_sft_data import write_model_dir
+
+    model_dir = write_model_dir(tmp_path / "model", hf_config=_proxy_hf_config())
+    model_config = OmegaConf.create(
+        {"_target_": "verl.workers.config.HFModelConfig", "path": str(model_dir), "trust_remote_code": False}
+    )
+    env = {"VERL_USE_EXTERNAL_MODULES": "verl_ds4.rollout", "OMP_NUM_THREADS": "1"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        from verl.workers.rollout.replica import get_rollout_replica_class
+
+        replica = get_rollout_replica_class("cpu_demo")(
+            replica_rank=0, config=_rollout_config(), model_config=model_config, gpus_per_node=1
+        )
+        asyncio.run(replica.launch_servers())
+        server = replica.server_handle
+        assert replica.server_address == "cpu_demo-replica-0"
+        out = ray.get(server.generate.remote(prompt_ids=[5, 6, 7], sampling_params={"temperature": 0}, request_id="a"))
+        assert 1 <= len(out.token_ids) <= 8 and all(0 <= t < 97 for t in out.token_ids)
+        for method in ("wake_up", "sleep", "resume_generation", "clear_kv_cache", "release_kv_cache",
+                       "resume_kv_cache", "stop_profile"):  # fmt: skip
+            ray.get(getattr(server, method).remote())
+        assert ray.get(server.abort_all_requests.remote())["aborted_count"] == 0
+        asyncio.run(replica.wake_up())
+        asyncio.run(replica.sleep())
+
+        # the adapter finds the server by name and pushes a full export (here: the server's own names)
+        names = ray.get(server.__ray_call__.remote(lambda self: self.policy.parameter_names()))
+        monkeypatch.setenv("RANK", "0")
+        adapter = CPUServerAdapter(_rollout_config(), SimpleNamespace(), device_mesh=None)
+        shapes = ray.get(server.__ray_call__.remote(
+            lambda self: {n: tuple(p.shape) for n, p in self.policy.model.named_parameters()}))  # fmt: skip
+        zeros = ((n, torch.zeros(shapes[n])) for n in names)
+        asyncio.run(adapter.update_weights(zeros, global_steps=1))
+        stats = ray.get(server.get_stats.remote())
+        assert stats == {"num_weight_updates": 1, "global_steps": 1, "replica_rank": 0}
+        # all-zero weights: every logit is 0, greedy picks token 0 every step
+        out = ray.get(server.generate.remote(prompt_ids=[5, 6, 7], sampling_params={"temperature": 0}, request_id="b"))
+        assert set(out.token_ids) == {0} and out.extra_fields["global_steps"] == 1
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# the CPU engine's weight export (what the trainer hands the adapter every step)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cpu_weight_export_unwraps_names_and_steps_aside_for_an_engine_export(monkeypatch):
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from verl_ds4.engine import cpu as cpu_engine
+    from verl_ds4.rollout import cpu_weight_export
+
+    class Wrapper(torch.nn.Module):  # like Megatron's DDP / Float16Module: the model sits in .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    exported = dict(cpu_weight_export.megatron_named_tensors([Wrapper(inner)]))
+    assert sorted(exported) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert torch.equal(exported["1.weight"], inner[1].weight)
+    with pytest.raises(ValueError, match="one model chunk"):
+        list(cpu_weight_export.megatron_named_tensors([inner, inner]))
+
+    lm, vh = cpu_engine.CPUMegatronEngineWithLMHead, cpu_engine.CPUMegatronEngineWithValueHead
+    # an engine without its own export gets this one ...
+    monkeypatch.setattr(lm, "get_per_tensor_param", MegatronEngine.get_per_tensor_param)
+    monkeypatch.setattr(vh, "get_per_tensor_param", MegatronEngine.get_per_tensor_param)
+    assert len(cpu_weight_export.install()) == 2
+    assert lm.get_per_tensor_param is cpu_weight_export._get_per_tensor_param
+    # ... an engine that defines one keeps it
+    own = lambda self, **kw: (iter(()), None)  # noqa: E731
+    monkeypatch.setattr(lm, "get_per_tensor_param", own)
+    monkeypatch.setattr(vh, "get_per_tensor_param", own)
+    assert cpu_weight_export.install() == []
+    assert lm.get_per_tensor_param is own

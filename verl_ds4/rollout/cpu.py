@@ -1,0 +1,370 @@
+"""``rollout.name=cpu_demo``: a test/demo rollout for verl's v1 trainer that samples on the CPU.
+
+verl 0.9.1's rollouts (vLLM, SGLang, TensorRT-LLM) need GPUs, and its ``hf_rollout`` / ``naive``
+rollouts are not used by the v1 trainer's agent loop. This rollout lets the whole RL loop
+(rollout -> reward -> values -> GAE -> updates -> weight sync) run on a laptop:
+
+* :class:`CPURolloutServer` - the Ray actor the agent loop talks to (token in, token out):
+  ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` samples one request
+  at a time (serial, a full forward per token, no KV cache) from a
+  :class:`~verl_ds4.rollout.policy.MegatronCPUPolicy`; ``update_weights`` loads the actor's
+  weights; the trainer's control calls (``wake_up``, ``sleep``, ``abort_all_requests``, ...)
+  are no-ops because nothing is paged in or out.
+* :class:`CPUServerAdapter` - the ``BaseRollout`` each actor rank holds (``_ROLLOUT_REGISTRY``):
+  every step the worker hands it the actor's ``(name, tensor)`` export; every rank drains the
+  generator (an export may involve collectives), rollout rank 0 sends the tensors to its server.
+* :class:`CPURolloutReplica` - the ``RolloutReplica`` (``RolloutReplicaRegistry``) whose
+  ``launch_servers`` starts one server actor per replica.
+
+It refuses to run where CUDA is available: it is far too slow for real training, and a GPU run
+must use vLLM or SGLang. :func:`verl_ds4.rollout.register` makes verl know the name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import zlib
+from typing import Any, Generator, Optional
+
+import torch
+
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl_ds4.rollout import ROLLOUT_NAME
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME_PREFIX = "verl_ds4_cpu_demo_server"
+# Policy used when the config does not name one: the actor's Megatron model on one CPU rank.
+DEFAULT_POLICY = "verl_ds4.rollout.policy.MegatronCPUPolicy"
+# Env var naming another policy class (module.Class) with the same interface (tests).
+ENV_POLICY = "VERL_DS4_CPU_ROLLOUT_POLICY"
+
+__all__ = [
+    "ROLLOUT_NAME",
+    "CPURolloutReplica",
+    "CPURolloutServer",
+    "CPUServerAdapter",
+    "refuse_cuda",
+    "sample_next_token",
+    "server_actor_name",
+]
+
+
+def refuse_cuda(where: str) -> None:
+    """Raise if CUDA devices are visible: this rollout is for CPU tests and demos only."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        raise RuntimeError(
+            f"rollout.name={ROLLOUT_NAME!r} ({where}) is a CPU test/demo rollout (serial, no KV cache) and refuses "
+            f"to run where CUDA devices are visible ({torch.cuda.device_count()} found). On GPUs set "
+            "actor_rollout_ref.rollout.name=vllm (or sglang)."
+        )
+
+
+def server_actor_name(replica_rank: int, name_suffix: str = "") -> str:
+    """The Ray actor name of replica ``replica_rank``'s server (the adapter looks it up by name)."""
+    return f"{SERVER_NAME_PREFIX}_{replica_rank}{name_suffix}"
+
+
+def sample_next_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> tuple[int, float]:
+    """``(token, log-prob)`` from float logits ``[vocab]``.
+
+    ``temperature <= 0`` is greedy (log-prob of the raw distribution); otherwise the logits are
+    divided by the temperature, cut to the ``top_k`` largest (``top_k <= 0``: all) and to the
+    smallest set whose probability reaches ``top_p``, and sampled; the log-prob is that of the
+    token under the temperature-scaled distribution before the cuts (what the actor recomputes).
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    scaled = logits / temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    masked = scaled.clone()
+    if 0 < top_k < masked.numel():
+        kth = torch.topk(masked, top_k).values[-1]
+        masked[masked < kth] = float("-inf")
+    if 0.0 < top_p < 1.0:
+        probs = torch.softmax(masked, dim=-1)
+        order = torch.argsort(probs, descending=True)
+        cumulative = torch.cumsum(probs[order], dim=0)
+        drop = cumulative - probs[order] >= top_p  # keep the first token that reaches top_p
+        masked[order[drop]] = float("-inf")
+    probs = torch.softmax(masked, dim=-1)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def _load_class(path: str):
+    import importlib
+
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"expected a 'module.Class' path for the CPU rollout policy, got {path!r}")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _eos_token_ids(model_config) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model_config, "generation_config", None), getattr(model_config, "hf_config", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    tokenizer = getattr(model_config, "tokenizer", None)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class CPURolloutServer:
+    """The rollout server (a Ray actor in a run; a plain object in unit tests).
+
+    Args:
+        config: the rollout config (``RolloutConfig`` or its DictConfig).
+        model_config: the actor's model config (``HFModelConfig`` or its DictConfig; any object with
+            ``hf_config`` and optionally ``tokenizer`` / ``generation_config`` is used as is).
+        replica_rank: this server's replica.
+        policy: optional policy object (tests); by default the class named by
+            ``$VERL_DS4_CPU_ROLLOUT_POLICY`` or :data:`DEFAULT_POLICY`, built from ``model_config.hf_config``.
+    """
+
+    def __init__(self, config, model_config, replica_rank: int = 0, policy: Any = None):
+        from omegaconf import DictConfig
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import HFModelConfig, RolloutConfig
+
+        refuse_cuda("server")
+        if not isinstance(config, RolloutConfig):
+            config = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
+        self.config = config
+        if isinstance(model_config, (dict, DictConfig)):
+            model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
+        self.model_config = model_config
+        self.replica_rank = replica_rank
+        if policy is None:
+            torch.set_num_threads(max(1, int(os.environ.get("VERL_DS4_CPU_ROLLOUT_THREADS", "1"))))
+            policy_cls = _load_class(os.environ.get(ENV_POLICY, DEFAULT_POLICY))
+            policy = policy_cls(model_config.hf_config)
+        self.policy = policy
+        self.eos_token_ids = _eos_token_ids(model_config)
+        self.global_steps: Optional[int] = None
+        self.num_weight_updates = 0
+        self._lock = asyncio.Lock()  # serial: one request at a time, weights never change mid-request
+        logger.info(
+            "verl-ds4 %s rollout server %d ready (eos ids %s)", ROLLOUT_NAME, replica_rank, sorted(self.eos_token_ids)
+        )
+
+    # -- token in, token out ----------------------------------------------------------------
+
+    def _max_tokens(self, prompt_len: int, sampling_params: dict) -> int:
+        for key in ("max_tokens", "max_new_tokens"):
+            if key in sampling_params:
+                requested = int(sampling_params.pop(key))
+                break
+        else:
+            requested = min(
+                self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len
+            )
+        budget = self.config.prompt_length + self.config.response_length - prompt_len
+        if budget < 1:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens leaves no room for a response within prompt_length + response_length "
+                f"= {self.config.prompt_length + self.config.response_length}."
+            )
+        return max(1, min(requested, budget))
+
+    def _generator(self, request_id: str, sampling_params: dict) -> torch.Generator:
+        seed = sampling_params.get("seed")
+        if seed is None:
+            seed = (int(self.config.seed or 0) * 1_000_003 + zlib.crc32(str(request_id).encode())) & 0x7FFFFFFF
+        return torch.Generator().manual_seed(int(seed))
+
+    def generate_sync(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> TokenOutput:
+        """Sample a response for one prompt (what :meth:`generate` runs)."""
+        params = dict(sampling_params or {})
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("generate needs a non-empty prompt_ids.")
+        max_tokens = self._max_tokens(len(prompt), params)
+        temperature = float(params.get("temperature", 1.0) or 0.0)
+        top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
+        top_p = float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0)
+        want_logprobs = bool(params.get("logprobs", False))
+        ignore_eos = bool(params.get("ignore_eos", False))
+        generator = self._generator(request_id, params)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        stop_reason = "completed"
+        for _ in range(max_tokens):
+            logits = self.policy.next_token_logits(prompt + tokens)
+            token, logprob = sample_next_token(logits, temperature, top_k, top_p, generator)
+            tokens.append(token)
+            logprobs.append(logprob)
+            if token in self.eos_token_ids and not ignore_eos:
+                break
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logprobs if want_logprobs else None,
+            stop_reason=stop_reason,
+            num_preempted=0,
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Optional[list[Any]] = None,
+        video_data: Optional[list[Any]] = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
+            raise ValueError(f"rollout.name={ROLLOUT_NAME!r} generates text only; this request carries media.")
+        async with self._lock:
+            return await asyncio.to_thread(self.generate_sync, prompt_ids, sampling_params, request_id)
+
+    # -- weights --------------------------------------------------------------------------
+
+    async def update_weights(self, weights: list[tuple[str, torch.Tensor]], global_steps: Optional[int] = None) -> int:
+        """Load the actor's weights (all of them, every step); returns how many tensors were loaded."""
+        async with self._lock:
+            count = await asyncio.to_thread(self.policy.load_weights, weights)
+        self.num_weight_updates += 1
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return count
+
+    async def get_stats(self) -> dict[str, Any]:
+        return {
+            "num_weight_updates": self.num_weight_updates,
+            "global_steps": self.global_steps,
+            "replica_rank": self.replica_rank,
+        }
+
+    # -- control methods: nothing to page in or out on a CPU --------------------------------
+
+    async def wake_up(self):
+        pass
+
+    async def sleep(self):
+        pass
+
+    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        # Requests run to completion one at a time; there is nothing partial to abort.
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def abort_request(self, request_id: str) -> dict[str, Any]:
+        return {"aborted": False, "request_id": request_id}
+
+    async def resume_generation(self):
+        pass
+
+    async def clear_kv_cache(self):
+        pass
+
+    async def release_kv_cache(self):
+        pass
+
+    async def resume_kv_cache(self):
+        pass
+
+    async def start_profile(self, **kwargs):
+        pass
+
+    async def stop_profile(self):
+        pass
+
+
+class CPUServerAdapter(BaseRollout):
+    """The per-actor-rank client of the CPU rollout server (verl's ``BaseRollout`` for ``cpu_demo``)."""
+
+    def __init__(self, config, model_config, device_mesh, replica_rank: int = -1):
+        refuse_cuda("server adapter")
+        super().__init__(config, model_config, device_mesh)
+        rank = int(os.environ.get("RANK", "0"))
+        rollout_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % rollout_world_size
+        self.server_handle = None
+
+    def _server(self):
+        if self.rollout_rank != 0:
+            return None
+        if self.server_handle is None:
+            import ray
+
+            self.server_handle = ray.get_actor(server_actor_name(self.replica_rank))
+        return self.server_handle
+
+    async def resume(self, tags: list[str]):
+        pass  # weights and "KV cache" live in the server process on the CPU; nothing to page in
+
+    async def release(self):
+        pass
+
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        wire_format: str = "named_tensors",
+        global_steps: Optional[int] = None,
+        peft_config: Any = None,
+        **kwargs,
+    ):
+        if wire_format != "named_tensors":
+            raise ValueError(
+                f"rollout.name={ROLLOUT_NAME!r} takes full named tensors; got wire_format={wire_format!r}. "
+                "Use actor_rollout_ref.rollout.checkpoint_engine.backend=naive."
+            )
+        if peft_config is not None:
+            raise ValueError(f"rollout.name={ROLLOUT_NAME!r} does not load LoRA adapters; merge them (lora.merge=True).")
+        server = self._server()
+        # Every rank drains the export (it may run collectives); rank 0 of the replica keeps it.
+        if server is None:
+            for _ in weights:
+                pass
+            return
+        collected = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+        await server.update_weights.remote(collected, global_steps=global_steps)
+
+
+class CPURolloutReplica(RolloutReplica):
+    """One CPU rollout server per replica, started next to the replica's first trainer worker."""
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self):
+        import ray
+
+        refuse_cuda("replica")
+        server_cls = ray.remote(CPURolloutServer)
+        options: dict[str, Any] = {
+            "name": server_actor_name(self.replica_rank, self.name_suffix),
+            "max_concurrency": self.max_concurrency,
+            "num_cpus": 0,  # the trainer workers hold the logical CPUs/GPUs; the server only waits on them
+        }
+        if self.workers:
+            node_id = await self.workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+            options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                node_id=node_id, soft=False
+            )
+        env = {key: os.environ[key] for key in ("VERL_PLATFORM", ENV_POLICY) if key in os.environ}
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        server = server_cls.options(**options).remote(
+            config=self.config, model_config=self.model_config, replica_rank=self.replica_rank
+        )
+        await server.get_stats.remote()  # wait until it has built its model; raises its start-up error
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"{ROLLOUT_NAME}-replica-{self.replica_rank}{self.name_suffix}"

@@ -1,0 +1,98 @@
+"""The CPU PPO demo's task: a tiny, download-free RL dataset and its rule reward.
+
+Prompts ask for one digit repeated (``"Repeat the digit 7."``); the rule reward
+(:func:`compute_score`, verl's ``custom_reward_function`` signature) scores the decoded response
+per character: 1 for the asked digit, 0.2 for any other digit, 0 otherwise, averaged over the
+response (so in [0, 1], and a random policy already earns a little of it).
+
+:func:`write_ppo_assets` writes everything a run needs into one folder, deterministically:
+``model/`` (the character tokenizer with its chat template and the tiny DS4 proxy's HF config,
+:mod:`verl_ds4.testing.cpu_sft_data`) and ``data/{train,val}.parquet`` in verl's RL format
+(``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model`` with the
+``ground_truth``, ``extra_info``).
+
+    python -m verl_ds4.rollout.demo_task --out runs/ds4_proxy_ppo_cpu/assets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DATA_SOURCE", "compute_score", "digit_prompts", "write_ppo_assets"]
+
+DATA_SOURCE = "verl_ds4/cpu_digits"
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **kwargs) -> float:
+    """Per-character reward of a response for the digit ``ground_truth`` (see module docstring)."""
+    if data_source != DATA_SOURCE:
+        raise ValueError(f"compute_score scores {DATA_SOURCE!r} rows only, got data_source={data_source!r}.")
+    text = solution_str or ""
+    if not text:
+        return 0.0
+    score = sum(1.0 if ch == ground_truth else 0.2 if ch.isdigit() else 0.0 for ch in text)
+    return score / len(text)
+
+
+def digit_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` RL rows (a pure function of ``n`` and ``seed``)."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(n):
+        digit = str(rng.randrange(10))
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"Repeat the digit {digit}."}],
+                "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": digit},
+                "extra_info": {"index": index, "digit": digit},
+            }
+        )
+    return rows
+
+
+def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    return path
+
+
+def write_ppo_assets(out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0) -> dict[str, str]:
+    """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths."""
+    from verl_ds4.testing.cpu_sft_data import ds4_proxy_hf_config, write_model_dir
+
+    if n_train < 1 or n_val < 0:
+        raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}.")
+    out_dir = Path(out_dir)
+    model_dir = write_model_dir(out_dir / "model", hf_config=ds4_proxy_hf_config())
+    rows = digit_prompts(n_train + n_val, seed=seed)
+    paths = {
+        "model": str(model_dir),
+        "train": str(_write_parquet(out_dir / "data" / "train.parquet", rows[:n_train])),
+        "val": str(_write_parquet(out_dir / "data" / "val.parquet", rows[n_train:] or rows[:1])),
+    }
+    (out_dir / "assets.json").write_text(json.dumps({"n_train": n_train, "n_val": n_val, "seed": seed}) + "\n")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write the CPU PPO demo's model folder and RL parquet files.")
+    parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")
+    parser.add_argument("--n-train", type=int, default=256, help="training prompts (default 256)")
+    parser.add_argument("--n-val", type=int, default=16, help="validation prompts (default 16)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name, path in write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The model a CPU rollout server samples from: the actor's own Megatron model, rebuilt at CP=1.
+
+:class:`MegatronCPUPolicy` builds the model with the CPU engine's builder for the HF ``model_type``
+(:data:`verl_ds4.engine.cpu.CPU_MODEL_BUILDERS`: the tiny DS4 proxy for ``deepseek_v4``, the tiny
+dense GPT for ``llama``), so its parameter names are exactly the names of the actor's Megatron
+module; :meth:`MegatronCPUPolicy.load_weights` therefore takes the actor's ``(name, tensor)``
+export as is (strictly: a missing, unexpected or mis-shaped tensor is an error). It runs the
+forward through verl-ds4's THD forward function (one packed sequence, CP=1).
+
+Megatron needs a process group and its parallel state; a rollout server is its own process, so
+the policy starts a private one-rank gloo group there when none exists (:func:`ensure_single_rank_megatron`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any, Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MegatronCPUPolicy", "ensure_single_rank_megatron"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_rank_megatron() -> None:
+    """Make sure this process has a torch.distributed group and Megatron's parallel state (all sizes 1).
+
+    A process that already has both (a test worker) keeps them, as long as every parallel size is 1.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel()
+    sizes = {
+        "tensor": mpu.get_tensor_model_parallel_world_size(),
+        "pipeline": mpu.get_pipeline_model_parallel_world_size(),
+        "context": mpu.get_context_parallel_world_size(),
+    }
+    if any(size != 1 for size in sizes.values()):
+        raise RuntimeError(
+            f"The CPU rollout runs its model on one rank, but this process has Megatron parallel sizes {sizes}. "
+            "Run the rollout server in its own process (the CPU replica does)."
+        )
+
+
+class MegatronCPUPolicy:
+    """The actor's Megatron model on one CPU rank: next-token logits for one sequence at a time."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, share_embeddings: bool | None = None):
+        from verl_ds4.engine.cpu import CPU_MODEL_BUILDERS, cpu_transformer_overrides
+
+        model_type = getattr(hf_config, "model_type", None)
+        builder = CPU_MODEL_BUILDERS.get(model_type)
+        if builder is None:
+            raise ValueError(
+                f"The CPU rollout has no model builder for HF model_type={model_type!r}; registered: "
+                f"{sorted(CPU_MODEL_BUILDERS)} (verl_ds4.engine.cpu.register_cpu_model_builder adds one)."
+            )
+        ensure_single_rank_megatron()
+        if share_embeddings is None:
+            share_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        tf_config = builder.transformer_config(hf_config, dtype, cpu_transformer_overrides({}))
+        self.model = builder.build(
+            tf_config, hf_config, pre_process=True, post_process=True, share_embeddings=share_embeddings
+        )
+        self.model.eval()
+        for param in self.model.parameters():
+            param.requires_grad_(False)
+        self.dtype = dtype
+        self.vocab_size = int(hf_config.vocab_size)
+        self.weight_version = 0
+
+    # -- weights --------------------------------------------------------------------------
+
+    def parameter_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy the actor's exported ``(name, tensor)`` pairs into the model; returns how many.
+
+        Every parameter must arrive exactly once with its shape; names may carry the prefixes of
+        Megatron's wrappers (``module.``), which are stripped.
+        """
+        params = dict(self.model.named_parameters())
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                key = name
+                while key not in params and key.startswith("module."):
+                    key = key[len("module.") :]
+                if key not in params:
+                    unexpected.append(name)
+                    continue
+                target = params[key]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"weight {name!r}: shape {tuple(tensor.shape)} does not match the rollout model's "
+                        f"{tuple(target.shape)}; the actor and the rollout were built from different configs."
+                    )
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                seen.add(key)
+        missing = sorted(set(params) - seen)
+        if unexpected or missing:
+            raise ValueError(
+                "The actor's weights do not match the CPU rollout's model: "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''} ({len(unexpected)}), "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} ({len(missing)}). "
+                "The CPU rollout expects the Megatron parameter names of the actor's module."
+            )
+        self.weight_version += 1
+        return len(seen)
+
+    # -- forward --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits ``[vocab]`` for the token after ``token_ids``."""
+        from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
+
+        if not token_ids:
+            raise ValueError("next_token_logits needs at least one token.")
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        nested = torch.nested.nested_tensor_from_jagged(ids, offsets=torch.tensor([0, len(token_ids)]))
+        logits = gptmodel_forward_model_engine(self.model, nested, {}, value_model=False)
+        last = logits.values()[-1] if logits.is_nested else logits[0, -1]
+        return last[: self.vocab_size].float()
