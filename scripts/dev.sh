@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's two commands live here, so CI (.ci/run) and people run exactly the same thing.
 #
-#   bash scripts/dev.sh demo [args]   set up .venv, then run the main job
+#   bash scripts/dev.sh demo [args]   set up .venv, then run the main job: tiny DS4-proxy SFT on CPU
+#                                     (scripts/run_ds4_proxy_sft_cpu.sh; args are Hydra overrides)
 #   bash scripts/dev.sh test [args]   set up .venv, then run the test suite (args go to pytest)
 #
 # User-adjustable:
@@ -30,7 +31,7 @@ cmd=${1:-}
 case "$cmd" in
     demo)
         setup
-        exec "$VENV/bin/python" benchmarks/bench_thd_layout.py "$@"
+        PYTHON="$VENV/bin/python" exec bash scripts/run_ds4_proxy_sft_cpu.sh "$@"
         ;;
     test)
         setup
