@@ -11,7 +11,6 @@ with the field into both modules: a stand-in for the newer Megatron-Core the GPU
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -20,6 +19,7 @@ import torch
 
 from verl_ds4.layout import CPLayout
 from verl_ds4.testing.distributed import run_distributed
+from verl_ds4.testing.megatron_compat import emulate_cp_partition_mode_field
 
 CASES_PER_CONFIG = 24
 
@@ -38,22 +38,6 @@ def _nested(lengths: list[int], trailing: tuple[int, ...], gen: torch.Generator,
         values = torch.randint(1, 50_000, (total, *trailing), generator=gen)
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-
-
-def _install_cp_partition_mode_field():
-    """Emulate a Megatron-Core whose PackedSeqParams has ``cp_partition_mode`` (see module docstring)."""
-    import verl.models.mcore.util as verl_util
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    import verl_ds4.mcore.thd as ours
-
-    @dataclasses.dataclass
-    class PackedSeqParamsWithMode(PackedSeqParams):
-        cp_partition_mode: str = "zigzag"
-
-    verl_util.PackedSeqParams = PackedSeqParamsWithMode
-    verl_util._PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE = True
-    ours.PackedSeqParams = PackedSeqParamsWithMode
 
 
 PSP_FIELDS = (
@@ -131,9 +115,9 @@ def _compare_config(tp: int, cp: int, seed: int, stats: dict) -> None:
         if need_roll:
             # documented difference 1: the last real row of each sequence wraps to its first token
             # (and for zigzag, verl puts that token on the sequence's last padding row instead).
-            slot, pos, valid, _ = plan._rows(cp_rank)
-            seq_len = plan.seqlens.index_select(0, slot)
-            last_real = valid & (pos == seq_len - 1)
+            info = plan.rank_rows(cp_rank)
+            slot, pos, valid = info.slot, info.position, info.valid
+            last_real = valid & (pos == info.seqlen - 1)
             differs = last_real | (~valid & (pos == plan.seqlens_padded.index_select(0, slot) - 1))
             keep = ~differs
             assert torch.equal(rows[0][keep], ref_rows[0][keep]), where
@@ -171,7 +155,7 @@ def _world(rank: int, world_size: int, configs: list[tuple[int, int]], emulate_f
     from megatron.core import parallel_state as mpu
 
     if emulate_field:
-        _install_cp_partition_mode_field()
+        emulate_cp_partition_mode_field()
     stats = dict(cases_equal=0, rows_compared=0, postprocess_equal=0, verl_crashed=0, verl_misaligned=0)
     for tp, cp in configs:
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -109,6 +109,23 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+class RankRows(NamedTuple):
+    """Per local row of one CP rank (all ``[local_rows]`` int64 / bool tensors).
+
+    ``slot``: buffer slot of the row's sequence; ``position``: padded position inside it;
+    ``source``: flat token index (meaningful where ``valid``); ``seqlen``: real length of the
+    row's sequence; ``valid``: a real token (not padding); ``keep_position``: zigzag only, rows
+    of the first chunk (verl keeps their running position on padding).
+    """
+
+    slot: torch.Tensor
+    position: torch.Tensor
+    source: torch.Tensor
+    seqlen: torch.Tensor
+    valid: torch.Tensor
+    keep_position: torch.Tensor | None
+
+
 class THDPlan:
     """Padding and CP ownership of one micro-batch. Build it with :func:`build_plan`.
 
@@ -163,7 +180,7 @@ class THDPlan:
         torch.cumsum(self._buffer_seqlens, 0, out=cu_real[1:])
         self.cu_seqlens = cu_real.to(torch.int32)
         self.cu_seqlens_padded = self._cu_padded.to(torch.int32)
-        self._rank_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._rank_cache: dict[int, RankRows] = {}
         self._token_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ per-rank row maps
@@ -171,45 +188,63 @@ class THDPlan:
         if not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {cp_rank}.")
 
-    def _rows(self, cp_rank: int):
-        """(slot, position, valid, keep_position) of each local row of ``cp_rank``."""
+    def rank_rows(self, cp_rank: int) -> RankRows:
+        """What each of ``cp_rank``'s local rows holds (cached per rank).
+
+        A rank's rows are a few runs per sequence (one for contiguous, two chunks for zigzag)
+        inside which the position grows by one per row. The runs are described per sequence and
+        expanded to rows with one ``repeat_interleave``; the rest is elementwise.
+        """
         self._check_rank(cp_rank)
         cached = self._rank_cache.get(cp_rank)
         if cached is not None:
             return cached
         device = self.seqlens.device
-        local = torch.arange(self.local_rows, device=device)
-        keep_position = None
+        slots = torch.arange(self.batch_size, device=device)
+        starts = self._cu_padded[:-1]
         if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            rows = local + cp_rank * self.local_rows
-            slot = torch.searchsorted(self._cu_padded[1:], rows, right=True)
-            position = rows - self._cu_padded.index_select(0, slot)
+            w0 = cp_rank * self.local_rows
+            w1 = w0 + self.local_rows
+            counts = self._cu_padded[1:].clamp(w0, w1) - starts.clamp(w0, w1)
+            # row j of the window holds padded position j + (w0 - start) of its sequence
+            position_base = w0 - starts
+            keep = None
         else:
             cp = self.cp_size
-            local_starts = self._cu_padded // cp
-            slot = torch.searchsorted(local_starts[1:], local, right=True)
-            offset = local - local_starts.index_select(0, slot)
-            half = self.seqlens_padded.index_select(0, slot) // (2 * cp)
-            first_chunk = offset < half
-            position = torch.where(first_chunk, cp_rank * half + offset, (2 * cp - 2 - cp_rank) * half + offset)
+            half = self.seqlens_padded // (2 * cp)
+            local_start = starts // cp
+            # chunk r at local rows [ls, ls + h), chunk 2cp-1-r at [ls + h, ls + 2h)
+            counts = torch.stack([half, half], 1).flatten()
+            position_base = torch.stack(
+                [cp_rank * half - local_start, (2 * cp - 2 - cp_rank) * half - local_start], 1
+            ).flatten()
+            slots = slots.repeat_interleave(2)
             # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
-            keep_position = first_chunk
-        valid = position < self._buffer_seqlens.index_select(0, slot)
-        result = (slot, position, valid, keep_position)
-        self._rank_cache[cp_rank] = result
-        return result
+            keep = torch.tensor([1, 0], device=device).repeat(self.batch_size)
+        run = torch.repeat_interleave(
+            torch.arange(counts.shape[0], device=device), counts, output_size=self.local_rows
+        )
+        local = torch.arange(self.local_rows, device=device)
+        position = local + position_base.index_select(0, run)
+        slot = slots.index_select(0, run) if slots.shape[0] != self.batch_size else run
+        source = position + self._buffer_token_starts.index_select(0, slot)
+        seqlen = self._buffer_seqlens.index_select(0, slot)
+        keep = keep.index_select(0, run) if keep is not None else None
+        valid = position < seqlen
+        rows = RankRows(slot, position, source, seqlen, valid, keep.bool() if keep is not None else None)
+        self._rank_cache[cp_rank] = rows
+        return rows
 
     def gather_index(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: flat source token of each local row (``-1`` on padding rows).
 
         With ``shift=True`` the source is the next position of the same sequence (the label).
         """
-        slot, position, valid, _ = self._rows(cp_rank)
+        rows = self.rank_rows(cp_rank)
+        source = rows.source
         if shift:
-            position = position + 1
-            position = torch.where(position == self._buffer_seqlens.index_select(0, slot), 0, position)
-        index = self._buffer_token_starts.index_select(0, slot) + position
-        return torch.where(valid, index, -1)
+            source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
+        return torch.where(rows.valid, source, -1)
 
     def position_ids(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: position inside its sequence of each local row's source token.
@@ -217,13 +252,12 @@ class THDPlan:
         Padding rows get 0 (zigzag first-chunk padding rows keep their padded position, as in verl).
         With ``shift=True``: the position of the label token, ``(p + 1) % n``.
         """
-        slot, position, valid, keep_position = self._rows(cp_rank)
+        rows = self.rank_rows(cp_rank)
         if shift:
-            position = position + 1
-            position = torch.where(position == self._buffer_seqlens.index_select(0, slot), 0, position)
-            return torch.where(valid, position, 0)
-        keep = valid if keep_position is None else valid | keep_position
-        return torch.where(keep, position, 0)
+            position = rows.position + 1
+            return torch.where(rows.valid & (position != rows.seqlen), position, 0)
+        keep = rows.valid if rows.keep_position is None else rows.valid | rows.keep_position
+        return torch.where(keep, rows.position, 0)
 
     def global_start(self, cp_rank: int) -> int:
         """First global buffer row of ``cp_rank`` (contiguous layout only)."""
@@ -244,10 +278,16 @@ class THDPlan:
                 f"pack expects a flat per-token tensor with {self.num_tokens} rows (the plan's tokens), "
                 f"got shape {tuple(values.shape)}. Pass a jagged tensor's values()."
             )
-        index = self.gather_index(cp_rank, shift=shift)
-        out = values.index_select(0, index.clamp(min=0))
-        padding = (index < 0).view(-1, *([1] * (values.dim() - 1)))
-        return out.masked_fill(padding, fill)
+        if self.num_tokens == 0:
+            return values.new_full((self.local_rows, *values.shape[1:]), fill)
+        rows = self.rank_rows(cp_rank)
+        source = rows.source
+        if shift:
+            source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
+        # Padding rows read a clamped (in-range) source, then get overwritten with ``fill``.
+        out = values.index_select(0, source.clamp(max=self.num_tokens - 1))
+        padding = ~rows.valid
+        return out.masked_fill(padding.view(-1, *([1] * (values.dim() - 1))), fill)
 
     def token_rows(self) -> torch.Tensor:
         """``[T]`` int64: row of each source token in the rank-ordered concatenation of all ranks."""

@@ -1,0 +1,275 @@
+# shellcheck shell=bash
+# Shared helpers of the cluster launchers (scripts/ray_cluster.sh, scripts/slurm_submit.sh,
+# scripts/slurm_sft.sbatch, scripts/slurm_ray_rl.sbatch). Sourced, never run on its own.
+#
+# Conventions:
+#   - DRY_RUN=1 (or --dry-run on any launcher): every command is printed as "+ cmd ..." in a form
+#     that can be pasted into a shell, and nothing is run, started or submitted.
+#   - The recipe knobs are the env variables of the local launchers
+#     (scripts/run_deepseek_v4_flash_{sft,ppo,grpo}_megatron.sh); the cluster launchers pass them
+#     through the environment and pass extra arguments (Hydra overrides) through "$@".
+
+# The env knobs shared with the local launchers (same names, same meaning).
+DS4_RECIPE_KNOBS=(MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE PP EP CP
+    ROLLOUT_ENGINE ROLLOUT_TP CKPT_DIR PROJECT_NAME EXP_NAME)
+
+DRY_RUN=${DRY_RUN:-0}
+PYTHON=${PYTHON:-python3}
+
+ds4_die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+# Print a launcher's header comment (its usage text), without the shebang and #SBATCH lines.
+ds4_print_header() {
+    awk 'NR == 1 { next } /^#SBATCH/ { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$1"
+}
+
+# Quote one word for display so the printed line can be pasted into bash.
+ds4_quote() {
+    local s=$1
+    if [[ -n $s && $s =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+        printf '%s' "$s"
+    else
+        printf "'%s'" "${s//\'/\'\\\'\'}"
+    fi
+}
+
+# Print a command as "+ word word ..." (DS4_PRINT_PREFIX, e.g. an indent, goes in front).
+ds4_print_cmd() {
+    local word
+    printf '%s+' "${DS4_PRINT_PREFIX:-}"
+    for word in "$@"; do
+        printf ' '
+        ds4_quote "$word"
+    done
+    printf '\n'
+}
+
+# Run a command, or print it under DRY_RUN=1.
+ds4_run() {
+    if [ "$DRY_RUN" = 1 ]; then
+        ds4_print_cmd "$@"
+    else
+        "$@"
+    fi
+}
+
+# Export NAME=VALUE for the commands that follow (printed as an export line under DRY_RUN=1).
+ds4_export() {
+    local name=$1 value=$2
+    export "$name=$value"
+    if [ "$DRY_RUN" = 1 ]; then
+        ds4_print_cmd export "$name=$value"
+    fi
+}
+
+ds4_require_positive_int() {
+    local name=$1 value=${!1:-}
+    if ! [[ $value =~ ^[1-9][0-9]*$ ]]; then
+        ds4_die "$name must be a positive integer, got '${value}' (e.g. export $name=4)"
+    fi
+}
+
+# Local launcher of a recipe, relative to the repository root.
+ds4_recipe_script() {
+    case "$1" in
+        sft | ppo | grpo) printf 'scripts/run_deepseek_v4_flash_%s_megatron.sh' "$1" ;;
+        *) ds4_die "unknown recipe '$1': expected one of sft, ppo, grpo" ;;
+    esac
+}
+
+# Check that a recipe's local launcher exists (skipped under DRY_RUN=1, which runs nothing).
+ds4_require_recipe_script() {
+    local root=$1 script=$2
+    if [ "$DRY_RUN" != 1 ] && [ ! -f "$root/$script" ]; then
+        ds4_die "$root/$script not found: the local launcher of this recipe is missing from this checkout"
+    fi
+}
+
+# Python modules that carry the verl-ds4 plugin: $VERL_USE_EXTERNAL_MODULES when set, else the modules
+# named by our `verl.plugins` entry points in pyproject.toml, else the package itself. verl imports
+# these in every process (Ray workers included) when VERL_USE_EXTERNAL_MODULES names them, which
+# also covers nodes where the package runs from a shipped working_dir rather than an installed wheel.
+ds4_plugin_modules() {
+    local root=$1
+    if [ -n "${VERL_USE_EXTERNAL_MODULES:-}" ]; then
+        printf '%s' "$VERL_USE_EXTERNAL_MODULES"
+        return
+    fi
+    local modules
+    modules=$(awk '
+        /^\[/ { in_group = ($0 ~ /^\[project\.entry-points\."verl\.plugins"\]/); next }
+        in_group && /=/ {
+            value = $0; sub(/^[^=]*=[ \t]*/, "", value); gsub(/["\047 \t]/, "", value)
+            sub(/:.*/, "", value); if (value != "") print value
+        }' "$root/pyproject.toml" 2>/dev/null | paste -sd, -)
+    printf '%s' "${modules:-verl_ds4}"
+}
+
+# Knobs of a local launcher: the names it reads as NAME=${NAME:-...} / NAME=${NAME-...}, except
+# PYTHON (an interpreter path of the submitting host, not of the cluster nodes).
+ds4_launcher_knobs() {
+    local launcher=$1
+    [ -f "$launcher" ] || return 0
+    sed -n -E 's/^([A-Z][A-Z0-9_]*)=\$\{\1:?-.*/\1/p' "$launcher" | grep -v -x PYTHON || true
+}
+
+# Names of the env variables a cluster job carries to every node: the recipe knobs and the local
+# launcher's own knobs that are set here, every VERL_* and NCCL_* variable, and the names listed
+# in EXTRA_ENV_VARS (space separated).
+ds4_job_env_names() {
+    local launcher=${1:-} name
+    for name in "${DS4_RECIPE_KNOBS[@]}" $(ds4_launcher_knobs "$launcher"); do
+        if [ -n "${!name+x}" ]; then echo "$name"; fi
+    done
+    compgen -v | grep -E '^(VERL_|NCCL_)' || true
+    for name in ${EXTRA_ENV_VARS:-}; do echo "$name"; done
+}
+
+# Ray runtime env (JSON) for `ray job submit`: working_dir ships this checkout (launchers, recipes,
+# configs and the verl_ds4 sources) to every node, env_vars carry the knobs and the plugin modules.
+# Arguments: working_dir (empty: none), plugin modules, the recipe's local launcher (for its knobs).
+# Under DRY_RUN=1 values of secret-looking variables (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*) are masked.
+ds4_ray_runtime_env_json() {
+    local working_dir=$1 plugin_modules=$2 launcher=${3:-}
+    local -a names
+    local name
+    for name in ${EXTRA_ENV_VARS:-}; do
+        [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || ds4_die "EXTRA_ENV_VARS: '$name' is not an env variable name (expected names separated by spaces, e.g. EXTRA_ENV_VARS=\"HF_HOME WANDB_API_KEY\")"
+    done
+    mapfile -t names < <(ds4_job_env_names "$launcher" | sort -u)
+    DS4_WORKING_DIR=$working_dir DS4_PLUGIN_MODULES=$plugin_modules DS4_MASK=$DRY_RUN \
+        "$PYTHON" - "${names[@]}" <<'PY'
+import json
+import os
+import re
+import sys
+
+env = {name: os.environ[name] for name in sys.argv[1:] if name in os.environ}
+env["VERL_USE_EXTERNAL_MODULES"] = os.environ["DS4_PLUGIN_MODULES"]
+if os.environ.get("DS4_MASK") == "1":
+    secret = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+    env = {k: ("***" if secret.search(k) else v) for k, v in env.items()}
+runtime_env = {"env_vars": dict(sorted(env.items()))}
+if os.environ["DS4_WORKING_DIR"]:
+    runtime_env["working_dir"] = os.environ["DS4_WORKING_DIR"]
+    runtime_env["excludes"] = [".git", ".venv", "**/__pycache__", "checkpoints", "outputs", "runs", "wandb"]
+print(json.dumps(runtime_env, separators=(",", ":")))
+PY
+}
+
+# Split "$@" into the launcher's own flags and the pass-through arguments.
+# Sets DRY_RUN, DS4_HELP and the array DS4_ARGS. `--dry-run` and `-h/--help` are ours anywhere
+# before a literal `--`; everything after `--` is passed through untouched (e.g. a recipe's own
+# --dry-run: `... submit ppo -- --dry-run`).
+# shellcheck disable=SC2034  # DS4_ARGS and DS4_HELP are read by the calling launcher
+ds4_parse_common_args() {
+    DS4_ARGS=()
+    DS4_HELP=0
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --dry-run) DRY_RUN=1 ;;
+            -h | --help) DS4_HELP=1 ;;
+            --)
+                shift
+                DS4_ARGS+=("$@")
+                break
+                ;;
+            *) DS4_ARGS+=("$1") ;;
+        esac
+        shift
+    done
+    export DRY_RUN
+}
+
+# ------------------------------------------------------------------------------------------------
+# Slurm helpers (used inside the batch scripts).
+
+# Host names of the allocation into the array DS4_HOSTS. Under DRY_RUN=1 nothing is queried:
+# the hosts are placeholders node1..node$NNODES.
+ds4_slurm_hosts() {
+    DS4_HOSTS=()
+    if [ "$DRY_RUN" = 1 ]; then
+        local i
+        for ((i = 1; i <= NNODES; i++)); do DS4_HOSTS+=("node$i"); done
+        return
+    fi
+    [ -n "${SLURM_JOB_NODELIST:-}" ] || ds4_die "not inside a Slurm allocation (no SLURM_JOB_NODELIST): submit with scripts/slurm_submit.sh, or pass --dry-run"
+    mapfile -t DS4_HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    [ "${#DS4_HOSTS[@]}" -eq "$NNODES" ] || ds4_die "the allocation has ${#DS4_HOSTS[@]} nodes but NNODES=$NNODES: submit with --nodes=$NNODES or leave NNODES unset"
+}
+
+# Node count and GPUs per node of the job: the allocation's when inside one, else the knobs.
+# A knob that disagrees with the allocation is an error, never silently replaced.
+ds4_slurm_size() {
+    if [ -n "${SLURM_JOB_NUM_NODES:-}" ]; then
+        if [ -n "${NNODES:-}" ] && [ "$NNODES" != "$SLURM_JOB_NUM_NODES" ]; then
+            ds4_die "NNODES=$NNODES but the Slurm allocation has $SLURM_JOB_NUM_NODES nodes: make them agree (sbatch --nodes=$NNODES)"
+        fi
+        NNODES=$SLURM_JOB_NUM_NODES
+    fi
+    NNODES=${NNODES:-1}
+    GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+    ds4_require_positive_int NNODES
+    ds4_require_positive_int GPUS_PER_NODE
+}
+
+# pyxis/enroot arguments for srun from CONTAINER_IMAGE / CONTAINER_MOUNTS / CONTAINER_WORKDIR,
+# into the array DS4_CONTAINER_ARGS (empty without CONTAINER_IMAGE).
+ds4_container_args() {
+    DS4_CONTAINER_ARGS=()
+    if [ -n "${CONTAINER_IMAGE:-}" ]; then
+        DS4_CONTAINER_ARGS+=(--container-image="$CONTAINER_IMAGE"
+            --container-workdir="${CONTAINER_WORKDIR:-/opt/verl-ds4}")
+        if [ -n "${CONTAINER_MOUNTS:-}" ]; then
+            DS4_CONTAINER_ARGS+=(--container-mounts="$CONTAINER_MOUNTS")
+        fi
+    fi
+}
+
+DS4_BG_PIDS=()
+
+# ds4_srun_step [--bg] SRUN_OPTIONS... -- COMMAND...
+# Runs `srun SRUN_OPTIONS... <container args> COMMAND...` (in the background with --bg). Under
+# DRY_RUN=1 it prints the line and, when COMMAND is `bash scripts/ray_cluster.sh ...`, the commands
+# that launcher would run on the node, indented below it.
+ds4_srun_step() {
+    local bg=0
+    if [ "${1:-}" = --bg ]; then
+        bg=1
+        shift
+    fi
+    local -a opts=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+        opts+=("$1")
+        shift
+    done
+    [ "${1:-}" = -- ] || ds4_die "ds4_srun_step: missing -- before the command"
+    shift
+    local -a cmd=(srun "${opts[@]}" "${DS4_CONTAINER_ARGS[@]+"${DS4_CONTAINER_ARGS[@]}"}" "$@")
+    if [ "$DRY_RUN" = 1 ]; then
+        if [ "$bg" = 1 ]; then
+            ds4_print_cmd "${cmd[@]}" | sed 's/$/ \&/'
+        else
+            ds4_print_cmd "${cmd[@]}"
+        fi
+        if [ "${1:-}" = bash ] && [ "${2:-}" = scripts/ray_cluster.sh ]; then
+            DS4_PRINT_PREFIX="${DS4_PRINT_PREFIX:-}    " bash scripts/ray_cluster.sh --dry-run "${@:3}"
+        fi
+    elif [ "$bg" = 1 ]; then
+        "${cmd[@]}" &
+        DS4_BG_PIDS+=($!)
+    else
+        "${cmd[@]}"
+    fi
+}
+
+# Stop the background steps this script started (their Slurm steps end with them).
+ds4_stop_bg_steps() {
+    local pid
+    for pid in "${DS4_BG_PIDS[@]+"${DS4_BG_PIDS[@]}"}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+}

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# DeepSeek-V4-Flash SFT on verl's Megatron engine through Megatron-Bridge
+# (THD packed sequences, TP=1, contiguous context parallelism, DS4 chat encoding with an
+# assistant-only loss mask). Recipe: recipes/recipe/deepseek_v4_sft.yaml on verl's sft_trainer_engine.
+#
+#   bash scripts/run_deepseek_v4_flash_sft_megatron.sh --dry-run          # compose + validate + plan, no GPU
+#   MESH=h200_64gpu_pp4_ep8_cp4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh
+#   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh optim.lr=5e-6
+#
+# Multi-node: run the same command on every node with NODE_RANK, MASTER_ADDR and MASTER_PORT set.
+# DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_32gpu_pp4_ep8` (and MODEL_PATH to the Pro checkpoint).
+# Before torchrun starts, the full config is composed and validated (`verl-ds4 recipe sft`): a bad
+# mesh, budget or missing path fails in seconds with the setting and the fix.
+set -euo pipefail
+
+DRY_RUN=0
+PASSTHROUGH=()
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY_RUN=1 ;;
+        *) PASSTHROUGH+=("$arg") ;;
+    esac
+done
+
+# ---------------- user-adjustable ----------------
+MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4-Flash}
+TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_sft/train.parquet}
+VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_sft/test.parquet}
+# Named mesh from configs/ds4_mesh/ (nodes, GPUs per node, PP/EP/CP). The knobs below, when set,
+# replace single fields of it; empty means "take it from MESH".
+MESH=${MESH:-h100_32gpu_pp4_ep8}
+NNODES=${NNODES:-}
+GPUS_PER_NODE=${GPUS_PER_NODE:-}
+PP=${PP:-}
+EP=${EP:-}
+CP=${CP:-}
+MAX_LENGTH=${MAX_LENGTH:-4096}
+TOKENS_PER_GPU=${TOKENS_PER_GPU:-8192}
+MTP=${MTP:-true}
+OFFLOAD=${OFFLOAD:-false}
+PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-sft}
+EXP_NAME=${EXP_NAME:-flash-megatron}
+CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/$PROJECT_NAME/$EXP_NAME}
+# Resume: auto (latest checkpoint in CKPT_DIR), disable, or a RESUME_FROM checkpoint folder.
+RESUME_MODE=${RESUME_MODE:-auto}
+RESUME_FROM=${RESUME_FROM:-}
+PYTHON=${PYTHON:-python3}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+# --------------------------------------------------
+
+RECIPE=(
+    "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"
+    +recipe=deepseek_v4_sft
+    ds4_model=flash
+    "ds4_mesh=$MESH"
+)
+
+MESH_OVERRIDES=()
+if [ -n "$NNODES" ]; then MESH_OVERRIDES+=("ds4.mesh.nnodes=$NNODES"); fi
+if [ -n "$GPUS_PER_NODE" ]; then MESH_OVERRIDES+=("ds4.mesh.gpus_per_node=$GPUS_PER_NODE"); fi
+if [ -n "$PP" ]; then MESH_OVERRIDES+=("ds4.mesh.pp=$PP"); fi
+if [ -n "$EP" ]; then MESH_OVERRIDES+=("ds4.mesh.ep=$EP"); fi
+if [ -n "$CP" ]; then MESH_OVERRIDES+=("ds4.mesh.cp=$CP"); fi
+
+MODEL=(
+    "model.path=$MODEL_PATH"
+    "ds4.mtp=$MTP"
+    "ds4.offload.param=$OFFLOAD"
+    "ds4.offload.optimizer=$OFFLOAD"
+)
+
+DATA=(
+    "data.train_files=$TRAIN_FILES"
+    "data.val_files=$VAL_FILES"
+    "data.max_length=$MAX_LENGTH"
+    "ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"
+)
+
+TRAINER=(
+    "trainer.project_name=$PROJECT_NAME"
+    "trainer.experiment_name=$EXP_NAME"
+    "trainer.default_local_dir=$CKPT_DIR"
+)
+if [ -n "$RESUME_FROM" ]; then
+    TRAINER+=(trainer.resume_mode=resume_path "trainer.resume_from_path=$RESUME_FROM")
+else
+    TRAINER+=("trainer.resume_mode=$RESUME_MODE")
+fi
+
+ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${DATA[@]}" "${TRAINER[@]}" "${PASSTHROUGH[@]}")
+
+if [ "$DRY_RUN" = 1 ]; then
+    exec "$PYTHON" -m verl_ds4.cli recipe sft --dry-run -- "${ALL[@]}"
+fi
+
+# Validate (seconds, no GPU) and read back the resolved NNODES / GPUS_PER_NODE for torchrun.
+LAUNCH_ENV=$("$PYTHON" -m verl_ds4.cli recipe sft --shell-env -- "${ALL[@]}")
+eval "$LAUNCH_ENV"
+
+exec torchrun \
+    --nnodes="$NNODES" \
+    --nproc_per_node="$GPUS_PER_NODE" \
+    --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" \
+    --master_port="$MASTER_PORT" \
+    -m verl.trainer.sft_trainer \
+    "${ALL[@]}"

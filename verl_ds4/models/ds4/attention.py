@@ -1,0 +1,385 @@
+"""A pure-PyTorch DeepSeek-V4 hybrid attention (sliding window + CSA + HCA) for packed THD input.
+
+This is the CPU-runnable reference of DS4's attention (math: docs/ds4-context-parallel.md section 2)
+that obeys the same data contract as Megatron-LM's ``DSv4HybridAttention`` under context parallelism:
+
+* input rows are one global packed buffer split **contiguously** over the CP group: rank ``r`` holds
+  global rows ``[r * L, (r + 1) * L)``; positions come from ``global_start = r * L`` and the global
+  ``cu_seqlens_padded`` (position ids are ignored);
+* the left neighbour's last ``min_local_rows`` rows arrive by a point-to-point halo exchange (for the
+  sliding window and for compression blocks that straddle the rank boundary);
+* each rank compresses the blocks whose last row it holds, then the compressed KV (and, for CSA,
+  the indexer keys) are all-gathered over the group.
+
+One layer has a compression ratio ``m``: 0 (sliding window only), 4 (CSA: overlapping ratio-4
+compression + top-k lightning indexer) or 128 (HCA: every completed ratio-128 block). The indexer
+reads detached inputs and top-k is not differentiable, so the indexer's parameters get no gradient
+from the language-model loss (DS4 trains them with a separate indexer loss, not implemented here).
+
+Top-k ties: candidates with equal indexer score are taken in block order (a stable sort), so the
+selection is deterministic and independent of the CP size. ``torch.topk`` (used by transformers)
+does not specify an order among ties; the two agree whenever the k-th and (k+1)-th scores differ.
+
+Shapes: ``T`` packed rows on this rank, ``h`` hidden size, ``n`` heads, ``d`` head dim, ``r`` rope dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .cp_comm import all_gather_rows, exchange_left_halo
+from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
+
+__all__ = ["DS4AttentionSpec", "DS4HybridAttention", "layer_kind_for_ratio", "CSA_RATIO"]
+
+CSA_RATIO = 4
+LayerKind = Literal["sliding", "csa", "hca"]
+
+
+def layer_kind_for_ratio(ratio: int) -> LayerKind:
+    """0 -> sliding window only; 4 -> CSA (overlapping blocks + indexer); any other ratio > 1 -> HCA."""
+    if ratio == 0:
+        return "sliding"
+    if ratio == CSA_RATIO:
+        return "csa"
+    if ratio > 1:
+        return "hca"
+    raise ValueError(f"DS4 compression ratio must be 0, {CSA_RATIO} or another integer > 1 (128 in DS4); got {ratio}.")
+
+
+@dataclass(frozen=True)
+class DS4AttentionSpec:
+    """All sizes of one DS4 attention layer (DS4-Flash values in brackets)."""
+
+    hidden_size: int  # [4096]
+    num_heads: int  # [64]
+    head_dim: int  # [512]; K = V = one shared head of this size
+    rope_dim: int  # [64]; rotated channels, the last ones of each head
+    q_lora_rank: int  # [1024]
+    o_groups: int  # [8]
+    o_lora_rank: int  # [1024]
+    compress_ratio: int = 0  # 0, 4 or 128
+    window_size: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    # YaRN on compressed layers; None disables it (plain RoPE with compress_rope_theta).
+    yarn_factor: float | None = 16.0
+    yarn_original_max_position_embeddings: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    rms_norm_eps: float = 1e-6
+    kind: LayerKind = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", layer_kind_for_ratio(self.compress_ratio))
+        problems = []
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            problems.append(f"rope_dim ({self.rope_dim}) must be even and in (0, head_dim={self.head_dim}]")
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            problems.append(f"num_heads * head_dim ({self.num_heads * self.head_dim}) must divide by o_groups ({self.o_groups})")
+        if self.window_size < 1:
+            problems.append(f"window_size must be >= 1, got {self.window_size}")
+        if self.kind == "csa":
+            if self.rope_dim > self.index_head_dim:
+                problems.append(f"rope_dim ({self.rope_dim}) must not exceed index_head_dim ({self.index_head_dim})")
+            if self.index_topk < 1:
+                problems.append(f"index_topk must be >= 1, got {self.index_topk}")
+        if problems:
+            raise ValueError("Invalid DS4 attention sizes: " + "; ".join(problems) + ".")
+
+    @property
+    def min_local_rows(self) -> int:
+        """D_window: rows each CP rank needs from its left neighbour (and so must hold itself)."""
+        m = self.compress_ratio
+        return max(self.window_size, 2 * m if self.kind == "csa" else m)
+
+
+class _RMSNorm(nn.Module):
+    """RMSNorm with a learnable scale, computed in the input dtype."""
+
+    def __init__(self, size: int, eps: float, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps))
+
+
+def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+class GatedPoolCompressor(nn.Module):
+    """Compress each block of ``ratio`` rows into one vector by a per-channel softmax-gated sum.
+
+    ``a_t = W_kv x_t``, ``s_t = W_gate x_t + ape[t mod m]``; entry ``b`` is
+    ``RoPE_{b*m}(RMSNorm(sum_t softmax_t(s_t) * a_t))``. With ``overlap`` (CSA) the projections are
+    twice as wide: channels ``[out:]`` of block ``b`` and channels ``[:out]`` of block ``b - 1`` are
+    pooled together over ``2m`` slots (block ``b - 1`` absent for ``b = 0``).
+    """
+
+    def __init__(self, hidden: int, out_dim: int, ratio: int, overlap: bool, eps: float, dtype=None):
+        super().__init__()
+        self.out_dim, self.ratio, self.overlap = out_dim, ratio, overlap
+        width = 2 * out_dim if overlap else out_dim
+        self.linear_kv = nn.Linear(hidden, width, bias=False, dtype=dtype)
+        self.linear_gate = nn.Linear(hidden, width, bias=False, dtype=dtype)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=dtype))
+        self.norm = _RMSNorm(out_dim, eps, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, block_end: torch.Tensor, block_idx: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x: [E, h] rows; block_end: [nb] row index (into x) of each block's last row; block_idx: [nb]
+        block number inside its sequence; cos/sin: [nb, r/2] at position block_idx * ratio. -> [nb, out]."""
+        m, d = self.ratio, self.out_dim
+        a, s = self.linear_kv(x), self.linear_gate(x)
+        cur = block_end.unsqueeze(1) - (m - 1) + torch.arange(m, device=x.device)  # [nb, m]
+        if self.overlap:
+            has_prev = (block_idx >= 1).view(-1, 1, 1)
+            prev = (cur - m).clamp(min=0)
+            prev_a = torch.where(has_prev, a[prev][..., :d], 0.0)
+            prev_s = (s[prev][..., :d] + self.ape[:, :d]).masked_fill(~has_prev, float("-inf"))
+            values = torch.cat((prev_a, a[cur][..., d:]), dim=1)  # [nb, 2m, d]
+            gates = torch.cat((prev_s, s[cur][..., d:] + self.ape[:, d:]), dim=1)
+        else:
+            values, gates = a[cur], s[cur] + self.ape
+        pooled = (values * gates.softmax(dim=1)).sum(dim=1)
+        return apply_interleaved_rope(self.norm(pooled), cos, sin)
+
+
+class LightningIndexer(nn.Module):
+    """Scores compressed blocks for each query: ``I(i, b) = sum_h w_{i,h} ReLU(q_{i,h} . k_b) / sqrt(d_I)``.
+
+    Owns its own ratio-4 overlapping compressor at ``index_head_dim`` (the keys ``k_b``), a query
+    up-projection from the attention's compressed query ``q_r`` and per-head weights from ``x``.
+    """
+
+    def __init__(self, spec: DS4AttentionSpec, dtype=None):
+        super().__init__()
+        self.n_heads, self.head_dim = spec.index_n_heads, spec.index_head_dim
+        self.compressor = GatedPoolCompressor(
+            spec.hidden_size, spec.index_head_dim, spec.compress_ratio, overlap=True, eps=spec.rms_norm_eps, dtype=dtype
+        )
+        self.linear_q_up = nn.Linear(spec.q_lora_rank, spec.index_n_heads * spec.index_head_dim, bias=False, dtype=dtype)
+        self.linear_weights = nn.Linear(spec.hidden_size, spec.index_n_heads, bias=False, dtype=dtype)
+
+    def scores(self, x: torch.Tensor, q_r: torch.Tensor, keys: torch.Tensor, cos_q, sin_q) -> torch.Tensor:
+        """x: [T, h]; q_r: [T, q_lora]; keys: [NB, d_I]; cos/sin [T, r/2] -> [T, NB]."""
+        q = self.linear_q_up(q_r).view(q_r.shape[0], self.n_heads, self.head_dim)
+        q = apply_interleaved_rope(q, cos_q.unsqueeze(1), sin_q.unsqueeze(1))
+        weights = self.linear_weights(x) * self.n_heads**-0.5  # [T, nI]
+        per_head = torch.einsum("thd,bd->thb", q, keys).relu() * self.head_dim**-0.5
+        return (per_head * weights.unsqueeze(-1)).sum(dim=1)
+
+
+@dataclass
+class _Rows:
+    """Where this rank's rows sit in the global packed buffer."""
+
+    seq: torch.Tensor  # [E] sequence index of each row (halo included)
+    pos: torch.Tensor  # [E] position inside the sequence; -1 for halo rows before the buffer start
+    halo: int  # number of leading halo rows
+    local_start: int  # global row of the first local row
+
+
+class DS4HybridAttention(nn.Module):
+    """DeepSeek-V4 hybrid attention on packed rows, optionally split contiguously over a CP group.
+
+    Parameters (names follow Megatron-LM's DSv4 attention where it has them):
+    ``linear_q_down_proj`` [q_lora, h], ``q_layernorm`` [q_lora], ``linear_q_up_proj`` [n*d, q_lora],
+    ``linear_kv_proj`` [d, h], ``kv_layernorm`` [d], ``attn_sink`` [n], ``linear_o_group_proj``
+    [g*o_lora, n*d/g], ``linear_proj`` [h, g*o_lora]; for m > 1 ``compressor.*``; for CSA ``indexer.*``.
+    """
+
+    #: The context-parallel layout this attention consumes (read by the engine's layout resolver).
+    cp_layout: ClassVar[str] = "contiguous"
+
+    def __init__(self, spec: DS4AttentionSpec, dtype: torch.dtype | None = None):
+        super().__init__()
+        self._build(spec, dtype)
+
+    # -- construction --------------------------------------------------------------------------
+    def _build(self, spec: DS4AttentionSpec, dtype) -> None:
+        self.spec = spec
+        h, n, d = spec.hidden_size, spec.num_heads, spec.head_dim
+        self.linear_q_down_proj = nn.Linear(h, spec.q_lora_rank, bias=False, dtype=dtype)
+        self.q_layernorm = _RMSNorm(spec.q_lora_rank, spec.rms_norm_eps, dtype=dtype)
+        self.linear_q_up_proj = nn.Linear(spec.q_lora_rank, n * d, bias=False, dtype=dtype)
+        self.linear_kv_proj = nn.Linear(h, d, bias=False, dtype=dtype)
+        self.kv_layernorm = _RMSNorm(d, spec.rms_norm_eps, dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(n, dtype=dtype))
+        self.linear_o_group_proj = nn.Parameter(torch.empty(spec.o_groups * spec.o_lora_rank, n * d // spec.o_groups, dtype=dtype))
+        nn.init.normal_(self.linear_o_group_proj, std=0.02)
+        self.linear_proj = nn.Linear(spec.o_groups * spec.o_lora_rank, h, bias=False, dtype=dtype)
+        self.compressor = None
+        self.indexer = None
+        if spec.kind != "sliding":
+            self.compressor = GatedPoolCompressor(
+                h, d, spec.compress_ratio, overlap=spec.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype
+            )
+        if spec.kind == "csa":
+            self.indexer = LightningIndexer(spec, dtype=dtype)
+        if spec.kind == "sliding":
+            inv_freq = default_inv_freq(spec.rope_dim, spec.rope_theta)
+        elif spec.yarn_factor is None:
+            inv_freq = default_inv_freq(spec.rope_dim, spec.compress_rope_theta)
+        else:
+            inv_freq = yarn_inv_freq(
+                spec.rope_dim,
+                spec.compress_rope_theta,
+                spec.yarn_factor,
+                spec.yarn_original_max_position_embeddings,
+                spec.yarn_beta_fast,
+                spec.yarn_beta_slow,
+            )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # float64 on purpose
+
+    # -- layout contract -----------------------------------------------------------------------
+    def min_local_rows(self) -> int:
+        """Smallest number of packed rows every CP rank must hold (D_window)."""
+        return self.spec.min_local_rows
+
+    @classmethod
+    def check_cp_partition(cls, cp_partition_mode: str | None, cp_size: int) -> None:
+        """Reject any CP split other than the contiguous one before it silently scrambles positions."""
+        if cp_size > 1 and cp_partition_mode != cls.cp_layout:
+            raise ValueError(
+                f"DS4 THD CP requires a contiguous CP partition, got cp_partition_mode={cp_partition_mode!r} "
+                f"at cp_size={cp_size}. DS4 derives positions from global_start = cp_rank * local_rows, which "
+                "only addresses rows of a contiguous split (a zigzag rank holds two chunks of every sequence). "
+                "Build the batch with the contiguous layout and set packed_seq_params.cp_partition_mode='contiguous'."
+            )
+
+    # -- forward -------------------------------------------------------------------------------
+    def _locate_rows(self, cu_seqlens_padded: torch.Tensor, local_rows: int, cp_rank: int, halo: int) -> _Rows:
+        cu = cu_seqlens_padded.to(device=self.inv_freq.device, dtype=torch.long)
+        start = cp_rank * local_rows
+        rows = torch.arange(start - halo, start + local_rows, device=cu.device)
+        seq = torch.bucketize(rows.clamp(min=0), cu[1:], right=True)
+        pos = torch.where(rows >= 0, rows - cu[seq.clamp(max=cu.numel() - 2)], -1)
+        return _Rows(seq=seq, pos=pos, halo=halo, local_start=start)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens_padded: torch.Tensor,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_partition_mode: str | None = "contiguous",
+    ) -> torch.Tensor:
+        """x: [T, h] this rank's packed rows; cu_seqlens_padded: global int tensor [B + 1] (identical on
+        every rank, ``cu_seqlens_padded[-1] == T * cp_size``). Returns [T, h]."""
+        spec = self.spec
+        cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        self.check_cp_partition(cp_partition_mode, cp_size)
+        if x.dim() != 2 or x.shape[1] != spec.hidden_size:
+            raise ValueError(f"DS4 attention expects packed rows [T, {spec.hidden_size}], got {tuple(x.shape)}.")
+        local_rows = x.shape[0]
+        total = int(cu_seqlens_padded[-1])
+        if total != local_rows * cp_size:
+            raise ValueError(
+                f"cu_seqlens_padded[-1] ({total}) must equal local_rows * cp_size ({local_rows} * {cp_size}): pass the "
+                "global padded cu_seqlens (identical on every rank), not a per-rank slice."
+            )
+        halo = 0
+        xe = x
+        if cp_size > 1:
+            halo = spec.min_local_rows
+            if local_rows < halo:
+                raise RuntimeError(
+                    f"DS4 CP boundary exchange requires local rows >= D_window: local_rows={local_rows}, "
+                    f"D_window={halo} (window {spec.window_size}, ratio {spec.compress_ratio}). Pad the packed batch "
+                    f"to at least cp_size * {halo} = {cp_size * halo} rows (PlanOptions(min_local_rows={halo}))."
+                )
+            xe = torch.cat((exchange_left_halo(x, halo, cp_group), x), dim=0)
+        rows = self._locate_rows(cu_seqlens_padded, local_rows, cp_rank, halo)
+        q_pos = rows.pos[halo:]
+        dtype = x.dtype
+        n, d = spec.num_heads, spec.head_dim
+        scale = d**-0.5
+
+        cos_e, sin_e = rope_cos_sin(self.inv_freq, rows.pos.clamp(min=0), dtype)
+        cos_q, sin_q = cos_e[halo:], sin_e[halo:]
+
+        q_r = self.q_layernorm(self.linear_q_down_proj(x))
+        q = _unweighted_rms(self.linear_q_up_proj(q_r).view(local_rows, n, d), spec.rms_norm_eps)
+        q = apply_interleaved_rope(q, cos_q.unsqueeze(1), sin_q.unsqueeze(1))
+        kv = apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(xe)), cos_e, sin_e)  # [E, d]
+
+        # Sliding window: key k steps back from the query, visible while it stays in the sequence.
+        back = torch.arange(spec.window_size, device=x.device)
+        key_rows = halo + torch.arange(local_rows, device=x.device).unsqueeze(1) - back  # [T, W]
+        win_visible = back.unsqueeze(0) <= q_pos.unsqueeze(1)
+        kv_win = kv[key_rows.clamp(min=0)]  # [T, W, d]
+        logits = [torch.einsum("tnd,twd->tnw", q, kv_win).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale]
+        values = [kv_win]
+
+        if self.compressor is not None:
+            comp, comp_visible = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
+            logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
+            values.append(comp)
+
+        sink = self.attn_sink.view(1, n, 1).expand(local_rows, n, 1)
+        probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
+        w = spec.window_size
+        out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv_win)
+        if self.compressor is not None:
+            out = out + torch.einsum("tnb,bd->tnd", probs[..., w:-1], values[1])
+        out = apply_interleaved_rope(out, cos_q.unsqueeze(1), -sin_q.unsqueeze(1))
+
+        # Grouped low-rank output projection.
+        g = spec.o_groups
+        grouped = out.reshape(local_rows, g, -1)
+        weight = self.linear_o_group_proj.view(g, spec.o_lora_rank, -1)
+        mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(local_rows, g * spec.o_lora_rank)
+        return self.linear_proj(mixed)
+
+    def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q):
+        """Compressed KV of every completed block in the buffer ([NB, d], gathered over CP) and the
+        [T, NB] mask of the blocks each local query attends to."""
+        spec = self.spec
+        m = spec.compress_ratio
+        local_rows = x.shape[0]
+        device = x.device
+        cu = cu_seqlens_padded.to(device=device, dtype=torch.long)
+        n_blocks = (cu[1:] - cu[:-1]) // m  # per sequence
+        block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=device), n_blocks)
+        first_block = torch.cumsum(n_blocks, 0) - n_blocks
+        block_idx = torch.arange(block_seq.numel(), device=device) - first_block[block_seq]
+        block_end = cu[block_seq] + block_idx * m + (m - 1)  # global row of each block's last row
+        owner = block_end // local_rows
+        mine = owner == cp_rank
+        counts = torch.bincount(owner, minlength=cp_size).tolist() if block_seq.numel() else [0] * cp_size
+
+        end_local = block_end[mine] - (rows.local_start - rows.halo)
+        cos_b, sin_b = rope_cos_sin(self.inv_freq, block_idx[mine] * m, x.dtype)
+        comp = self.compressor(xe, end_local, block_idx[mine], cos_b, sin_b)
+        if cp_size > 1:
+            comp = all_gather_rows(comp, counts, cp_group)
+
+        q_pos, q_seq = rows.pos[rows.halo :], rows.seq[rows.halo :]
+        visible = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
+        if self.indexer is not None and block_seq.numel():
+            # The indexer sees detached inputs and top-k has no gradient: without DS4's separate
+            # indexer loss (not implemented) nothing here needs autograd.
+            with torch.no_grad():
+                keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
+                if cp_size > 1:
+                    keys = all_gather_rows(keys, counts, cp_group)
+                scores = self.indexer.scores(x.detach(), q_r.detach(), keys, cos_q, sin_q)
+                scores = scores.masked_fill(~visible, float("-inf"))
+                k = min(spec.index_topk, scores.shape[1])
+                order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+                chosen = torch.zeros_like(visible).scatter_(1, order, True)
+            visible = visible & chosen
+        return comp, visible

@@ -1,0 +1,180 @@
+"""Megatron-Core glue for :class:`~verl_ds4.models.ds4.attention.DS4HybridAttention`.
+
+* :class:`DS4ProxyTransformerConfig`: a ``TransformerConfig`` with DS4's attention fields (names as
+  in Megatron-LM ``dev``'s DS4 config where it has them: ``csa_compress_ratios``,
+  ``csa_window_size``, ``q_lora_rank``, ``o_groups``, ``o_lora_rank``, ``qk_pos_emb_head_dim``,
+  ``dsa_indexer_*``, ``experimental_attention_variant="dsv4_hybrid"``, ``cp_partition_mode``).
+* :class:`DS4HybridSelfAttention`: the layer-spec ``self_attention`` module. It takes Megatron's
+  ``[s, b, h]`` hidden states and ``PackedSeqParams`` and returns ``(output, bias=None)``.
+
+Input contract (as Megatron-LM's DS4 attention): THD with ``b = 1`` and the global padded
+``cu_seqlens_q_padded``; with CP > 1 the rows must be the contiguous split, declared by
+``packed_seq_params.cp_partition_mode == "contiguous"`` (megatron-core 0.16.1's ``PackedSeqParams``
+has no such field: ``verl_ds4.mcore.thd`` sets it as a plain attribute, which is read with
+``getattr``). BSHD input is accepted at CP = 1 only (each batch column is one sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .attention import DS4AttentionSpec, DS4HybridAttention
+
+__all__ = ["DS4ProxyTransformerConfig", "DS4HybridSelfAttention", "attention_spec_for_layer"]
+
+
+@dataclass
+class DS4ProxyTransformerConfig(TransformerConfig):
+    """``TransformerConfig`` plus the DS4 attention sizes (``kv_channels`` is the head dim)."""
+
+    experimental_attention_variant: str | None = "dsv4_hybrid"
+    cp_partition_mode: str = "contiguous"
+    csa_compress_ratios: list[int] = field(default_factory=lambda: [0])
+    csa_window_size: int = 128
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    qk_pos_emb_head_dim: int = 64
+    rotary_base: float = 10000.0
+    csa_compress_rotary_base: float = 160000.0
+    rotary_scaling_factor: float | None = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.csa_compress_ratios) != self.num_layers:
+            raise ValueError(
+                f"csa_compress_ratios has {len(self.csa_compress_ratios)} entries for num_layers={self.num_layers}: "
+                "give one compression ratio (0, 4 or 128) per layer."
+            )
+        if self.tensor_model_parallel_size != 1:
+            raise ValueError("DS4 attention does not support tensor parallelism: set tensor_model_parallel_size=1.")
+        if self.context_parallel_size > 1 and self.cp_partition_mode != "contiguous":
+            raise ValueError(
+                f"DS4 with context_parallel_size={self.context_parallel_size} needs cp_partition_mode='contiguous', "
+                f"got {self.cp_partition_mode!r}."
+            )
+        for i in range(self.num_layers):  # validate every layer's sizes now, not at the first forward
+            attention_spec_for_layer(self, i + 1)
+
+    @property
+    def min_local_rows(self) -> int:
+        """Rows every CP rank must hold for all layers (max D_window over the layers)."""
+        return max(attention_spec_for_layer(self, i + 1).min_local_rows for i in range(self.num_layers))
+
+
+def attention_spec_for_layer(config: DS4ProxyTransformerConfig, layer_number: int) -> DS4AttentionSpec:
+    """The DS4 attention sizes of (1-based) layer ``layer_number``."""
+    return DS4AttentionSpec(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        head_dim=config.kv_channels,
+        rope_dim=config.qk_pos_emb_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        o_groups=config.o_groups,
+        o_lora_rank=config.o_lora_rank,
+        compress_ratio=int(config.csa_compress_ratios[layer_number - 1]),
+        window_size=config.csa_window_size,
+        index_n_heads=config.dsa_indexer_n_heads or 1,
+        index_head_dim=config.dsa_indexer_head_dim or config.qk_pos_emb_head_dim,
+        index_topk=config.dsa_indexer_topk or 1,
+        rope_theta=config.rotary_base,
+        compress_rope_theta=config.csa_compress_rotary_base,
+        yarn_factor=config.rotary_scaling_factor,
+        yarn_original_max_position_embeddings=config.original_max_position_embeddings,
+        yarn_beta_fast=config.beta_fast,
+        yarn_beta_slow=config.beta_slow,
+        rms_norm_eps=config.layernorm_epsilon,
+    )
+
+
+class DS4HybridSelfAttention(DS4HybridAttention, MegatronModule):
+    """DS4 hybrid attention as a Megatron-Core layer-spec ``self_attention`` module.
+
+    Declares its CP contract for the engine's layout resolver: ``cp_layout`` (class attribute,
+    ``"contiguous"``) and ``min_local_rows()`` (D_window of this layer).
+    """
+
+    def __init__(self, config: DS4ProxyTransformerConfig, layer_number: int, pg_collection=None, **unused):
+        MegatronModule.__init__(self, config=config)
+        if not isinstance(config, DS4ProxyTransformerConfig):
+            raise TypeError(f"DS4HybridSelfAttention needs a DS4ProxyTransformerConfig, got {type(config).__name__}.")
+        self.layer_number = layer_number
+        self.pg_collection = pg_collection
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self._build(attention_spec_for_layer(config, layer_number), dtype=config.params_dtype)
+        if device is not None:
+            self.to(device)
+        if config.perform_initialization:
+            self._initialize(config)
+
+    def _initialize(self, config) -> None:
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    param.fill_(1.0)
+                elif name in ("attn_sink",) or name.endswith(".ape"):
+                    param.zero_()
+                elif name == "linear_proj.weight":
+                    config.output_layer_init_method(param)
+                else:
+                    config.init_method(param)
+
+    def _cp_group(self, packed_seq_params):
+        if packed_seq_params is not None and getattr(packed_seq_params, "local_cp_size", None) is not None:
+            if packed_seq_params.cp_group is None:
+                raise ValueError("packed_seq_params.local_cp_size is set (dynamic CP) but cp_group is None.")
+            return packed_seq_params.cp_group
+        if self.pg_collection is not None and getattr(self.pg_collection, "cp", None) is not None:
+            group = self.pg_collection.cp
+        elif parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_context_parallel_group()
+        else:
+            return None
+        return group if torch.distributed.get_world_size(group) > 1 else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        **unused,
+    ):
+        if key_value_states is not None or inference_context is not None:
+            raise NotImplementedError("DS4HybridSelfAttention supports training/scoring self-attention only (no cross attention or KV cache).")
+        cp_group = self._cp_group(packed_seq_params)
+        cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
+        s, b, h = hidden_states.shape
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            if cp_size > 1:
+                raise ValueError(
+                    "DS4 attention with context parallelism requires packed THD input (qkv_format='thd' with "
+                    "PackedSeqParams); got BSHD. Enable sequence packing (verl: model.use_remove_padding=True)."
+                )
+            rows = hidden_states.transpose(0, 1).reshape(b * s, h)
+            cu = torch.arange(b + 1, device=rows.device) * s
+            out = DS4HybridAttention.forward(self, rows, cu)
+            return out.view(b, s, h).transpose(0, 1), None
+        if b != 1:
+            raise ValueError(f"THD hidden states must be [rows, 1, hidden], got {tuple(hidden_states.shape)}.")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        mode = getattr(packed_seq_params, "cp_partition_mode", None)
+        out = DS4HybridAttention.forward(self, hidden_states[:, 0], cu, cp_group=cp_group, cp_partition_mode=mode)
+        return out.unsqueeze(1), None

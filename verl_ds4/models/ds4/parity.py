@@ -1,0 +1,313 @@
+"""CP parity harness for the DS4 proxy: every CP size must reproduce CP = 1.
+
+For a CP size ``N`` the harness starts ``N`` gloo processes (:func:`verl_ds4.testing.distributed.run_distributed`)
+with Megatron's parallel state initialised (``context_parallel_size=N``), builds the same proxy actor
+(LM head) and critic (value head) on every rank, and runs one micro-batch through the THD data path
+of :mod:`verl_ds4.mcore.thd` (plan with the contiguous layout and the model's ``min_local_rows``,
+pack ids and rolled labels, ``PackedSeqParams``, forward, ``postprocess_thd_engine`` all-gather).
+Then it computes
+
+* per-token log-probs of the labels and per-token entropy,
+* the loss: token mean of ``-log p`` over real tokens (each sequence's last token is masked,
+  its label would wrap), backward, and every parameter gradient summed over the CP group (what
+  Megatron's DDP all-reduce does),
+* critic values, a value loss (token-mean squared error to fixed targets), and every critic gradient.
+
+:func:`compare` puts the results of a CP size next to the CP = 1 results (max abs / max rel diff
+per quantity; rel = max|a - b| / max|b|, gradients compared parameter by parameter).
+
+It also shows what the layout guards protect: the same batch packed with the zigzag layout is
+rejected by DS4 attention, and with that guard bypassed the log-probs no longer match CP = 1.
+Batches: ``RAGGED`` (lengths straddling rank boundaries) and ``SHORT`` (fewer real tokens than
+``cp * 128``: only the minimum-rows padding makes it runnable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["RAGGED", "SHORT", "ParityResult", "Row", "run_parity", "compare", "rows_passed", "format_table"]
+
+# Ragged lengths around the 128-row window / HCA block size; they straddle rank boundaries at CP 2-8.
+RAGGED = (5, 127, 300, 23, 129, 520, 55, 181, 95, 1)
+# 70 real tokens: below the 128-row minimum of every CP rank.
+SHORT = (3, 50, 17)
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+
+
+@dataclass
+class Row:
+    """One line of the parity table.
+
+    ``expect="match"``: passes when ``max_rel <= tol``. ``expect="differ"``: a negative control that
+    passes when ``max_rel > tol`` (the harness must be able to see a broken layout).
+    ``expect="error"``: passes when the expected error was raised (diffs are 0 then, inf otherwise).
+    """
+
+    quantity: str
+    max_abs: float
+    max_rel: float
+    tol: float
+    expect: str = "match"
+
+    @property
+    def passed(self) -> bool:
+        if not math.isfinite(self.max_rel):
+            return False
+        return self.max_rel > self.tol if self.expect == "differ" else self.max_rel <= self.tol
+
+
+@dataclass
+class ParityResult:
+    """Rank 0's view of one CP run (numpy arrays, gathered over CP)."""
+
+    cp_size: int
+    results: dict[str, Any] = field(default_factory=dict)  # (dtype, batch) -> quantities
+    checks: dict[str, Any] = field(default_factory=dict)  # layout-guard demonstrations
+
+
+def _batch(lengths, vocab: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    ids = torch.randint(0, vocab, (total,), generator=gen)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    targets = torch.randn(total, generator=gen, dtype=torch.float64)
+    return torch.nested.nested_tensor_from_jagged(ids, offsets=offsets), targets
+
+
+@contextlib.contextmanager
+def _layout_guard_bypassed():
+    """Let DS4 attention accept any CP partition (only to show what the guard prevents)."""
+    from .attention import DS4HybridAttention
+
+    original = DS4HybridAttention.__dict__["check_cp_partition"]
+    DS4HybridAttention.check_cp_partition = classmethod(lambda cls, mode, cp_size: None)
+    try:
+        yield
+    finally:
+        DS4HybridAttention.check_cp_partition = original
+
+
+def _forward(model, input_ids, layout: str, cp_rank: int, min_local_rows: int, cp_size: int):
+    """Pack, forward, all-gather: returns (jagged outputs [B, j, ...], packed labels)."""
+    from verl_ds4.layout import PlanOptions
+    from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for, postprocess_thd_engine
+
+    plan = make_plan(input_ids, PlanOptions(layout=layout, cp_size=cp_size, min_local_rows=min_local_rows))
+    # megatron-core 0.16.1 lacks PackedSeqParams.cp_partition_mode; DS4 attention reads the attribute.
+    params = packed_seq_params_for(plan, layout_consumer_checked=True)
+    ids, positions = pack_input(input_ids, plan, cp_rank)
+    out = model(ids, positions, None, packed_seq_params=params)
+    return out, plan, params
+
+
+def _actor_step(model, input_ids, layout, cp_rank, min_rows, cp_size, group):
+    from verl_ds4.mcore.thd import pack_input, postprocess_thd_engine
+
+    logits, plan, params = _forward(model, input_ids, layout, cp_rank, min_rows, cp_size)
+    labels, _ = pack_input(input_ids, plan, cp_rank, need_roll=True)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [1, L]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    both = torch.stack((logp, entropy), dim=-1)  # [1, L, 2]
+    jagged = postprocess_thd_engine(both, params, input_ids, input_ids.shape[0], cp_layout=layout)
+    flat = jagged.values()  # [T, 2], original token order
+    last = input_ids.offsets()[1:] - 1
+    mask = torch.ones(flat.shape[0], dtype=torch.bool)
+    mask[last] = False
+    loss = -(flat[:, 0] * mask).sum() / mask.sum()
+    return flat, loss
+
+
+def _critic_step(critic, input_ids, targets, layout, cp_rank, min_rows, cp_size):
+    from verl_ds4.mcore.thd import postprocess_thd_engine
+
+    values, plan, params = _forward(critic, input_ids, layout, cp_rank, min_rows, cp_size)
+    jagged = postprocess_thd_engine(values, params, input_ids, input_ids.shape[0], cp_layout=layout)
+    flat = jagged.values()[:, 0]
+    loss = ((flat - targets.to(flat.dtype)) ** 2).mean()
+    return flat, loss
+
+
+def _grads(model, group) -> dict[str, np.ndarray | None]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            out[name] = None
+            continue
+        g = p.grad.detach().clone()
+        if group is not None:
+            torch.distributed.all_reduce(g, group=group)
+        out[name] = g.numpy()
+    return out
+
+
+def _worker(rank: int, world: int, cfg, dtypes, batches, seed: int, layout_checks: bool):
+    import logging
+
+    from megatron.core import parallel_state
+
+    # torch.fx logs a deprecation note on every rank when Megatron checks for tracing: noise here.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+    from .proxy import build_proxy_model, load_proxy_config, proxy_transformer_config
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        group = parallel_state.get_context_parallel_group() if world > 1 else None
+        cp_rank = parallel_state.get_context_parallel_rank()
+        cfg = load_proxy_config(cfg)
+        min_rows = proxy_transformer_config(cfg).min_local_rows
+        result = ParityResult(cp_size=world)
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            actor = build_proxy_model(cfg, dtype=dtype, seed=seed)
+            critic = build_proxy_model(cfg, dtype=dtype, value_head=True, seed=seed + 1)
+            for batch_name, lengths in batches.items():
+                input_ids, targets = _batch(lengths, cfg["vocab_size"], seed + 2)
+                actor.zero_grad(set_to_none=True)
+                critic.zero_grad(set_to_none=True)
+                per_token, loss = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group)
+                loss.backward()
+                values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world)
+                value_loss.backward()
+                result.results[(dtype_name, batch_name)] = {
+                    "log_probs": per_token[:, 0].detach().numpy(),
+                    "entropy": per_token[:, 1].detach().numpy(),
+                    "loss": np.array([loss.item()]),
+                    "grads": _grads(actor, group),
+                    "values": values.detach().numpy(),
+                    "value_loss": np.array([value_loss.item()]),
+                    "value_grads": _grads(critic, group),
+                }
+        if layout_checks and world > 1:
+            dtype = DTYPES[dtypes[0]]
+            actor = build_proxy_model(cfg, dtype=dtype, seed=seed)
+            input_ids, _ = _batch(batches[next(iter(batches))], cfg["vocab_size"], seed + 2)
+            try:
+                with torch.no_grad():
+                    _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
+                result.checks["zigzag_error"] = None
+            except ValueError as err:
+                result.checks["zigzag_error"] = str(err)
+            with _layout_guard_bypassed(), torch.no_grad():
+                per_token, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
+            result.checks["zigzag_bypassed_log_probs"] = per_token[:, 0].numpy()
+            result.checks["dtype"] = dtypes[0]
+        return result if rank == 0 else None
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_parity(
+    cp_size: int,
+    dtypes=("fp64",),
+    batches: dict[str, tuple[int, ...]] | None = None,
+    cfg=None,
+    seed: int = 1234,
+    layout_checks: bool = True,
+    timeout: float = 600.0,
+) -> ParityResult:
+    """Run the proxy at ``cp_size`` on that many gloo processes; returns rank 0's gathered results."""
+    from verl_ds4.testing.distributed import run_distributed
+
+    from . import proxy  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
+
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}.")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}.")
+    batches = dict(batches or {"ragged": RAGGED, "short": SHORT})
+    results = run_distributed(
+        _worker, world_size=cp_size, args=(cfg, tuple(dtypes), batches, seed, layout_checks), timeout=timeout
+    )
+    return results[0]
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    if a.shape != b.shape:
+        return math.inf, math.inf
+    abs_diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    rel = abs_diff / scale if scale > 0 else (0.0 if abs_diff == 0 else math.inf)
+    return abs_diff, rel
+
+
+def _grad_diff(a: dict, b: dict) -> tuple[float, float, int, int]:
+    """Max abs / rel diff over parameters; counts of compared and grad-less parameters."""
+    if set(a) != set(b):
+        return math.inf, math.inf, 0, 0
+    worst_abs = worst_rel = 0.0
+    compared = without = 0
+    for name in a:
+        if (a[name] is None) != (b[name] is None):
+            return math.inf, math.inf, compared, without
+        if a[name] is None:
+            without += 1
+            continue
+        d_abs, d_rel = _diff(a[name], b[name])
+        worst_abs, worst_rel = max(worst_abs, d_abs), max(worst_rel, d_rel)
+        compared += 1
+    return worst_abs, worst_rel, compared, without
+
+
+DEFAULT_TOLERANCES = {"fp64": 1e-10, "fp32": 1e-3}
+
+
+def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str, float] | None = None) -> list[Row]:
+    """Rows of (quantity, max abs diff, max rel diff, tolerance) of ``result`` against ``reference`` (CP = 1)."""
+    tolerances = {**DEFAULT_TOLERANCES, **(tolerances or {})}
+    rows: list[Row] = []
+    for key, ours in result.results.items():
+        dtype_name, batch_name = key
+        ref = reference.results[key]
+        tol = tolerances[dtype_name]
+        prefix = f"{dtype_name} {batch_name}"
+        for q in ("log_probs", "entropy", "loss", "values", "value_loss"):
+            rows.append(Row(f"{prefix} {q}", *_diff(ours[q], ref[q]), tol))
+        for q in ("grads", "value_grads"):
+            d_abs, d_rel, n, without = _grad_diff(ours[q], ref[q])
+            label = f"{prefix} {q} ({n} params" + (f"; {without} without grad: indexer" if without else "") + ")"
+            rows.append(Row(label, d_abs, d_rel, tol))
+    checks = result.checks
+    if "zigzag_error" in checks:
+        message = checks["zigzag_error"]
+        rejected = message is not None and "contiguous" in message
+        flag = 0.0 if rejected else math.inf
+        rows.append(Row("zigzag rows rejected by DS4 attention", flag, flag, 0.0, expect="error"))
+        first_batch = next(b for (d, b) in reference.results if d == checks["dtype"])
+        ref = reference.results[(checks["dtype"], first_batch)]["log_probs"]
+        d_abs, d_rel = _diff(checks["zigzag_bypassed_log_probs"], ref)
+        rows.append(Row("zigzag with guard bypassed: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
+    return rows
+
+
+ZIGZAG_MIN_REL = 1e-3
+
+
+def rows_passed(rows: list[Row]) -> bool:
+    return all(row.passed for row in rows)
+
+
+def format_table(rows: list[Row], title: str = "") -> str:
+    width = max(len(r.quantity) for r in rows) + 2
+    lines = [title] if title else []
+    lines.append(f"{'quantity':<{width}}{'max abs diff':>14}{'max rel diff':>14}  result")
+    lines.append("-" * (width + 48))
+    for r in rows:
+        bound = {"match": f"<= {r.tol:.0e}", "differ": f">  {r.tol:.0e}", "error": "ValueError raised"}[r.expect]
+        lines.append(f"{r.quantity:<{width}}{r.max_abs:>14.3e}{r.max_rel:>14.3e}  {'pass' if r.passed else 'FAIL'} ({bound})")
+    lines.append("rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (per parameter for gradients, worst shown).")
+    lines.append(
+        f"Batches: ragged = {len(RAGGED)} sequences, {sum(RAGGED)} tokens (straddling rank boundaries); "
+        f"short = {len(SHORT)} sequences, {sum(SHORT)} tokens (padded to cp * 128 rows)."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""DS4 facts and Megatron-Bridge provider rules that recipes and their validator rely on.
+
+verl builds DS4 through Megatron-Bridge (``use_mbridge=True``, ``vanilla_mbridge=False``): the bridge
+maps HF ``DeepseekV4ForCausalLM`` (``model_type="deepseek_v4"``) onto its provider, and verl applies
+the engine config plus ``override_transformer_config`` on top. The rules here are what that
+provider accepts for DS4 (shared doc ds4-context-parallel.md, sections 1, 3 and 4):
+
+- tensor parallelism is unsupported (``tensor_model_parallel_size`` must be 1);
+- CP>1 needs THD (packed) input, ``cp_partition_mode="contiguous"`` and a packing scheduler in
+  :data:`SEQUENCE_PACKING_SCHEDULERS`;
+- every CP rank must hold at least ``csa_window_size`` (128) rows of the packed micro-batch.
+
+:class:`DS4ModelFacts` carries the architecture numbers the validator needs. They come from the
+checkpoint's ``config.json`` when it is readable and from the recipe's ``ds4.model`` block
+(``configs/ds4_model/*.yaml``, sources cited there) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+HF_MODEL_TYPE = "deepseek_v4"
+
+# DS4's hybrid attention has no tensor-parallel implementation.
+SUPPORTED_TENSOR_PARALLEL_SIZE = 1
+
+# The only CP partition DS4 attention addresses correctly (positions derive from cp_rank * L).
+REQUIRED_CP_PARTITION_MODE = "contiguous"
+
+# Megatron-LM dev accepts these schedulers for DS4 THD with CP>1 (validation gate only).
+SEQUENCE_PACKING_SCHEDULERS = ("dp_balanced", "default_dynamic_cp")
+
+# URI schemes a trainer resolves itself (verl copies them to local disk); not checked on disk.
+REMOTE_PATH_SCHEMES = ("hdfs://", "s3://", "gs://", "oss://", "abfs://", "az://", "http://", "https://")
+
+
+@dataclass(frozen=True)
+class DS4ModelFacts:
+    """Architecture numbers of one DS4 checkpoint.
+
+    Attributes:
+        name: human-readable model name.
+        model_type: HF ``model_type`` (``"deepseek_v4"`` for DS4).
+        num_layers: decoder layers, MTP excluded.
+        mtp_layers: multi-token-prediction layers (``num_nextn_predict_layers``).
+        hidden_size: model width.
+        n_routed_experts: routed experts per MoE layer (EP must divide it).
+        num_experts_per_tok: routed top-k.
+        csa_window_size: attention window; each CP rank needs at least this many rows.
+        source: where these numbers were read from.
+    """
+
+    name: str
+    model_type: str
+    num_layers: int
+    mtp_layers: int
+    hidden_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    csa_window_size: int
+    source: str
+
+    @classmethod
+    def from_recipe_block(cls, block: Mapping[str, Any], source: str) -> "DS4ModelFacts":
+        """Build from a recipe's ``ds4.model`` block (``configs/ds4_model/<size>.yaml``)."""
+        return cls(
+            name=str(block["name"]),
+            model_type=str(block.get("hf_model_type", HF_MODEL_TYPE)),
+            num_layers=int(block["num_layers"]),
+            mtp_layers=int(block.get("mtp_layers", 0)),
+            hidden_size=int(block["hidden_size"]),
+            n_routed_experts=int(block["n_routed_experts"]),
+            num_experts_per_tok=int(block["num_experts_per_tok"]),
+            csa_window_size=int(block["csa_window_size"]),
+            source=source,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], source: str, fallback: "DS4ModelFacts") -> "DS4ModelFacts":
+        """Build from a checkpoint ``config.json`` dict; fields it lacks come from ``fallback``."""
+        text = config.get("text_config") or config
+        window = text.get("csa_window_size", text.get("sliding_window", fallback.csa_window_size))
+        return cls(
+            name=str(text.get("_name_or_path") or fallback.name),
+            model_type=str(config.get("model_type", fallback.model_type)),
+            num_layers=int(text.get("num_hidden_layers", fallback.num_layers)),
+            mtp_layers=int(text.get("num_nextn_predict_layers", fallback.mtp_layers) or 0),
+            hidden_size=int(text.get("hidden_size", fallback.hidden_size)),
+            n_routed_experts=int(text.get("n_routed_experts", fallback.n_routed_experts)),
+            num_experts_per_tok=int(text.get("num_experts_per_tok", fallback.num_experts_per_tok)),
+            csa_window_size=int(window),
+            source=source,
+        )
+
+
+def is_remote_path(path: str) -> bool:
+    """Whether ``path`` is a URI the trainer downloads itself (not checked on local disk)."""
+    return str(path).startswith(REMOTE_PATH_SCHEMES)
+
+
+def local_config_json(model_path: str | None) -> str | None:
+    """Path of ``config.json`` inside a local model folder, or None when there is none."""
+    if not model_path or is_remote_path(model_path):
+        return None
+    candidate = os.path.join(os.path.expanduser(str(model_path)), "config.json")
+    return candidate if os.path.isfile(candidate) else None
+
+
+def load_model_facts(model_path: str | None, recipe_block: Mapping[str, Any], recipe_source: str) -> DS4ModelFacts:
+    """Facts for the model at ``model_path``: its ``config.json`` if readable, else the recipe block.
+
+    Raises:
+        ValueError: when ``config.json`` exists but is not valid JSON.
+    """
+    fallback = DS4ModelFacts.from_recipe_block(recipe_block, recipe_source)
+    config_json = local_config_json(model_path)
+    if config_json is None:
+        return fallback
+    try:
+        with open(config_json, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"Cannot read the model config {config_json}: {e}. Fix the file or point the path elsewhere.") from e
+    return DS4ModelFacts.from_hf_config(config, source=config_json, fallback=fallback)
+
+
+def pipeline_stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage for an even split (earlier stages take the remainder).
+
+    This is the split Megatron-Bridge's ``set_deepseek_v4_pipeline_model_parallel_layout`` builds
+    (embedding on the first stage, MTP and loss on the last one).
+    """
+    if pp <= 0:
+        raise ValueError(f"pipeline size must be positive, got {pp}")
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if rank < extra else 0) for rank in range(pp)]

@@ -1,0 +1,89 @@
+"""Compose, validate and print the parallel plan of a DS4 recipe (no GPU, no Ray).
+
+    verl-ds4 recipe sft  --dry-run  [hydra overrides ...]
+    verl-ds4 recipe ppo  --shell-env [hydra overrides ...]
+
+KIND is sft (verl.trainer.sft_trainer), ppo or grpo (verl.trainer.main_ppo). The overrides are
+exactly what the trainer receives; the search path and +recipe= are added when missing.
+
+--dry-run prints the plan and exits 0 when the config is valid (missing model/data paths are
+reported as warnings). Without it, missing paths are errors; the plan goes to stderr and, with
+--shell-env, NNODES=/GPUS_PER_NODE= lines go to stdout for the launcher. Exit status 1 means the
+configuration was rejected; every error names the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from verl_ds4.recipes.compose import TRAINERS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", choices=sorted(TRAINERS), help="which recipe: sft, ppo (GAE critic) or grpo")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="compose and validate only, print the resolved parallel plan; missing paths are warnings",
+    )
+    parser.add_argument(
+        "--shell-env",
+        action="store_true",
+        help="after a successful validation print NNODES=<n> and GPUS_PER_NODE=<g> on stdout (plan on stderr)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs=argparse.REMAINDER,
+        help="Hydra overrides passed to the trainer (a leading '--' is ignored)",
+    )
+
+
+def launch_line(kind: str, nnodes: int, gpus_per_node: int, n_overrides: int) -> str:
+    trainer = TRAINERS[kind]
+    if trainer.kind == "sft":
+        return (
+            f"torchrun --nnodes={nnodes} --nproc_per_node={gpus_per_node} --node_rank=$NODE_RANK "
+            f"--master_addr=$MASTER_ADDR --master_port=$MASTER_PORT -m {trainer.module} <{n_overrides} overrides>"
+        )
+    return f"python -m {trainer.module} <{n_overrides} overrides> (Ray cluster of {nnodes} nodes x {gpus_per_node} GPUs)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from verl_ds4.recipes.compose import compose_recipe
+    from verl_ds4.recipes.plan import format_plan
+    from verl_ds4.recipes.validate import RecipeValidationError, validate_recipe
+
+    overrides = list(args.overrides or [])
+    # Flags given after KIND land in the remainder; Hydra overrides never start with "--".
+    while overrides and overrides[0] in ("--dry-run", "--shell-env"):
+        setattr(args, overrides.pop(0)[2:].replace("-", "_"), True)
+    if overrides and overrides[0] == "--":
+        overrides = overrides[1:]
+    trainer = TRAINERS[args.kind]
+    try:
+        cfg = compose_recipe(args.kind, overrides)
+    except Exception as e:  # Hydra composition errors name the bad override themselves.
+        print(f"verl-ds4 recipe {args.kind}: cannot compose the config: {e}", file=sys.stderr)
+        return 1
+    try:
+        report = validate_recipe(cfg, trainer.kind, dry_run=args.dry_run, raise_on_error=False)
+    except RecipeValidationError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    plan = format_plan(cfg, report, launch_line(args.kind, report.nnodes, report.gpus_per_node, len(overrides)))
+    if args.dry_run:
+        print("(dry-run: composed and validated without GPUs; nothing was launched)")
+        print(plan)
+    else:
+        print(plan, file=sys.stderr)
+    if report.errors:
+        print(
+            f"verl-ds4 recipe {args.kind}: configuration rejected ({len(report.errors)} errors above).",
+            file=sys.stderr,
+        )
+        return 1
+    if args.shell_env and not args.dry_run:
+        print(f"NNODES={report.nnodes}")
+        print(f"GPUS_PER_NODE={report.gpus_per_node}")
+    return 0

@@ -1,0 +1,102 @@
+"""Compose a DS4 recipe through verl's real config tree, exactly as verl's entry points do.
+
+A recipe is a Hydra config group (``recipe/<name>.yaml`` in ``verl_ds4.recipes_data``) applied on
+top of verl's own primary config (``sft_trainer_engine`` for SFT, ``ppo_trainer`` for PPO/GRPO)
+through ``hydra.searchpath``. The launchers pass the same override list to ``torchrun -m
+verl.trainer.sft_trainer`` / ``python -m verl.trainer.main_ppo`` and to :func:`compose_recipe`,
+so the dry-run sees the configuration the trainer will see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+SEARCHPATH_OVERRIDE = "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """One verl entry point a recipe runs on.
+
+    Attributes:
+        kind: ``"sft"`` or ``"ppo"`` (PPO and GRPO share verl's ``main_ppo``).
+        config_name: verl's primary config (in ``verl.trainer.config``).
+        module: the ``python -m`` module that trains.
+        default_recipe: recipe selected when the overrides name none.
+    """
+
+    kind: str
+    config_name: str
+    module: str
+    default_recipe: str
+
+
+TRAINERS: dict[str, Trainer] = {
+    "sft": Trainer("sft", "sft_trainer_engine", "verl.trainer.sft_trainer", "deepseek_v4_sft"),
+    "ppo": Trainer("ppo", "ppo_trainer", "verl.trainer.main_ppo", "deepseek_v4_ppo"),
+    "grpo": Trainer("ppo", "ppo_trainer", "verl.trainer.main_ppo", "deepseek_v4_grpo"),
+}
+
+
+def verl_config_dir() -> str:
+    """verl's ``trainer/config`` folder, found without importing verl (which pulls in torch).
+
+    It is the folder verl's own ``@hydra.main(config_path="config")`` entry points read.
+    """
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.origin:
+        raise ImportError("verl is not installed; install verl==0.9.1 (pip install -e .).")
+    path = os.path.join(os.path.dirname(spec.origin), "trainer", "config")
+    if not os.path.isfile(os.path.join(path, "ppo_trainer.yaml")):
+        raise FileNotFoundError(f"verl's config folder {path} has no ppo_trainer.yaml; is verl installed correctly?")
+    return path
+
+
+def recipe_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Overrides that select recipe ``name``, followed by ``overrides``.
+
+    The search path and ``+recipe=`` entries are only added when ``overrides`` does not already
+    carry them (the launchers pass them explicitly so the trainer command line is complete).
+    """
+    overrides = list(overrides)
+    head: list[str] = []
+    if not any(o.startswith("hydra.searchpath=") for o in overrides):
+        head.append(SEARCHPATH_OVERRIDE)
+    if not any(o.startswith(("+recipe=", "recipe=", "++recipe=")) for o in overrides):
+        head.append(f"+recipe={name}")
+    return head + overrides
+
+
+def compose_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = (), resolve: bool = True) -> DictConfig:
+    """Compose ``recipe`` (a key of :data:`TRAINERS`) with Hydra overrides; no GPU, no Ray.
+
+    Args:
+        recipe: ``"sft"``, ``"ppo"`` or ``"grpo"``.
+        overrides: Hydra overrides as on the trainer's command line.
+        resolve: resolve interpolations in place (as verl's trainers do first thing).
+
+    Returns:
+        The composed config (struct mode off, like verl's ``main`` receives it).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if recipe not in TRAINERS:
+        raise ValueError(f"Unknown recipe kind {recipe!r}; expected one of {sorted(TRAINERS)}.")
+    trainer = TRAINERS[recipe]
+    all_overrides = recipe_overrides(trainer.default_recipe, overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
+            cfg = compose(config_name=trainer.config_name, overrides=all_overrides)
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    if resolve:
+        OmegaConf.resolve(cfg)
+    return cfg
