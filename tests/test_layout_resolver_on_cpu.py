@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -21,15 +20,18 @@ from verl_ds4.testing.tiny_gpt import PerTokenAttention, build_tiny_gpt
 
 @pytest.fixture(scope="module")
 def parallel_state():
+    """Megatron parallel state on torch's thread-free "fake" backend (world size 1).
+
+    No collective runs here; a real gloo group would leave threads in the pytest process that
+    make later forked multi-process tests (ours and others') hang.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    mpu.initialize_model_parallel()
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    mpu.initialize_model_parallel(create_gloo_process_groups=False)
     yield mpu
     mpu.destroy_model_parallel()
     dist.destroy_process_group()
