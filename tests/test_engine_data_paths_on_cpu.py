@@ -258,3 +258,55 @@ def test_dynamic_cp_padding_mask_matches_the_packed_rows():
         assert mask.shape == (128,)  # min_local_rows applies under dynamic CP too
         assert torch.equal(mask, rows == 0)
         assert tu.get_non_tensor_data(batch, key=DCP_LOCAL_NUM_TOKENS, default=None) == int((rows != 0).sum())
+
+
+# ------------------------------------------------------------------ the real DS4 proxy, CP=2 vs CP=1
+
+
+def _ds4_proxy_paths(rank: int, world_size: int):
+    """LM log-probs and critic values of the pure-PyTorch DS4 proxy through our forward functions."""
+    from megatron.core import parallel_state as mpu
+
+    from verl_ds4.mcore import resolver
+    from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
+    from verl_ds4.models.ds4.proxy import build_proxy_model
+
+    mpu.initialize_model_parallel(context_parallel_size=world_size)
+    lm = build_proxy_model(dtype=torch.float64)
+    critic = build_proxy_model(dtype=torch.float64, value_head=True)
+    resolved = resolver.resolved_for(lm)
+    lengths = [5, 140, 37, 60]  # one sequence straddles the CP rank boundary
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 97, (sum(lengths),), generator=gen)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    input_ids = torch.nested.nested_tensor_from_jagged(ids, offsets=offsets)
+    temperature = torch.nested.nested_tensor_from_jagged(torch.ones(ids.numel(), dtype=torch.float64), offsets=offsets)
+
+    def log_probs(logits, label, temperature):
+        scaled = logits / temperature.unsqueeze(-1)
+        return {"log_probs": torch.log_softmax(scaled, -1).gather(-1, label.unsqueeze(-1)).squeeze(-1)}
+
+    out = gptmodel_forward_model_engine(
+        lm, input_ids, {}, logits_processor=log_probs,
+        logits_processor_args={"label": input_ids.clone(), "temperature": temperature},
+    )  # fmt: skip
+    values = gptmodel_forward_model_engine(critic, input_ids, {}, value_model=True)
+    result = {
+        "resolved": (resolved.layout, resolved.min_local_rows, resolved.cp_size),
+        "log_probs": out["log_probs"].values().detach().clone(),
+        "values": values.values().detach().clone(),
+    }
+    mpu.destroy_model_parallel()
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def test_ds4_proxy_lm_and_critic_match_between_cp1_and_cp2():
+    cp1 = torch.load(io.BytesIO(run_distributed(_ds4_proxy_paths, 1, timeout=600)[0]), weights_only=False)
+    cp2 = [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(_ds4_proxy_paths, 2, timeout=600)]
+    assert cp1["resolved"] == ("contiguous", 128, 1)
+    for out in cp2:
+        assert out["resolved"] == ("contiguous", 128, 2)
+        torch.testing.assert_close(out["log_probs"], cp1["log_probs"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(out["values"], cp1["values"], rtol=1e-9, atol=1e-9)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -21,15 +20,18 @@ from verl_ds4.testing.tiny_gpt import PerTokenAttention, build_tiny_gpt
 
 @pytest.fixture(scope="module")
 def parallel_state():
+    """Megatron parallel state on torch's thread-free "fake" backend (world size 1).
+
+    No collective runs here; a real gloo group would leave threads in the pytest process that
+    make later forked multi-process tests (ours and others') hang.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    mpu.initialize_model_parallel()
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    mpu.initialize_model_parallel(create_gloo_process_groups=False)
     yield mpu
     mpu.destroy_model_parallel()
     dist.destroy_process_group()
@@ -82,6 +84,10 @@ def test_dsv4_config_needs_contiguous_with_window_rows(parallel_state, with_cp_p
     config.csa_window_size = 128
     resolved = resolver.resolve_cp_layout(model, config, cp_size=2)
     assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 128)
+    config.csa_window_size, config.csa_compress_ratios = 64, [0, 4, 128]  # D_window = max(W, ratio)
+    assert resolver.resolve_cp_layout(model, config, cp_size=2).min_local_rows == 128
+    config.csa_compress_ratios = [0, 4]
+    assert resolver.resolve_cp_layout(model, config, cp_size=2).min_local_rows == 64
 
 
 def test_dsv4_with_tp_is_rejected(parallel_state, with_cp_partition_mode):
@@ -341,3 +347,18 @@ def test_pad_to_length_bucket_comes_from_the_engine_setting(parallel_state):
     resolved = engine._resolve_cp_layout([build_tiny_gpt(attention=lambda i: PerTokenAttention("zigzag"))])
     assert resolved.pad_to_length_bucket == 96
     assert os.environ.get("VERL_DS4_DISABLE_ENGINE") is None
+
+
+def test_the_ds4_proxy_resolves_contiguous_with_window_rows(parallel_state):
+    """The project's pure-PyTorch DS4 attention (verl_ds4.models.ds4) on megatron-core 0.16.1."""
+    from verl_ds4.models.ds4.proxy import build_proxy_model
+
+    model = build_proxy_model(dtype=torch.float32)
+    assert model.config.experimental_attention_variant == "dsv4_hybrid"
+    resolved = resolver.resolve_cp_layout(model, cp_size=2)
+    # D_window over the layers: max(csa_window_size, compression ratio) (the proxy's own property agrees)
+    assert (resolved.layout, resolved.min_local_rows) == ("contiguous", model.config.min_local_rows)
+    assert resolved.min_local_rows == max(model.config.csa_window_size, *model.config.csa_compress_ratios)
+    assert "DS4HybridSelfAttention" in resolved.describe()
+    with pytest.raises(CPLayoutError, match="cp_partition_mode='zigzag'"):
+        resolver.resolve_cp_layout(model, cp_size=2, user_overrides={"cp_partition_mode": "zigzag"})

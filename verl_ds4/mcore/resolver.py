@@ -44,9 +44,16 @@ leaves it out). Example, on the DS4 attention::
     def cp_layout_requirement(self):
         return ("contiguous", self.config.csa_window_size)
 
+A second spelling is accepted too: a string attribute ``cp_layout`` (``"contiguous"`` /
+``"zigzag"``) together with ``min_local_rows`` (an int, ``None``, or a zero-argument method), as
+the DS4 proxy's ``DS4HybridSelfAttention`` declares it.
+
 A declaring module reads the layout from the packed rows it is given (global ``cu_seqlens``,
-``cp_rank * local_rows`` as its first row), so it does not need ``PackedSeqParams`` to carry
-``cp_partition_mode``; a Megatron-Core attention does.
+``cp_rank * local_rows`` as its first row, and ``packed_seq_params.cp_partition_mode``, which
+:mod:`verl_ds4.mcore.thd` always records, as a plain attribute where the installed
+``PackedSeqParams`` lacks the field), so it works on any Megatron-Core; Megatron's own attention
+needs the field. When the config selects the DS4 variant and the model's attention modules declare
+the protocol, they are what consumes the rows.
 """
 
 from __future__ import annotations
@@ -216,8 +223,13 @@ def _is_ds4_config(tf_config) -> bool:
 
 
 def _ds4_window(tf_config) -> int:
+    """Rows every CP rank needs for DS4: ``D_window = max(csa_window_size, 8 if m == 4 else m)`` over layers."""
     window = getattr(tf_config, "csa_window_size", None)
-    return int(window) if window else DS4_DEFAULT_WINDOW
+    rows = int(window) if window else DS4_DEFAULT_WINDOW
+    for ratio in getattr(tf_config, "csa_compress_ratios", None) or ():
+        ratio = int(ratio)
+        rows = max(rows, 8 if ratio == 4 else ratio)
+    return rows
 
 
 def is_ds4_hf_config(hf_config) -> bool:
@@ -292,21 +304,41 @@ def collect_requirements(model, tf_config=None) -> list[LayoutRequirement]:
             )
         )
     standard: dict[str, str] = {}  # class name -> first module path
+    declared_any = False
     for index, chunk in enumerate(chunks):
         prefix = f"model[{index}]." if len(chunks) > 1 else ""
         for name, module in chunk.named_modules():
             source = f"{prefix}{name or '<root>'} ({type(module).__name__})"
-            try:
-                declared = getattr(module, PROTOCOL_ATTRIBUTE)
-            except AttributeError:
-                declared = None
+            declared = _declared_requirement(module)
             if declared is not None:
                 requirements.append(_normalise_requirement(declared, source))
+                declared_any = True
             elif not ds4 and _is_standard_attention(module):
                 standard.setdefault(type(module).__name__, source)
     for source in standard.values():
         requirements.append(LayoutRequirement(ZIGZAG, None, source, frozenset([ZIGZAG])))
+    if ds4 and declared_any:
+        # The DS4 attention of this model is a declaring module (e.g. the pure-PyTorch one), not
+        # Megatron-LM dev's: it reads the split from the rows, so nothing needs PackedSeqParams' field.
+        requirements[0] = dataclasses.replace(requirements[0], self_describing=True)
     return requirements
+
+
+def _declared_requirement(module: torch.nn.Module):
+    """The module's protocol value: ``cp_layout_requirement``, or the ``cp_layout`` / ``min_local_rows`` pair."""
+    try:
+        declared = getattr(module, PROTOCOL_ATTRIBUTE)
+    except AttributeError:
+        declared = None
+    if declared is not None:
+        return declared
+    layout = getattr(module, "cp_layout", None)
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        return None
+    min_rows = getattr(module, "min_local_rows", None)
+    if callable(min_rows):
+        min_rows = min_rows()
+    return (layout, min_rows)
 
 
 # --------------------------------------------------------------------------------------------
