@@ -66,12 +66,12 @@ def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def write_ppo_assets(out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0) -> dict[str, str]:
     """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths."""
-    from verl_ds4.testing.cpu_sft_data import ds4_proxy_hf_config, write_model_dir
+    from verl_ds4.testing.cpu_sft_data import model_hf_config, write_model_dir
 
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}.")
     out_dir = Path(out_dir)
-    model_dir = write_model_dir(out_dir / "model", hf_config=ds4_proxy_hf_config())
+    model_dir = write_model_dir(out_dir / "model", hf_config=model_hf_config("ds4_proxy"))
     rows = digit_prompts(n_train + n_val, seed=seed)
     paths = {
         "model": str(model_dir),
