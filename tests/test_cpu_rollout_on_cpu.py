@@ -114,9 +114,9 @@ def test_sampling_greedy_top_k_top_p_and_seeded():
 
 
 def _proxy_hf_config():
-    from verl_ds4.testing.cpu_sft_data import ds4_proxy_hf_config
+    from verl_ds4.testing.cpu_sft_data import model_hf_config
 
-    return ds4_proxy_hf_config()
+    return model_hf_config("ds4_proxy")  # vocabulary sized to the demo tokenizer
 
 
 def _server_checks(rank: int, world: int) -> dict:
@@ -130,6 +130,8 @@ def _server_checks(rank: int, world: int) -> dict:
     policy = MegatronCPUPolicy(hf_config)
     model_config = SimpleNamespace(hf_config=hf_config, tokenizer=None, generation_config=None)
     server = CPURolloutServer(_rollout_config(), model_config, policy=policy)
+    # The demo vocabulary has a real EOS id; these checks count tokens, so no EOS until part 2 sets one.
+    server.eos_token_ids = set()
     out: dict = {}
     prompt = [5, 17, 3, 42, 8, 8, 21, 9, 60, 2]
 

@@ -58,9 +58,17 @@ class MegatronCPUPolicy:
     """The actor's Megatron model on one CPU rank: next-token logits for one sequence at a time."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, share_embeddings: bool | None = None):
+        import importlib
+
         from verl_ds4.engine.cpu import CPU_MODEL_BUILDERS, cpu_transformer_overrides
+        from verl_ds4.testing.cpu_sft_data import MODEL_EXTERNAL_LIBS
 
         model_type = getattr(hf_config, "model_type", None)
+        if model_type not in CPU_MODEL_BUILDERS:
+            # The rollout server is its own process: register the demo models' builders here too
+            # (the trainer's processes get them through model.external_lib).
+            for module in MODEL_EXTERNAL_LIBS.values():
+                importlib.import_module(module)
         builder = CPU_MODEL_BUILDERS.get(model_type)
         if builder is None:
             raise ValueError(
