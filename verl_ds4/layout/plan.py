@@ -128,7 +128,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class RankRows(NamedTuple):
-    """Per local row of one CP rank (all ``[local_rows]`` int64 / bool tensors).
+    """Per local row of one CP rank (``[local_rows]`` integer tensors, int32 while every index
+    fits, else int64; ``valid`` and ``keep_position`` are bool).
 
     ``slot``: buffer slot of the row's sequence; ``position``: padded position inside it;
     ``source``: flat token index (meaningful where ``valid``); ``seqlen``: real length of the
@@ -237,18 +238,20 @@ class THDPlan:
                 [cp_rank * half - local_start, (2 * cp - 2 - cp_rank) * half - local_start], 1
             ).flatten()
             keep = True
+        # int32 row tables (half the memory traffic of int64) while every index fits.
+        itype = torch.int32 if max(self.total_rows, self.num_tokens) < 2**31 else torch.long
         run = torch.repeat_interleave(
-            torch.arange(counts.shape[0], device=device), counts, output_size=self.local_rows
+            torch.arange(counts.shape[0], device=device, dtype=itype), counts, output_size=self.local_rows
         )
-        local = torch.arange(self.local_rows, device=device)
-        position = local + position_base.index_select(0, run)
+        local = torch.arange(self.local_rows, device=device, dtype=itype)
+        position = local + position_base.to(itype).index_select(0, run)
         if keep is None:
             slot, keep_position = run, None
         else:
             # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
             slot, keep_position = run >> 1, (run & 1) == 0
-        source = position + self._buffer_token_starts.index_select(0, slot)
-        seqlen = self._buffer_seqlens.index_select(0, slot)
+        source = position + self._buffer_token_starts.to(itype).index_select(0, slot)
+        seqlen = self._buffer_seqlens.to(itype).index_select(0, slot)
         valid = position < seqlen
         rows = RankRows(slot, position, source, seqlen, valid, keep_position)
         self._rank_cache[cp_rank] = rows
@@ -263,7 +266,7 @@ class THDPlan:
         source = rows.source
         if shift:
             source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
-        return torch.where(rows.valid, source, -1)
+        return torch.where(rows.valid, source, -1).long()
 
     def position_ids(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: position inside its sequence of each local row's source token.
@@ -274,9 +277,9 @@ class THDPlan:
         rows = self.rank_rows(cp_rank)
         if shift:
             position = rows.position + 1
-            return torch.where(rows.valid & (position != rows.seqlen), position, 0)
+            return torch.where(rows.valid & (position != rows.seqlen), position, 0).long()
         keep = rows.valid if rows.keep_position is None else rows.valid | rows.keep_position
-        return torch.where(keep, rows.position, 0)
+        return torch.where(keep, rows.position, 0).long()
 
     def global_start(self, cp_rank: int) -> int:
         """First global buffer row of ``cp_rank`` (contiguous layout only)."""
