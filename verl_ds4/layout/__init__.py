@@ -12,6 +12,6 @@ up in :mod:`verl_ds4.mcore.thd`.
 """
 
 from .plan import PlanOptions, THDPlan, build_plan
-from .types import CPLayout
+from .types import CPLayout, ds4_window_rows
 
-__all__ = ["CPLayout", "PlanOptions", "THDPlan", "build_plan"]
+__all__ = ["CPLayout", "PlanOptions", "THDPlan", "build_plan", "ds4_window_rows"]

@@ -66,6 +66,8 @@ from typing import Any
 
 import torch
 
+from verl_ds4.layout.types import ds4_window_rows
+
 logger = logging.getLogger(__name__)
 
 ZIGZAG = "zigzag"
@@ -223,13 +225,11 @@ def _is_ds4_config(tf_config) -> bool:
 
 
 def _ds4_window(tf_config) -> int:
-    """Rows every CP rank needs for DS4: ``D_window = max(csa_window_size, 8 if m == 4 else m)`` over layers."""
+    """Rows every CP rank needs for DS4: the largest ``D_window`` over the layers (``ds4_window_rows``)."""
     window = getattr(tf_config, "csa_window_size", None)
-    rows = int(window) if window else DS4_DEFAULT_WINDOW
-    for ratio in getattr(tf_config, "csa_compress_ratios", None) or ():
-        ratio = int(ratio)
-        rows = max(rows, 8 if ratio == 4 else ratio)
-    return rows
+    window = int(window) if window else DS4_DEFAULT_WINDOW
+    ratios = getattr(tf_config, "csa_compress_ratios", None) or (0,)
+    return max(ds4_window_rows(window, int(ratio)) for ratio in ratios)
 
 
 def is_ds4_hf_config(hf_config) -> bool:
