@@ -44,18 +44,9 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", 
 
 def ds4_control_tokens() -> list[str]:
     """DS4's chat control tokens as verl's DS4 encoder writes them (each one atomic token)."""
-    from verl.utils.tokenizer import deepseek as ds
+    from verl_ds4.testing.ds4_tokenizer import DS4_CONTROL_TOKENS
 
-    return [
-        ds.BOS_TOKEN,
-        ds.EOS_TOKEN,
-        ds.USER_TOKEN,
-        ds.ASSISTANT_TOKEN,
-        ds.LATEST_REMINDER_TOKEN,
-        ds.THINK_START_TOKEN,
-        ds.THINK_END_TOKEN,
-        *ds.TASK_TOKENS.values(),
-    ]
+    return list(DS4_CONTROL_TOKENS)
 
 # Every character the conversations use (checked when the tokenizer is built).
 ALPHABET = string.ascii_letters + string.digits + " \n.,:;?!+-*/=()'\""
