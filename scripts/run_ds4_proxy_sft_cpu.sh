@@ -27,6 +27,7 @@ MICRO_BATCH=${MICRO_BATCH:-8}           # conversations per micro-batch per data
 LR=${LR:-3e-3}
 SAVE_FREQ=${SAVE_FREQ:-40}              # checkpoint every N steps (and at the last step)
 SEED=${SEED:-42}
+DTYPE=${DTYPE:-float32}                 # float32 (CPU engine config) | bfloat16 (verl's default)
 RESUME_MODE=${RESUME_MODE:-auto}        # auto | disable | resume_path
 MASTER_PORT=${MASTER_PORT:-29561}
 # --------------------------------------------------------------------------------------
@@ -37,6 +38,12 @@ case "$MODEL" in
     ds4_proxy) MODEL_LIB=verl_ds4.models.ds4.cpu_builder ;;   # registers the deepseek_v4 CPU builder
     tiny_dense) MODEL_LIB=verl_ds4.testing.tiny_dense ;;      # registers the llama CPU builder
     *) echo "MODEL=$MODEL: expected ds4_proxy or tiny_dense" >&2; exit 2 ;;
+esac
+case "$DTYPE" in
+    # verl's McoreEngineConfig admits only half precision; the CPU engine's config subclass adds fp32.
+    float32|fp32) DTYPE_ARGS=(engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig engine.dtype=float32) ;;
+    bfloat16|float16) DTYPE_ARGS=(engine.dtype="$DTYPE") ;;
+    *) echo "DTYPE=$DTYPE: expected float32, bfloat16 or float16" >&2; exit 2 ;;
 esac
 
 export VERL_PLATFORM=cpu
@@ -60,7 +67,7 @@ MODEL_ARGS=(
     model.use_remove_padding=True
 )
 ENGINE=(
-    engine.dtype=bfloat16
+    "${DTYPE_ARGS[@]}"
     engine.tensor_model_parallel_size=1
     engine.pipeline_model_parallel_size=1
     engine.context_parallel_size="$CP"

@@ -156,6 +156,38 @@ def test_cpu_transformer_overrides_reject_contradicting_user_values():
         cpu_transformer_overrides({"use_cpu_initialization": False})
 
 
+def test_cpu_engine_config_adds_fp32_and_keeps_verls_checks():
+    from verl.workers.config import McoreEngineConfig
+
+    from verl_ds4.engine.cpu import CPUMcoreEngineConfig
+
+    with pytest.raises(AssertionError, match="float32"):  # verl 0.9.1's own config: half precision only
+        McoreEngineConfig(dtype="float32")
+    config = CPUMcoreEngineConfig(dtype="float32", tensor_model_parallel_size=1, sequence_parallel=True)
+    assert config.dtype == "float32"
+    assert config.sequence_parallel is False  # verl's TP=1 rule still ran
+    assert CPUMcoreEngineConfig(dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(AssertionError, match="float64"):
+        CPUMcoreEngineConfig(dtype="float64")
+    with pytest.raises(ValueError, match="max_seqlen_per_dp_cp_rank"):
+        CPUMcoreEngineConfig(dtype="float32", dynamic_context_parallel=True)
+
+
+def test_fp32_params_refused_by_the_gpu_engines_accepted_by_the_cpu_engines():
+    from types import SimpleNamespace
+
+    from verl_ds4.engine.cpu import CPUMcoreEngineConfig, CPUMegatronEngineWithLMHead, CPUMegatronEngineWithValueHead
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead
+
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="llama"))
+    fp32 = CPUMcoreEngineConfig(dtype="float32")
+    for gpu_engine in (DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead):
+        with pytest.raises(ValueError, match="engine.dtype=bfloat16"):
+            gpu_engine._check_startup_settings(object.__new__(gpu_engine), model_config, fp32)
+    for cpu_engine in (CPUMegatronEngineWithLMHead, CPUMegatronEngineWithValueHead):
+        cpu_engine._check_startup_settings(object.__new__(cpu_engine), model_config, fp32)
+
+
 def test_register_cpu_engines_adds_cpu_keys_only():
     from verl.workers.engine.base import EngineRegistry
 

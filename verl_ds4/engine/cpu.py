@@ -61,6 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from verl.workers.config import McoreEngineConfig
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead
@@ -69,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CPU_MODEL_BUILDERS",
+    "CPUMcoreEngineConfig",
     "CPUMegatronEngineWithLMHead",
     "CPUMegatronEngineWithValueHead",
     "CPUModelBuilder",
@@ -77,6 +79,42 @@ __all__ = [
     "register_cpu_engines",
     "register_cpu_model_builder",
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# Engine config: verl's, plus full fp32 parameters
+# ---------------------------------------------------------------------------------------
+
+_FP32_NAMES = ("float32", "fp32")
+
+
+@dataclass
+class CPUMcoreEngineConfig(McoreEngineConfig):
+    """verl's ``McoreEngineConfig`` that also accepts ``dtype: float32`` (CPU engine only).
+
+    verl 0.9.1's Megatron engine config admits only ``bfloat16``/``float16`` parameters, the
+    right choice on GPUs. On a CPU, fp32 parameters and compute are what make runs at
+    different CP sizes comparable to fp32 tolerance (bf16 rounds differently when the same
+    tokens are summed on one rank or two), and fp32 matmuls are no slower there. Select it
+    with ``engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig engine.dtype=float32``;
+    every other field and check is verl's. The DS4 GPU engines refuse an fp32 config
+    (:meth:`verl_ds4.engine.megatron.DS4MegatronEngineWithLMHead`), so it cannot reach them
+    unnoticed.
+    """
+
+    _mutable_fields = McoreEngineConfig._mutable_fields | {"dtype"}
+
+    def __post_init__(self) -> None:
+        requested = self.dtype
+        if requested not in _FP32_NAMES:
+            super().__post_init__()
+            return
+        # verl's own checks, run on a half-precision stand-in, then the requested value back.
+        self.dtype = "bfloat16"
+        try:
+            super().__post_init__()
+        finally:
+            self.dtype = "float32"
 
 
 # ---------------------------------------------------------------------------------------
@@ -547,11 +585,15 @@ def _restore_adam_step_counters(optimizer) -> None:
 class CPUMegatronEngineWithLMHead(DS4MegatronEngineWithLMHead, _CPUMegatronEngineMixin, MegatronEngineWithLMHead):
     """verl-ds4's Megatron LM-head engine (actor, reference, SFT) on the CPU."""
 
+    accepts_fp32_params = True  # engine.dtype=float32 through CPUMcoreEngineConfig
+
 
 class CPUMegatronEngineWithValueHead(
     DS4MegatronEngineWithValueHead, _CPUMegatronEngineMixin, MegatronEngineWithValueHead
 ):
     """verl-ds4's Megatron value-head engine (critic) on the CPU."""
+
+    accepts_fp32_params = True
 
 
 _REGISTERED = False

@@ -334,6 +334,8 @@ class _ResolvedLayoutEngine:
 
     #: The engine's CP layout, set once the model is built (``None`` before).
     resolved_cp_layout: ResolvedCPLayout | None = None
+    #: Whether fp32 parameters are supported (only the CPU engines, see ``CPUMcoreEngineConfig``).
+    accepts_fp32_params: bool = False
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         install_verl_hooks()
@@ -344,6 +346,11 @@ class _ResolvedLayoutEngine:
 
     def _check_startup_settings(self, model_config, engine_config) -> None:
         """Reject settings that cannot work before verl initialises parallel state."""
+        if str(getattr(engine_config, "dtype", "")) in ("float32", "fp32") and not self.accepts_fp32_params:
+            raise ValueError(
+                f"engine.dtype={engine_config.dtype} is supported by verl-ds4's CPU engines only; "
+                "on GPUs use engine.dtype=bfloat16 (Megatron keeps fp32 main parameters in the optimizer)."
+            )
         bucket = _pad_to_length_bucket(engine_config)
         if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
             raise CPLayoutError(f"engine pad_to_length_bucket must be a positive int, got {bucket!r}")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["cpu_env", "free_port", "kill_run", "parse_losses", "sft_command"]
+__all__ = ["cpu_env", "engine_dtype_args", "free_port", "kill_run", "parse_losses", "sft_command"]
 
 _STEP_LOSS = re.compile(r"step:(\d+) - .*?train/loss:([-+0-9.eE]+|nan|inf)")
 
@@ -51,6 +51,7 @@ def sft_command(
     save_freq: int = -1,
     resume_mode: str = "disable",
     ds4_chat: bool = True,
+    dtype: str = "float32",
     port: int | None = None,
     python: str = sys.executable,
     extra: Iterable[str] = (),
@@ -68,7 +69,7 @@ def sft_command(
         "data.use_dynamic_bsz=False",
         "data.max_length=256",
         "data.num_workers=0",
-        "engine.dtype=bfloat16",
+        *engine_dtype_args(dtype),
         f"engine.context_parallel_size={cp}",
         "engine.sequence_parallel=False",
         "engine.use_distributed_optimizer=True",
@@ -86,6 +87,16 @@ def sft_command(
     if ds4_chat:
         args += ["data.custom_cls.path=pkg://verl_ds4.models.ds4.sft_dataset", "data.custom_cls.name=DS4ChatSFTDataset"]
     return args + list(extra)
+
+
+def engine_dtype_args(dtype: str) -> list[str]:
+    """Hydra overrides for the engine's parameter dtype; ``float32`` selects :class:`CPUMcoreEngineConfig`.
+
+    verl's own ``McoreEngineConfig`` admits only ``bfloat16``/``float16``.
+    """
+    if dtype in ("float32", "fp32"):
+        return ["engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig", "engine.dtype=float32"]
+    return [f"engine.dtype={dtype}"]
 
 
 def parse_losses(text: str) -> dict[int, float]:

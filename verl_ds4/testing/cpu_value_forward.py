@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl.workers.engine_workers import TrainingWorker
 
     from verl_ds4.models.ds4.sft_dataset import DS4ChatSFTDataset
+    from verl_ds4.testing.cpu_sft_run import engine_dtype_args
 
     initialize_global_process_group()
     with initialize_config_module("verl.trainer.config", version_base=None):
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 "optim=megatron",
                 f"model.path={assets}/model",
                 "model.external_lib=verl_ds4.models.ds4.cpu_builder",
-                "engine.dtype=bfloat16",
+                *engine_dtype_args("float32"),
                 f"engine.context_parallel_size={cp}",
                 "engine.sequence_parallel=False",
                 "engine.use_dist_checkpointing=True",
