@@ -269,3 +269,25 @@ def test_ds4_window_rows_is_the_one_d_window_rule():
 
     assert ds4_window_rows(128, 0) == 128 and ds4_window_rows(128, 4) == 128 and ds4_window_rows(128, 128) == 128
     assert ds4_window_rows(2, 4) == 8 and ds4_window_rows(2, 0) == 2 and ds4_window_rows(32, 128) == 128
+
+
+def test_flat_values_is_values_without_the_dispatch():
+    from verl_ds4.mcore.thd import flat_values
+
+    values = torch.arange(10)
+    x = torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, 3, 10]))
+    fast = flat_values(x)
+    assert fast is x._values and torch.equal(fast, x.values()) and fast.data_ptr() == x.values().data_ptr()
+    # Floating-point data goes through values(), so autograd sees the view.
+    leaf = torch.arange(10.0, requires_grad=True)
+    y = torch.nested.nested_tensor_from_jagged(leaf * 2, offsets=torch.tensor([0, 3, 10]))
+    flat_values(y).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((10,), 2.0))
+
+
+def test_plan_shares_no_memory_with_the_callers_lengths():
+    lengths = torch.tensor([5, 3, 7])
+    plan = build_plan(lengths, PlanOptions("contiguous", cp_size=2))
+    before = plan.cu_seqlens_padded.clone(), plan.pack(torch.arange(15), 1)
+    lengths.fill_(1)  # the caller reuses its tensor
+    assert torch.equal(plan.cu_seqlens_padded, before[0]) and torch.equal(plan.pack(torch.arange(15), 1), before[1])

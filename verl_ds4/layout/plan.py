@@ -10,8 +10,10 @@ A plan is built from the sequence lengths of a micro-batch and :class:`PlanOptio
 * for the whole group: where each source token lives after an all-gather, so per-token outputs
   are put back in the original order with one ``index_select``.
 
-Every mapping is a vectorised tensor expression: there is no Python loop over sequences, and
-building a plan costs one device-to-host transfer (the few integers that decide tensor shapes).
+There is no Python loop over sequences. Per-sequence arithmetic (padding, which part of each
+sequence a rank holds) runs on the host in vectorised NumPy, on the lengths fetched with the
+plan's single device-to-host transfer; per-row tables are built on the lengths' device from a few
+per-segment values (one host-to-device copy per rank) with a handful of full-width tensor ops.
 
 Padding rules (sizes in rows):
 
@@ -36,6 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from .types import CPLayout
@@ -128,8 +131,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class RankRows(NamedTuple):
-    """Per local row of one CP rank (``[local_rows]`` integer tensors, int32 while every index
-    fits, else int64; ``valid`` and ``keep_position`` are bool).
+    """Per local row of one CP rank (``[local_rows]`` int64 tensors; ``valid`` and
+    ``keep_position`` are bool). A descriptive view for tools and tests; packing does not need it.
 
     ``slot``: buffer slot of the row's sequence; ``position``: padded position inside it;
     ``source``: flat token index (meaningful where ``valid``); ``seqlen``: real length of the
@@ -145,6 +148,54 @@ class RankRows(NamedTuple):
     keep_position: torch.Tensor | None
 
 
+_ARANGE_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int64, a read-only view of a cached, growing buffer (one per device).
+
+    Every rank table adds the row index; computing it is a full pass over the rows. Callers
+    never write to the result.
+    """
+    cached = _ARANGE_CACHE.get(device)
+    if cached is None or cached.shape[0] < n:
+        cached = torch.arange(max(n, 1024, 2 * (0 if cached is None else cached.shape[0])), device=device)
+        _ARANGE_CACHE[device] = cached
+    return cached[:n]
+
+
+# Added to a segment's value where its rows must come out negative (padding sources, zeroed
+# positions): far below any row index, far above int64's minimum.
+_NEGATIVE = -(2**62)
+
+
+class _RankTables:
+    """Row tables of one CP rank, built from per-*segment* values (internal).
+
+    A rank's rows are runs, one per (sequence, chunk) it holds (contiguous: one chunk per
+    sequence, zigzag: two), and each run splits into a segment of real rows followed by a
+    segment of padding rows: segment ``2 * run`` is real, ``2 * run + 1`` padding. Inside a
+    segment the source token and the position grow by one per row, so a row table is a
+    per-segment value gathered by ``seg`` plus the row index. Rows that must not keep a value
+    (padding sources; positions verl zeroes) get :data:`_NEGATIVE` added to their segment's
+    value and are clamped to 0, so the padding mask and the zeroed positions cost no extra
+    gather. The per-run host arrays stay for the tables built on first use (labels,
+    :class:`RankRows`).
+    """
+
+    __slots__ = ("seg", "source", "pad", "seg_position", "runs", "_source_shift", "_wrap", "_rank_rows")
+
+    def __init__(self, seg, source, pad, seg_position, runs):
+        self.seg = seg  # [L] int64: segment of each row
+        self.source = source  # [L] int64: flat source token (0 on padding rows)
+        self.pad = pad  # [L] bool: padding rows
+        self.seg_position = seg_position  # [S] int64: position of row j of a segment is j + this (< 0: zeroed)
+        self.runs = runs  # host (NumPy) per-run arrays: slot, local_start, pos0, real, seqlen, token_start
+        self._source_shift = None
+        self._wrap = None
+        self._rank_rows = None
+
+
 class THDPlan:
     """Padding and CP ownership of one micro-batch. Build it with :func:`build_plan`.
 
@@ -152,7 +203,8 @@ class THDPlan:
 
     * ``seqlens`` ``[B]`` int64, original order; ``token_offsets`` ``[B + 1]`` int64, where each
       sequence starts in the flat token tensor (``values()`` of a jagged input).
-    * ``order`` ``[B]``: buffer slot ``k`` holds sequence ``order[k]`` (identity unless given).
+    * ``order`` ``[B]``: buffer slot ``k`` holds sequence ``order[k]`` (``None``: identity).
+    * ``seqlens_padded`` ``[B]`` int64, buffer order.
     * ``cu_seqlens`` / ``cu_seqlens_padded`` ``[B + 1]`` int32: real / padded cumulative lengths in
       buffer order, global (identical on every rank).
 
@@ -162,111 +214,190 @@ class THDPlan:
     def __init__(
         self,
         options: PlanOptions,
-        seqlens: torch.Tensor,
-        order: torch.Tensor | None,
-        seqlens_padded: torch.Tensor,
-        num_tokens: int,
-        total_rows: int,
-        max_seqlen_padded: int,
+        device: torch.device,
+        host_seqlens: np.ndarray,
+        host_order: np.ndarray | None,
+        host_padded: np.ndarray,
+        seqlens: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
+        token_offsets: torch.Tensor | None = None,
     ) -> None:
         self.options = options
         self.layout = options.layout
         self.cp_size = options.cp_size
-        self.seqlens = seqlens
-        self.batch_size = int(seqlens.shape[0])
-        self.num_tokens = num_tokens
-        self.total_rows = total_rows
-        self.local_rows = total_rows // options.cp_size
-        self.max_seqlen_padded = max_seqlen_padded
-        device = seqlens.device
-
-        self.token_offsets = torch.zeros(self.batch_size + 1, dtype=torch.long, device=device)
-        torch.cumsum(seqlens, 0, out=self.token_offsets[1:])
+        self._seqlens = seqlens
         self.order = order
-        if order is None:
-            self._buffer_seqlens = seqlens
-            self._buffer_token_starts = self.token_offsets[:-1]
-            self._slot_of_sequence = None
+        self._h_order = host_order
+        self.batch_size = int(host_seqlens.shape[0])
+        self._device = device
+        # host (NumPy int64) copies, buffer order unless named otherwise
+        self._h_offsets = np.zeros(self.batch_size + 1, dtype=np.int64)
+        np.cumsum(host_seqlens, out=self._h_offsets[1:])
+        if host_order is None:
+            self._h_seqlens, self._h_token_starts = host_seqlens, self._h_offsets[:-1]
         else:
-            self._buffer_seqlens = seqlens.index_select(0, order)
-            self._buffer_token_starts = self.token_offsets[:-1].index_select(0, order)
-            self._slot_of_sequence = torch.empty_like(order)
-            self._slot_of_sequence[order] = torch.arange(self.batch_size, device=device)
-        self.seqlens_padded = seqlens_padded  # buffer order
-        self._cu_padded = torch.zeros(self.batch_size + 1, dtype=torch.long, device=device)
-        torch.cumsum(seqlens_padded, 0, out=self._cu_padded[1:])
-        cu_real = torch.zeros_like(self._cu_padded)
-        torch.cumsum(self._buffer_seqlens, 0, out=cu_real[1:])
-        self.cu_seqlens = cu_real.to(torch.int32)
-        self.cu_seqlens_padded = self._cu_padded.to(torch.int32)
-        self._rank_cache: dict[int, RankRows] = {}
+            self._h_seqlens, self._h_token_starts = host_seqlens[host_order], self._h_offsets[:-1][host_order]
+        self._h_padded = host_padded
+        self._h_cu_padded = np.zeros(self.batch_size + 1, dtype=np.int64)
+        np.cumsum(host_padded, out=self._h_cu_padded[1:])
+
+        self.num_tokens = int(self._h_offsets[-1])
+        self.total_rows = int(self._h_cu_padded[-1])
+        self.local_rows = self.total_rows // options.cp_size
+        self.max_seqlen_padded = int(host_padded.max())
+        self.cu_seqlens_padded = self._to_device(self._h_cu_padded.astype(np.int32))
+        self._token_offsets = token_offsets
+        self._cu_seqlens: torch.Tensor | None = None
+        self._seqlens_padded: torch.Tensor | None = None
+        self._tables_cache: dict[int, _RankTables] = {}
         self._token_rows: torch.Tensor | None = None
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the plan's device (shares memory on the CPU)."""
+        return torch.from_numpy(array).to(self._device)
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        if self._seqlens is None:
+            self._seqlens = self._to_device(self._h_offsets[1:] - self._h_offsets[:-1])
+        return self._seqlens
+
+    @property
+    def token_offsets(self) -> torch.Tensor:
+        if self._token_offsets is None:
+            self._token_offsets = self._to_device(self._h_offsets)
+        return self._token_offsets
+
+    @property
+    def seqlens_padded(self) -> torch.Tensor:
+        if self._seqlens_padded is None:
+            self._seqlens_padded = self._to_device(self._h_padded)
+        return self._seqlens_padded
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``[B + 1]`` int32: cumulative real lengths in buffer order."""
+        if self._cu_seqlens is None:
+            cu = np.zeros(self.batch_size + 1, dtype=np.int32)
+            np.cumsum(self._h_seqlens, out=cu[1:])
+            self._cu_seqlens = self._to_device(cu)
+        return self._cu_seqlens
 
     # ------------------------------------------------------------------ per-rank row maps
     def _check_rank(self, cp_rank: int) -> None:
         if not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {cp_rank}.")
 
-    def rank_rows(self, cp_rank: int) -> RankRows:
-        """What each of ``cp_rank``'s local rows holds (cached per rank).
-
-        A rank's rows are a few runs per sequence (one for contiguous, two chunks for zigzag)
-        inside which the position grows by one per row. The runs are described per sequence and
-        expanded to rows with one ``repeat_interleave``; the rest is elementwise.
-        """
-        self._check_rank(cp_rank)
-        cached = self._rank_cache.get(cp_rank)
-        if cached is not None:
-            return cached
-        device = self.seqlens.device
-        starts = self._cu_padded[:-1]
+    def _runs(self, cp_rank: int) -> dict[str, np.ndarray]:
+        """Host per-run arrays of ``cp_rank``: which rows of which sequence it holds."""
+        rows = self.local_rows
+        starts, ends = self._h_cu_padded[:-1], self._h_cu_padded[1:]
         if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            w0 = cp_rank * self.local_rows
-            w1 = w0 + self.local_rows
-            counts = self._cu_padded[1:].clamp(w0, w1) - starts.clamp(w0, w1)
-            # row j of the window holds padded position j + (w0 - start) of its sequence
-            position_base = w0 - starts
-            keep = None
+            # one run per slot overlapping the window [w0, w0 + rows): the slots lo .. hi - 1
+            w0 = cp_rank * rows
+            lo = int(np.searchsorted(ends, w0, side="right"))
+            hi = max(lo, int(np.searchsorted(starts, w0 + rows, side="left")))
+            starts, ends = starts[lo:hi], ends[lo:hi]
+            first = np.maximum(starts, w0)
+            count = np.minimum(ends, w0 + rows) - first
+            runs = dict(slot=np.arange(lo, hi), local_start=first - w0, pos0=first - starts,
+                        seqlen=self._h_seqlens[lo:hi], token_start=self._h_token_starts[lo:hi])
         else:
+            # run 2s + c = chunk c of sequence s (c = 0: chunk cp_rank, c = 1: chunk 2cp-1-cp_rank),
+            # at local rows [starts/cp + c*half, + half)
             cp = self.cp_size
-            half = self.seqlens_padded // (2 * cp)
-            local_start = starts // cp
-            # chunk r at local rows [ls, ls + h), chunk 2cp-1-r at [ls + h, ls + 2h)
-            # run 2s + c is chunk c (0: chunk r, 1: chunk 2cp-1-r) of sequence s
-            counts = half.repeat_interleave(2)
-            position_base = torch.stack(
-                [cp_rank * half - local_start, (2 * cp - 2 - cp_rank) * half - local_start], 1
-            ).flatten()
-            keep = True
-        # int32 row tables (half the memory traffic of int64) while every index fits.
-        itype = torch.int32 if max(self.total_rows, self.num_tokens) < 2**31 else torch.long
-        run = torch.repeat_interleave(
-            torch.arange(counts.shape[0], device=device, dtype=itype), counts, output_size=self.local_rows
-        )
-        local = torch.arange(self.local_rows, device=device, dtype=itype)
-        position = local + position_base.to(itype).index_select(0, run)
-        if keep is None:
-            slot, keep_position = run, None
+            half = self._h_padded // (2 * cp)
+            base = starts // cp
+            count = np.repeat(half, 2)
+            runs = dict(
+                slot=np.repeat(np.arange(self.batch_size), 2),
+                local_start=np.stack([base, base + half], 1).ravel(),
+                pos0=np.stack([cp_rank * half, (2 * cp - 1 - cp_rank) * half], 1).ravel(),
+                seqlen=np.repeat(self._h_seqlens, 2),
+                token_start=np.repeat(self._h_token_starts, 2),
+            )
+        runs["count"] = count
+        runs["real"] = np.minimum(np.maximum(runs["seqlen"] - runs["pos0"], 0), count)
+        return runs
+
+    def _tables(self, cp_rank: int) -> _RankTables:
+        """The row tables of ``cp_rank`` (cached per rank); see :class:`_RankTables`."""
+        self._check_rank(cp_rank)
+        tables = self._tables_cache.get(cp_rank)
+        if tables is not None:
+            return tables
+        runs = self._runs(cp_rank)
+        local_start, pos0, real = runs["local_start"], runs["pos0"], runs["real"]
+        segment = np.empty((3, 2 * real.shape[0]), dtype=np.int64)
+        segment[0, 0::2], segment[0, 1::2] = real, runs["count"] - real  # rows per segment
+        # source of row j: token_start + pos0 + (j - local_start) on real rows, negative on padding
+        segment[1, 0::2] = runs["token_start"] + pos0 - local_start
+        segment[1, 1::2] = _NEGATIVE
+        # position of row j: pos0 + (j - local_start); on padding 0, except that verl 0.9.1 keeps
+        # the running position on the padding rows of a zigzag rank's first chunk
+        segment[2, 0::2] = segment[2, 1::2] = pos0 - local_start
+        if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
+            segment[2, 1::2] += _NEGATIVE
         else:
-            # verl 0.9.1 keeps the running position on padding rows of a rank's first chunk.
-            slot, keep_position = run >> 1, (run & 1) == 0
-        source = position + self._buffer_token_starts.to(itype).index_select(0, slot)
-        seqlen = self._buffer_seqlens.to(itype).index_select(0, slot)
-        valid = position < seqlen
-        rows = RankRows(slot, position, source, seqlen, valid, keep_position)
-        self._rank_cache[cp_rank] = rows
-        return rows
+            segment[2, 3::4] += _NEGATIVE
+        segment = self._to_device(segment)  # the rank's one host-to-device copy
+        rows = self.local_rows
+        seg = torch.repeat_interleave(segment[0], output_size=rows)
+        source = segment[1].index_select(0, seg).add_(_arange(rows, self._device))
+        pad = source < 0
+        source.clamp_(min=0)
+        tables = _RankTables(seg, source, pad, segment[2], runs)
+        self._tables_cache[cp_rank] = tables
+        return tables
+
+    def _wrap(self, tables: _RankTables) -> torch.Tensor:
+        """``[2, R]``: row of each run's sequence's last real token (``local_rows`` where the run
+        does not hold it) and that sequence's first token (the last token's label)."""
+        if tables._wrap is None:
+            runs = tables.runs
+            last = runs["seqlen"] - 1 - runs["pos0"]  # relative to the run's first row
+            on = (last >= 0) & (last < runs["real"])
+            wrap = np.stack([np.where(on, runs["local_start"] + last, self.local_rows), runs["token_start"]])
+            tables._wrap = self._to_device(wrap)
+        return tables._wrap
+
+    def _source_shift(self, tables: _RankTables) -> torch.Tensor:
+        """``[L]`` int64: source of each row's label (next token; the last token wraps to the first)."""
+        if tables._source_shift is None:
+            buffer = torch.empty(self.local_rows + 1, dtype=torch.long, device=self._device)
+            shifted = buffer[: self.local_rows]
+            torch.add(tables.source, 1, out=shifted)
+            if self.num_tokens < 2:  # padding rows read token 1
+                shifted.clamp_(max=max(self.num_tokens - 1, 0))
+            wrap = self._wrap(tables)
+            buffer.index_copy_(0, wrap[0], wrap[1])  # the extra row absorbs runs without a last token
+            tables._source_shift = shifted
+        return tables._source_shift
+
+    def rank_rows(self, cp_rank: int) -> RankRows:
+        """What each of ``cp_rank``'s local rows holds (cached per rank)."""
+        tables = self._tables(cp_rank)
+        if tables._rank_rows is None:
+            seg, runs = tables.seg, tables.runs
+            slot = self._to_device(np.repeat(runs["slot"], 2)).index_select(0, seg)
+            position = self._to_device(np.repeat(runs["pos0"] - runs["local_start"], 2)).index_select(0, seg)
+            position.add_(_arange(self.local_rows, self._device))
+            source = position + self._to_device(self._h_token_starts).index_select(0, slot)
+            seqlen = self._to_device(self._h_seqlens).index_select(0, slot)
+            keep = None
+            if not (self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1):
+                keep = self._to_device(np.arange(4 * self.batch_size) % 4 < 2).index_select(0, seg)  # chunk 0
+            tables._rank_rows = RankRows(slot, position, source, seqlen, ~tables.pad, keep)
+        return tables._rank_rows
 
     def gather_index(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: flat source token of each local row (``-1`` on padding rows).
 
         With ``shift=True`` the source is the next position of the same sequence (the label).
         """
-        rows = self.rank_rows(cp_rank)
-        source = rows.source
-        if shift:
-            source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
-        return torch.where(rows.valid, source, -1).long()
+        tables = self._tables(cp_rank)
+        source = self._source_shift(tables) if shift else tables.source
+        return source.masked_fill(tables.pad, -1)
 
     def position_ids(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: position inside its sequence of each local row's source token.
@@ -274,12 +405,16 @@ class THDPlan:
         Padding rows get 0 (zigzag first-chunk padding rows keep their padded position, as in verl).
         With ``shift=True``: the position of the label token, ``(p + 1) % n``.
         """
-        rows = self.rank_rows(cp_rank)
+        tables = self._tables(cp_rank)
+        seg, rows, device = tables.seg, self.local_rows, self._device
         if shift:
-            position = rows.position + 1
-            return torch.where(rows.valid & (position != rows.seqlen), position, 0).long()
-        keep = rows.valid if rows.keep_position is None else rows.valid | rows.keep_position
-        return torch.where(keep, rows.position, 0).long()
+            buffer = torch.empty(rows + 1, dtype=torch.long, device=device)
+            position = buffer[:rows]
+            torch.index_select(tables.seg_position, 0, seg, out=position)
+            position.add_(_arange(rows, device)).add_(1).masked_fill_(tables.pad, 0)
+            buffer.index_fill_(0, self._wrap(tables)[0], 0)  # the last token's label is the first token
+            return position
+        return tables.seg_position.index_select(0, seg).add_(_arange(rows, device)).clamp_(min=0)
 
     def global_start(self, cp_rank: int) -> int:
         """First global buffer row of ``cp_rank`` (contiguous layout only)."""
@@ -302,38 +437,34 @@ class THDPlan:
             )
         if self.num_tokens == 0:
             return values.new_full((self.local_rows, *values.shape[1:]), fill)
-        rows = self.rank_rows(cp_rank)
-        source = rows.source
-        if shift:
-            source = source + 1 - rows.seqlen * (rows.position + 1 == rows.seqlen)
-        # Padding rows read a clamped (in-range) source, then get overwritten with ``fill``.
-        out = values.index_select(0, source.clamp(max=self.num_tokens - 1))
-        padding = ~rows.valid
-        return out.masked_fill(padding.view(-1, *([1] * (values.dim() - 1))), fill)
+        tables = self._tables(cp_rank)
+        source = self._source_shift(tables) if shift else tables.source
+        out = values.index_select(0, source)
+        return out.masked_fill_(tables.pad.view(-1, *([1] * (values.dim() - 1))), fill)
 
     def token_rows(self) -> torch.Tensor:
         """``[T]`` int64: row of each source token in the rank-ordered concatenation of all ranks."""
         if self._token_rows is not None:
             return self._token_rows
-        device = self.seqlens.device
-        sequence = torch.repeat_interleave(
-            torch.arange(self.batch_size, device=device), self.seqlens, output_size=self.num_tokens
-        )
-        position = torch.arange(self.num_tokens, device=device) - self.token_offsets.index_select(0, sequence)
-        slot = sequence if self._slot_of_sequence is None else self._slot_of_sequence.index_select(0, sequence)
-        start = self._cu_padded.index_select(0, slot)
+        # per (sequence, chunk) segments of consecutive tokens landing on consecutive rows
+        seqlens = self._h_offsets[1:] - self._h_offsets[:-1]  # original order
+        slot = np.arange(self.batch_size) if self._h_order is None else np.argsort(self._h_order)
+        start = self._h_cu_padded[:-1][slot]  # first buffer row of each sequence
+        token_start = self._h_offsets[:-1]
         if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            rows = start + position
+            counts, delta = seqlens, start - token_start
         else:
             cp = self.cp_size
-            half = self.seqlens_padded.index_select(0, slot) // (2 * cp)
-            chunk = torch.div(position, half, rounding_mode="floor")
-            first = chunk < cp
-            rank = torch.where(first, chunk, 2 * cp - 1 - chunk)
-            within = position - chunk * half + torch.where(first, 0, half)
-            rows = rank * self.local_rows + start // cp + within
-        self._token_rows = rows
-        return rows
+            half = (self._h_padded[slot] // (2 * cp))[:, None]
+            chunk = np.arange(2 * cp)[None, :]
+            counts = np.clip(seqlens[:, None] - chunk * half, 0, half)
+            rank = np.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+            row_start = rank * self.local_rows + (start // cp)[:, None] + np.where(chunk < cp, 0, half)
+            delta = row_start - (token_start[:, None] + chunk * half)
+        segment = self._to_device(np.stack([counts.ravel(), delta.ravel()]))
+        seg = torch.repeat_interleave(segment[0], output_size=self.num_tokens)
+        self._token_rows = segment[1].index_select(0, seg).add_(_arange(self.num_tokens, self._device))
+        return self._token_rows
 
     def gather(self, local: torch.Tensor, group=None, cp_rank: int | None = None) -> torch.Tensor:
         """All-gather ``local`` ``[local_rows, ...]`` over the CP group, concatenated in rank order.
@@ -366,6 +497,10 @@ class THDPlan:
         values = gathered.index_select(0, self.token_rows())
         return torch.nested.nested_tensor_from_jagged(values, offsets=self.token_offsets)
 
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
     def __repr__(self) -> str:
         return (
             f"THDPlan(layout={self.layout.value}, tp={self.options.tp_size}, cp={self.cp_size}, "
@@ -374,10 +509,17 @@ class THDPlan:
         )
 
 
+def _host_int64(tensor: torch.Tensor) -> np.ndarray:
+    """A host NumPy int64 copy of an integer tensor (the caller's tensor is never shared)."""
+    host = tensor.detach().to("cpu", torch.long).numpy()
+    return host.copy() if tensor.device.type == "cpu" else host
+
+
 def build_plan(
     seqlens: torch.Tensor | Sequence[int],
     options: PlanOptions,
     order: torch.Tensor | Sequence[int] | None = None,
+    token_offsets: torch.Tensor | None = None,
 ) -> THDPlan:
     """Plan one micro-batch from its sequence lengths.
 
@@ -386,6 +528,8 @@ def build_plan(
         options: layout and padding options.
         order: optional permutation; buffer slot ``k`` holds sequence ``order[k]`` (a balanced
             contiguous layout reorders sequences; outputs still come back in original order).
+        token_offsets: optional ``[B + 1]`` offsets the lengths came from (a jagged tensor's
+            ``offsets()``), kept as the plan's ``token_offsets`` instead of a copy.
     """
     if not isinstance(seqlens, torch.Tensor):
         seqlens = torch.as_tensor(list(seqlens), dtype=torch.long)
@@ -400,33 +544,43 @@ def build_plan(
         from .balance import balanced_order_for_plan
 
         order = balanced_order_for_plan(seqlens, options)
+    host_order = None
     if order is not None:
         order = torch.as_tensor(order, dtype=torch.long, device=device)
         if order.shape != seqlens.shape:
             raise ValueError(f"order must be a permutation of {batch_size} sequences, got shape {tuple(order.shape)}.")
-        buffer_seqlens = seqlens.index_select(0, order.clamp(0, batch_size - 1))
+        # The plan's single device-to-host transfer: the lengths (and the order).
+        host_seqlens, host_order = _host_int64(torch.stack([seqlens, order]))
+        if not np.array_equal(np.sort(host_order), np.arange(batch_size)):
+            raise ValueError(f"order must be a permutation of range({batch_size}).")
     else:
-        buffer_seqlens = seqlens
+        host_seqlens = _host_int64(seqlens)  # the plan's single device-to-host transfer
+    if host_seqlens.min() < 0:
+        raise ValueError(f"sequence lengths must be non-negative, got a minimum of {host_seqlens.min()}.")
 
-    unit = options.sequence_alignment
-    seqlens_padded = buffer_seqlens + (-buffer_seqlens) % unit
-    facts = [seqlens.sum(), seqlens_padded.sum(), seqlens_padded.max(), seqlens_padded[-1], seqlens.min()]
-    if order is not None:
-        facts.append((torch.sort(order).values == torch.arange(batch_size, device=device)).all().long())
-    # The plan's single device-to-host transfer: the integers that decide tensor shapes.
-    num_tokens, aligned_total, max_padded, last_padded, min_len, *perm_ok = torch.stack(facts).tolist()
-    if min_len < 0:
-        raise ValueError(f"sequence lengths must be non-negative, got a minimum of {min_len}.")
-    if perm_ok and not perm_ok[0]:
-        raise ValueError(f"order must be a permutation of range({batch_size}).")
+    return _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets)
 
-    total = options.padded_total(aligned_total)
-    extra = total - aligned_total
-    if extra:
-        seqlens_padded = seqlens_padded.clone()
-        seqlens_padded[-1] += extra
-        max_padded = max(max_padded, last_padded + extra)
-    return THDPlan(options, seqlens, order, seqlens_padded, num_tokens, total, max_padded)
+
+def plan_from_offsets(offsets: torch.Tensor, options: PlanOptions) -> THDPlan:
+    """Plan a micro-batch from a jagged tensor's ``offsets()`` ``[B + 1]`` (one transfer, no
+    device-side work); the plan keeps ``offsets`` as its ``token_offsets``."""
+    if options.balance is not None and options.cp_size > 1:
+        return build_plan(offsets.diff(), options, token_offsets=offsets)
+    if offsets.dim() != 1 or offsets.shape[0] < 2 or offsets.dtype.is_floating_point:
+        raise ValueError(f"offsets must be a 1-D integer tensor [B + 1] with B >= 1, got shape {tuple(offsets.shape)}.")
+    host_offsets = _host_int64(offsets)  # the plan's single device-to-host transfer
+    host_seqlens = host_offsets[1:] - host_offsets[:-1]
+    if host_seqlens.min() < 0:
+        raise ValueError(f"offsets must be non-decreasing (sequence lengths >= 0), got {host_offsets[:8].tolist()}...")
+    return _plan_on_host(options, offsets.device, host_seqlens, None, None, None, offsets)
+
+
+def _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets) -> THDPlan:
+    buffer_seqlens = host_seqlens if host_order is None else host_seqlens[host_order]
+    padded = buffer_seqlens + (-buffer_seqlens) % options.sequence_alignment
+    aligned_total = int(padded.sum())
+    padded[-1] += options.padded_total(aligned_total) - aligned_total  # the last sequence absorbs the rest
+    return THDPlan(options, device, host_seqlens, host_order, padded, seqlens, order, token_offsets)
 
 
 def plan_from_padded_lengths(
@@ -436,29 +590,20 @@ def plan_from_padded_lengths(
     ``PackedSeqParams.cu_seqlens_q_padded``), checking that they describe a valid layout."""
     layout = CPLayout.parse(layout)
     seqlens = seqlens.long()
-    seqlens_padded = seqlens_padded.long().to(seqlens.device)
     if seqlens.shape != seqlens_padded.shape or seqlens.dim() != 1 or seqlens.shape[0] == 0:
         raise ValueError(
             f"lengths {tuple(seqlens.shape)} and padded lengths {tuple(seqlens_padded.shape)} must be "
             "equal-sized, non-empty 1-D tensors (one per sequence)."
         )
-    unit = layout.sequence_alignment(1, cp_size)
-    facts = torch.stack(
-        [
-            seqlens.sum(),
-            seqlens_padded.sum(),
-            seqlens_padded.max(),
-            (seqlens_padded < seqlens).any().long(),
-            (seqlens_padded % unit != 0).any().long() if layout is CPLayout.ZIGZAG else seqlens.new_zeros(()),
-        ]
-    ).tolist()
-    num_tokens, total, max_padded, too_short, misaligned = facts
-    if too_short:
+    host_seqlens, host_padded = _host_int64(torch.stack([seqlens, seqlens_padded.to(seqlens.device, torch.long)]))
+    if (host_padded < host_seqlens).any():
         raise ValueError("a padded length is shorter than its sequence: the padded lengths belong to another batch.")
-    if total % cp_size or misaligned:
+    total = int(host_padded.sum())
+    unit = layout.sequence_alignment(1, cp_size)
+    if total % cp_size or (layout is CPLayout.ZIGZAG and (host_padded % unit != 0).any()):
         raise ValueError(
             f"padded lengths do not split into cp_size={cp_size} ranks with the {layout} layout "
             f"(total {total}; zigzag needs every sequence a multiple of 2*cp)."
         )
     options = PlanOptions(layout=layout, cp_size=cp_size)
-    return THDPlan(options, seqlens, None, seqlens_padded, num_tokens, total, max_padded)
+    return THDPlan(options, seqlens.device, host_seqlens, None, host_padded, seqlens=seqlens)

@@ -63,7 +63,7 @@ class PackedBatch:
     def pack(self, tensor: torch.Tensor, name: str = "tensor", shift: bool = False) -> torch.Tensor:
         """This rank's rows ``[1, local_rows, ...]`` of a jagged per-token tensor (``shift``: labels)."""
         self._check_same_batch(tensor, name)
-        return self.plan.pack(tensor.values(), self.cp_rank, shift=shift).unsqueeze(0)
+        return self.plan.pack(thd.flat_values(tensor), self.cp_rank, shift=shift).unsqueeze(0)
 
     def position_ids(self, shift: bool = False) -> torch.Tensor:
         return self.plan.position_ids(self.cp_rank, shift=shift).unsqueeze(0)

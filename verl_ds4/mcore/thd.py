@@ -42,7 +42,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from verl_ds4.layout import CPLayout, PlanOptions, THDPlan, build_plan
+from verl_ds4.layout import CPLayout, PlanOptions, THDPlan, build_plan, plan_from_offsets
 from verl_ds4.layout.plan import plan_from_padded_lengths
 
 PLAN_ATTRIBUTE = "verl_ds4_plan"
@@ -94,7 +94,7 @@ def check_layout_consumable(layout: CPLayout, cp_size: int, layout_consumer_chec
 def make_plan(input_ids: torch.Tensor, options: PlanOptions) -> THDPlan:
     """Plan a jagged ``[B, j, ...]`` micro-batch (reads only its offsets)."""
     offsets = input_ids.offsets()
-    plan = build_plan(offsets.diff(), options)
+    plan = plan_from_offsets(offsets, options)
     plan.source_offsets = offsets  # lets post-processing recognise the same micro-batch
     return plan
 
@@ -128,9 +128,19 @@ def packed_seq_params_for(
     return params
 
 
+def flat_values(nested: torch.Tensor) -> torch.Tensor:
+    """``nested.values()`` of a jagged tensor; for integer or bool data (ids, masks: never a
+    gradient), its values buffer directly: the tensor ``values()`` views, without the ~20-60 us
+    subclass dispatch."""
+    buffer = getattr(nested, "_values", None)
+    if isinstance(buffer, torch.Tensor) and not (buffer.is_floating_point() or buffer.is_complex()):
+        return buffer
+    return nested.values()
+
+
 def pack_input(input_ids: torch.Tensor, plan: THDPlan, cp_rank: int, need_roll: bool = False):
     """``(rows [1, local_rows, ...], position_ids [1, local_rows])`` of a jagged per-token tensor."""
-    values = input_ids.values()
+    values = flat_values(input_ids)
     rows = plan.pack(values, cp_rank, shift=need_roll)
     positions = plan.position_ids(cp_rank, shift=need_roll)
     return rows.unsqueeze(0), positions.unsqueeze(0)
