@@ -6,7 +6,10 @@ For B sequences of 64-512 tokens, CP 4 and 8, both layouts, it times on one CP r
 * postprocess: ``postprocess_thd_engine`` on a ``[1, local_rows]`` output
 * the copy limit: one raw ``index_select`` of the same number of rows
 
-and prints times and ratios. Both implementations run under the same stand-ins: Megatron's
+and prints times and ratios. Each timed call starts with the previous call's outputs released: on
+the CPU, holding them while the next call allocates makes glibc hand the freed memory back to the
+OS and page-fault it in again on every call (200-350 faults per call at B=4096), which measures
+the allocator more than the code; on CUDA the caching allocator has no such effect. Both implementations run under the same stand-ins: Megatron's
 parallel-state getters report the chosen tp/cp/rank, and ``torch.distributed.all_gather`` copies
 the local shard into every slot (one process cannot all-gather; the real collective is exercised
 by the tests). megatron-core 0.16.1 lacks ``PackedSeqParams.cp_partition_mode``, so the field is
@@ -36,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous"], choices=["zigzag", "contiguous"])
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats of verl_ds4 (best is reported)")
+    p.add_argument("--repeats", type=int, default=20, help="timed repeats of verl_ds4 and the copy (best is reported)")
     p.add_argument(
         "--verl-budget-s", type=float, default=2.0, help="repeat verl only while one call is faster than this"
     )
@@ -83,6 +86,7 @@ def timed(fn, repeats: int, device: str, budget_s: float | None = None) -> tuple
     """Best wall time in ms over ``repeats`` calls (stops early once a call exceeds ``budget_s``)."""
     best, result = float("inf"), None
     for _ in range(max(1, repeats)):
+        result = None  # release the previous call's outputs first (see the module docstring)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -291,3 +291,22 @@ def test_plan_shares_no_memory_with_the_callers_lengths():
     before = plan.cu_seqlens_padded.clone(), plan.pack(torch.arange(15), 1)
     lengths.fill_(1)  # the caller reuses its tensor
     assert torch.equal(plan.cu_seqlens_padded, before[0]) and torch.equal(plan.pack(torch.arange(15), 1), before[1])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ranks_without_padding_rows_skip_the_masks_and_agree(layout):
+    lengths = [64, 128, 61, 200]  # zigzag cp4: padding only in chunks near each sequence's end
+    plan = build_plan(lengths, PlanOptions(layout, cp_size=4))
+    values = torch.arange(sum(lengths)) + 100
+    skipped = 0
+    for r in range(4):
+        tables = plan._tables(r)
+        skipped += tables.pad is None
+        info = plan.rank_rows(r)
+        expect = torch.where(info.valid, values[info.source.clamp(0, values.numel() - 1)], -1)
+        assert torch.equal(plan.pack(values, r, fill=-1), expect)
+        assert torch.equal(plan.gather_index(r) >= 0, info.valid)
+        keep = info.valid if info.keep_position is None else info.valid | info.keep_position
+        assert torch.equal(plan.position_ids(r), torch.where(keep, info.position, 0))
+    if layout == "zigzag":
+        assert skipped >= 1  # the middle ranks hold no padding

@@ -14,6 +14,10 @@ import; select one with verl's per-model import knob ``model.external_lib``:
 ``verl_ds4.models.ds4.cpu_builder`` (``deepseek_v4``: the tiny DS4 proxy) or
 ``verl_ds4.testing.tiny_dense`` (``llama``: the tiny dense stepping stone).
 
+Precision: verl's ``McoreEngineConfig`` admits only bf16/fp16 parameters; select
+:class:`CPUMcoreEngineConfig` (``engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig
+engine.dtype=float32``) for fp32 parameters and compute, which the CPU demo and tests use.
+
 What each override does, and why:
 
 * ``_build_tf_config``: no bridge. mbridge forces the TransformerEngine layer spec and

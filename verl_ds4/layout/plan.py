@@ -183,13 +183,16 @@ class _RankTables:
     :class:`RankRows`).
     """
 
-    __slots__ = ("seg", "source", "pad", "seg_position", "runs", "_source_shift", "_wrap", "_rank_rows")
+    __slots__ = (
+        "seg", "source", "pad", "seg_position", "zeroed_positions", "runs", "_source_shift", "_wrap", "_rank_rows"
+    )
 
-    def __init__(self, seg, source, pad, seg_position, runs):
+    def __init__(self, seg, source, pad, seg_position, zeroed_positions, runs):
         self.seg = seg  # [L] int64: segment of each row
         self.source = source  # [L] int64: flat source token (0 on padding rows)
-        self.pad = pad  # [L] bool: padding rows
+        self.pad = pad  # [L] bool: padding rows, or None when the rank has none
         self.seg_position = seg_position  # [S] int64: position of row j of a segment is j + this (< 0: zeroed)
+        self.zeroed_positions = zeroed_positions  # whether any row's position is zeroed
         self.runs = runs  # host (NumPy) per-run arrays: slot, local_start, pos0, real, seqlen, token_start
         self._source_shift = None
         self._wrap = None
@@ -336,17 +339,21 @@ class THDPlan:
         # position of row j: pos0 + (j - local_start); on padding 0, except that verl 0.9.1 keeps
         # the running position on the padding rows of a zigzag rank's first chunk
         segment[2, 0::2] = segment[2, 1::2] = pos0 - local_start
-        if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            segment[2, 1::2] += _NEGATIVE
-        else:
-            segment[2, 3::4] += _NEGATIVE
+        # zeroed: every padding segment (contiguous), the second chunk's (zigzag, segment 4s + 3)
+        zeroed = np.s_[1::2] if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1 else np.s_[3::4]
+        segment[2, zeroed] += _NEGATIVE
+        # ranks without padding rows (common with zigzag) skip the masks: decided on the host
+        has_padding = bool(segment[0, 1::2].any())
+        zeroed_positions = bool(segment[0, zeroed].any())
         segment = self._to_device(segment)  # the rank's one host-to-device copy
         rows = self.local_rows
         seg = torch.repeat_interleave(segment[0], output_size=rows)
         source = segment[1].index_select(0, seg).add_(_arange(rows, self._device))
-        pad = source < 0
-        source.clamp_(min=0)
-        tables = _RankTables(seg, source, pad, segment[2], runs)
+        pad = None
+        if has_padding:
+            pad = source < 0
+            source.clamp_(min=0)
+        tables = _RankTables(seg, source, pad, segment[2], zeroed_positions, runs)
         self._tables_cache[cp_rank] = tables
         return tables
 
@@ -387,7 +394,8 @@ class THDPlan:
             keep = None
             if not (self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1):
                 keep = self._to_device(np.arange(4 * self.batch_size) % 4 < 2).index_select(0, seg)  # chunk 0
-            tables._rank_rows = RankRows(slot, position, source, seqlen, ~tables.pad, keep)
+            valid = torch.ones_like(seg, dtype=torch.bool) if tables.pad is None else ~tables.pad
+            tables._rank_rows = RankRows(slot, position, source, seqlen, valid, keep)
         return tables._rank_rows
 
     def gather_index(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
@@ -397,7 +405,7 @@ class THDPlan:
         """
         tables = self._tables(cp_rank)
         source = self._source_shift(tables) if shift else tables.source
-        return source.masked_fill(tables.pad, -1)
+        return source.clone() if tables.pad is None else source.masked_fill(tables.pad, -1)
 
     def position_ids(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: position inside its sequence of each local row's source token.
@@ -411,10 +419,13 @@ class THDPlan:
             buffer = torch.empty(rows + 1, dtype=torch.long, device=device)
             position = buffer[:rows]
             torch.index_select(tables.seg_position, 0, seg, out=position)
-            position.add_(_arange(rows, device)).add_(1).masked_fill_(tables.pad, 0)
+            position.add_(_arange(rows, device)).add_(1)
+            if tables.pad is not None:
+                position.masked_fill_(tables.pad, 0)
             buffer.index_fill_(0, self._wrap(tables)[0], 0)  # the last token's label is the first token
             return position
-        return tables.seg_position.index_select(0, seg).add_(_arange(rows, device)).clamp_(min=0)
+        position = tables.seg_position.index_select(0, seg).add_(_arange(rows, device))
+        return position.clamp_(min=0) if tables.zeroed_positions else position
 
     def global_start(self, cp_rank: int) -> int:
         """First global buffer row of ``cp_rank`` (contiguous layout only)."""
@@ -440,6 +451,8 @@ class THDPlan:
         tables = self._tables(cp_rank)
         source = self._source_shift(tables) if shift else tables.source
         out = values.index_select(0, source)
+        if tables.pad is None:
+            return out
         return out.masked_fill_(tables.pad.view(-1, *([1] * (values.dim() - 1))), fill)
 
     def token_rows(self) -> torch.Tensor:
