@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous"], choices=["zigzag", "contiguous"])
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats of verl_ds4 and the copy (best is reported)")
+    p.add_argument("--repeats", type=int, default=50, help="timed repeats of verl_ds4 and the copy (best is reported)")
     p.add_argument(
         "--verl-budget-s", type=float, default=2.0, help="repeat verl only while one call is faster than this"
     )

@@ -267,7 +267,9 @@ def _ds4_proxy_paths(rank: int, world_size: int):
     """LM log-probs and critic values of the pure-PyTorch DS4 proxy through our forward functions."""
     from megatron.core import parallel_state as mpu
 
-    from verl_ds4.mcore import resolver
+    import dataclasses
+
+    from verl_ds4.mcore import resolver, thd
     from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
     from verl_ds4.models.ds4.proxy import build_proxy_model
 
@@ -275,7 +277,7 @@ def _ds4_proxy_paths(rank: int, world_size: int):
     lm = build_proxy_model(dtype=torch.float64)
     critic = build_proxy_model(dtype=torch.float64, value_head=True)
     resolved = resolver.resolved_for(lm)
-    lengths = [5, 140, 37, 60]  # one sequence straddles the CP rank boundary
+    lengths = [300, 20, 24, 12, 180]  # the first sequence straddles the CP=2 boundary; balancing reorders
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 97, (sum(lengths),), generator=gen)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -291,10 +293,21 @@ def _ds4_proxy_paths(rank: int, world_size: int):
         logits_processor_args={"label": input_ids.clone(), "temperature": temperature},
     )  # fmt: skip
     values = gptmodel_forward_model_engine(critic, input_ids, {}, value_model=True)
+    # cp_balance on (the engine's knob): the buffer order changes, the per-token outputs must not
+    balanced = dataclasses.replace(resolved, balance="ds4")
+    out_b = gptmodel_forward_model_engine(
+        lm, input_ids, {}, logits_processor=log_probs,
+        logits_processor_args={"label": input_ids.clone(), "temperature": temperature}, resolved=balanced,
+    )  # fmt: skip
+    values_b = gptmodel_forward_model_engine(critic, input_ids, {}, value_model=True, resolved=balanced)
+    order = thd.make_plan(input_ids, balanced.plan_options()).order
     result = {
         "resolved": (resolved.layout, resolved.min_local_rows, resolved.cp_size),
         "log_probs": out["log_probs"].values().detach().clone(),
         "values": values.values().detach().clone(),
+        "log_probs_balanced": out_b["log_probs"].values().detach().clone(),
+        "values_balanced": values_b.values().detach().clone(),
+        "order": None if order is None else order.tolist(),
     }
     mpu.destroy_model_parallel()
     buffer = io.BytesIO()
@@ -306,7 +319,12 @@ def test_ds4_proxy_lm_and_critic_match_between_cp1_and_cp2():
     cp1 = torch.load(io.BytesIO(run_distributed(_ds4_proxy_paths, 1, timeout=600)[0]), weights_only=False)
     cp2 = [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(_ds4_proxy_paths, 2, timeout=600)]
     assert cp1["resolved"] == ("contiguous", 128, 1)
+    assert cp1["order"] is None  # CP=1: nothing to balance
     for out in cp2:
         assert out["resolved"] == ("contiguous", 128, 2)
         torch.testing.assert_close(out["log_probs"], cp1["log_probs"], rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(out["values"], cp1["values"], rtol=1e-9, atol=1e-9)
+        # the balanced buffer really is reordered, and gives the same per-token outputs
+        assert out["order"] is not None and out["order"] != sorted(out["order"]), out["order"]
+        torch.testing.assert_close(out["log_probs_balanced"], cp1["log_probs"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(out["values_balanced"], cp1["values"], rtol=1e-9, atol=1e-9)

@@ -362,3 +362,33 @@ def test_the_ds4_proxy_resolves_contiguous_with_window_rows(parallel_state):
     assert "DS4HybridSelfAttention" in resolved.describe()
     with pytest.raises(CPLayoutError, match="cp_partition_mode='zigzag'"):
         resolver.resolve_cp_layout(model, cp_size=2, user_overrides={"cp_partition_mode": "zigzag"})
+
+
+def test_cp_balance_reaches_the_plan_and_needs_the_contiguous_layout(parallel_state):
+    from verl_ds4.engine.config import DS4McoreEngineConfig
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead
+
+    engine = object.__new__(DS4MegatronEngineWithLMHead)
+    engine.tf_config = None
+    engine.engine_config = DS4McoreEngineConfig(context_parallel_size=1, cp_balance="ds4")
+    resolved = engine._resolve_cp_layout([build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 128))])
+    assert resolved.balance == "ds4" and resolved.plan_options(None).balance == "ds4"
+    assert "balanced under the ds4 cost model" in resolved.describe()
+    with pytest.raises(CPLayoutError, match="cp_balance='ds4' reorders the sequences of the contiguous CP layout"):
+        engine._resolve_cp_layout([build_tiny_gpt(attention=lambda i: PerTokenAttention("zigzag"))])
+    # verl's own engine config has no cp_balance: batch order
+    engine.engine_config = _engine_config(context_parallel_size=1)
+    assert engine._resolve_cp_layout([build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 128))]).balance is None
+
+
+def test_bad_cp_balance_fails_at_config_and_engine_start_up():
+    from verl_ds4.engine.config import DS4McoreEngineConfig
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead
+
+    with pytest.raises(ValueError, match="expected null .* one of \\['ds4', 'dense'\\]"):
+        DS4McoreEngineConfig(cp_balance="fast")
+    config = SimpleNamespace(cp_balance="fast", dtype="bfloat16")  # e.g. set on a config object later
+    with pytest.raises(ValueError, match="cp_balance='fast'"):
+        DS4MegatronEngineWithLMHead._check_startup_settings(
+            object.__new__(DS4MegatronEngineWithLMHead), SimpleNamespace(hf_config=DENSE_HF), config
+        )

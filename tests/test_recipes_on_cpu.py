@@ -130,15 +130,23 @@ def test_recipe_sections_instantiate_as_verl_dataclasses(assets):
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import McoreActorConfig, McoreCriticConfig, McoreEngineConfig, RolloutConfig
 
-    cfg = compose_recipe("sft", _paths("sft", assets) + ["ds4.mesh.cp=2"])
+    from verl_ds4.engine.config import DS4McoreEngineConfig
+
+    cfg = compose_recipe("sft", _paths("sft", assets) + ["ds4.mesh.cp=2", "ds4.cp_balance=ds4"])
     engine = omega_conf_to_dataclass(cfg.engine)
-    assert isinstance(engine, McoreEngineConfig) and engine.context_parallel_size == 2
+    assert isinstance(engine, DS4McoreEngineConfig) and isinstance(engine, McoreEngineConfig)
+    assert engine.context_parallel_size == 2 and engine.cp_balance == "ds4"
+    assert omega_conf_to_dataclass(compose_recipe("sft", _paths("sft", assets)).engine).cp_balance is None  # off by default
     omega_conf_to_dataclass(cfg.optim)
-    cfg = compose_recipe("ppo", _paths("ppo", assets) + ["ds4.router_replay=R2"])
+    cfg = compose_recipe("ppo", _paths("ppo", assets) + ["ds4.router_replay=R2", "ds4.cp_balance=dense"])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, McoreActorConfig) and actor.megatron.router_replay.mode == "R2"
+    assert isinstance(actor.megatron, DS4McoreEngineConfig) and actor.megatron.cp_balance == "dense"
+    ref_engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.megatron)
+    assert isinstance(ref_engine, DS4McoreEngineConfig) and ref_engine.cp_balance == "dense"
     cfg.critic.pop("model")  # HFModelConfig would load the (fake) checkpoint
-    assert isinstance(omega_conf_to_dataclass(cfg.critic), McoreCriticConfig)
+    critic = omega_conf_to_dataclass(cfg.critic)
+    assert isinstance(critic, McoreCriticConfig) and critic.megatron.cp_balance == "dense"
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     assert isinstance(rollout, RolloutConfig) and rollout.name == "vllm" and rollout.tensor_model_parallel_size == 8
 
@@ -181,6 +189,8 @@ BAD_CASES = [
     ("cp_zero", "sft", ["ds4.mesh.cp=0"], "engine.context_parallel_size: is 0; parallel sizes must be >= 1"),
     ("cp_not_int", "sft", ["ds4.mesh.cp=abc"], "engine.context_parallel_size: is 'abc', not an integer"),
     ("pp_gt_layers", "sft", ["ds4.mesh.pp=64", "ds4.mesh.nnodes=8"], "PP=64 exceeds the 43 decoder layers"),
+    ("cp_balance_unknown", "sft", ["ds4.cp_balance=fast"], "engine.cp_balance: is 'fast'; expected null"),
+    ("cp_balance_on_verls_config", "ppo", ["ds4.cp_balance=ds4", "critic.megatron._target_=verl.workers.config.McoreEngineConfig"], "critic.megatron._target_: is 'verl.workers.config.McoreEngineConfig', which has no cp_balance field"),
 ]
 
 

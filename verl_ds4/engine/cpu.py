@@ -65,9 +65,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from verl.workers.config import McoreEngineConfig
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
+from verl_ds4.engine.config import DS4McoreEngineConfig
 from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,9 @@ _FP32_NAMES = ("float32", "fp32")
 
 
 @dataclass
-class CPUMcoreEngineConfig(McoreEngineConfig):
-    """verl's ``McoreEngineConfig`` that also accepts ``dtype: float32`` (CPU engine only).
+class CPUMcoreEngineConfig(DS4McoreEngineConfig):
+    """verl-ds4's engine config (verl's ``McoreEngineConfig`` + ``cp_balance``) that also accepts
+    ``dtype: float32`` (CPU engine only).
 
     verl 0.9.1's Megatron engine config admits only ``bfloat16``/``float16`` parameters, the
     right choice on GPUs. On a CPU, fp32 parameters and compute are what make runs at
@@ -106,7 +107,7 @@ class CPUMcoreEngineConfig(McoreEngineConfig):
     unnoticed.
     """
 
-    _mutable_fields = McoreEngineConfig._mutable_fields | {"dtype"}
+    _mutable_fields = DS4McoreEngineConfig._mutable_fields | {"dtype"}
 
     def __post_init__(self) -> None:
         requested = self.dtype

@@ -45,6 +45,7 @@ import verl.utils.megatron_utils as _verl_megatron_utils
 import verl.workers.engine.megatron.transformer_impl as _transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
+from verl_ds4.engine.config import cp_balance_of
 from verl_ds4.mcore import resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
@@ -351,6 +352,7 @@ class _ResolvedLayoutEngine:
                 f"engine.dtype={engine_config.dtype} is supported by verl-ds4's CPU engines only; "
                 "on GPUs use engine.dtype=bfloat16 (Megatron keeps fp32 main parameters in the optimizer)."
             )
+        cp_balance_of(engine_config)  # a bad value fails here, not at the first micro-batch
         bucket = _pad_to_length_bucket(engine_config)
         if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
             raise CPLayoutError(f"engine pad_to_length_bucket must be a positive int, got {bucket!r}")
@@ -407,6 +409,7 @@ class _ResolvedLayoutEngine:
             dynamic_cp=bool(getattr(engine_config, "dynamic_context_parallel", False)),
             pad_to_length_bucket=_pad_to_length_bucket(engine_config),
             user_overrides=_user_overrides(engine_config),
+            balance=cp_balance_of(engine_config),
         )
         resolver.attach(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved

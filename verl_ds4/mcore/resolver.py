@@ -129,6 +129,8 @@ class ResolvedCPLayout:
         fp8_padding: pad for FP8 block quantisation (``config.fp8`` in ``e4m3`` / ``hybrid``).
         dynamic_cp: whether micro-batches carry their own ``local_cp_size`` (dynamic CP).
         sources: who decided the layout, for logs and ``verl-ds4 doctor``.
+        balance: contiguous layout only: the cost model whose straggler the order of sequences in
+            the packed buffer minimises (``None``: batch order); see ``PlanOptions.balance``.
     """
 
     layout: str
@@ -139,10 +141,17 @@ class ResolvedCPLayout:
     fp8_padding: bool = False
     dynamic_cp: bool = False
     sources: tuple[str, ...] = ()
+    balance: str | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise CPLayoutError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.balance is not None and self.layout != CONTIGUOUS:
+            raise CPLayoutError(
+                f"cp_balance={self.balance!r} reorders the sequences of the contiguous CP layout, but this engine's "
+                f"layout is {self.layout!r}. Set cp_balance=null (recipe knob ds4.cp_balance), or use an attention "
+                "that consumes the contiguous layout."
+            )
         for name in ("cp_size", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -174,6 +183,7 @@ class ResolvedCPLayout:
             min_local_rows=self.min_local_rows,
             pad_to_length_bucket=self.pad_to_length_bucket,
             fp8_padding=self.fp8_padding,
+            balance=self.balance,
         )
 
     def thd_kwargs(self, local_cp_size: int | None = None) -> dict[str, Any]:
@@ -193,7 +203,8 @@ class ResolvedCPLayout:
         bucket = f", total rows a multiple of {self.pad_to_length_bucket}" if self.pad_to_length_bucket else ""
         cp = "dynamic" if self.dynamic_cp else str(self.cp_size)
         decided = "; ".join(self.sources) or "default"
-        return f"{self.layout} CP layout (cp={cp}, tp={self.tp_size}{rows}{bucket}) decided by: {decided}"
+        balance = f", sequence order balanced under the {self.balance} cost model" if self.balance else ""
+        return f"{self.layout} CP layout (cp={cp}, tp={self.tp_size}{rows}{bucket}{balance}) decided by: {decided}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,8 +432,11 @@ def resolve_cp_layout(
     dynamic_cp: bool = False,
     pad_to_length_bucket: int | None = None,
     user_overrides: Mapping | None = None,
+    balance: str | None = None,
 ) -> ResolvedCPLayout:
     """Decide the CP layout and padding of ``model`` (a module or a list of pipeline chunks).
+
+    ``balance`` (the engine's ``cp_balance``) needs the contiguous layout.
 
     Raises :class:`CPLayoutError` at start-up when the attention modules, the config and the
     user's settings cannot agree.
@@ -522,6 +536,7 @@ def resolve_cp_layout(
         fp8_padding=fp8 in ("e4m3", "hybrid"),
         dynamic_cp=bool(dynamic_cp),
         sources=tuple(sources),
+        balance=balance,
     )
 
 

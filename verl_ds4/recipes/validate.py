@@ -66,6 +66,23 @@ class RecipeValidationError(ValueError):
         super().__init__("\n".join(lines))
 
 
+_DS4_ENGINE_CONFIG = "verl_ds4.engine.config.DS4McoreEngineConfig"
+
+
+def _has_cp_balance_field(target: str | None) -> bool:
+    """Whether the engine config class ``target`` (a ``_target_`` string) has a ``cp_balance`` field."""
+    if not target:
+        return False
+    import dataclasses
+
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(target)
+    except Exception:
+        return False
+    return dataclasses.is_dataclass(cls) and "cp_balance" in {f.name for f in dataclasses.fields(cls)}
+
 @dataclass(frozen=True)
 class Problem:
     """One finding: the config key it is about, what is wrong, and how to fix it."""
@@ -102,6 +119,8 @@ class RoleMesh:
         max_seqlen_per_dp_cp_rank: dynamic-CP per-rank cap.
         budgets: per-GPU token budgets that apply to this engine.
         mtp: whether MTP is enabled on its model.
+        cp_balance: the engine's ``cp_balance`` (None: batch order, or the field is absent).
+        engine_target: the engine block's ``_target_`` (None if unset).
     """
 
     role: str
@@ -120,6 +139,8 @@ class RoleMesh:
     max_seqlen_per_dp_cp_rank: int | None
     budgets: list[Budget] = field(default_factory=list)
     mtp: bool = False
+    cp_balance: str | None = None
+    engine_target: str | None = None
 
     def dp(self, world: int) -> int:
         return world // (self.tp * self.pp * self.cp)
@@ -201,6 +222,8 @@ def _role_mesh(cfg: DictConfig, role: str, engine_key: str, model_key: str, budg
         max_seqlen_per_dp_cp_rank=engine.get("max_seqlen_per_dp_cp_rank"),
         budgets=budgets,
         mtp=bool(_get(cfg, f"{model_key}.mtp.enable", False)),
+        cp_balance=engine.get("cp_balance", None),
+        engine_target=engine.get("_target_", None),
     )
 
 
@@ -383,6 +406,26 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
                 f"set it to {REQUIRED_CP_PARTITION_MODE!r} (recipe knob ds4.cp_partition_mode).",
             )
         )
+    if role.cp_balance is not None:
+        from verl_ds4.engine.config import CP_BALANCE_CHOICES
+
+        if role.cp_balance not in CP_BALANCE_CHOICES:
+            errors.append(
+                Problem(
+                    f"{ek}.cp_balance",
+                    f"is {role.cp_balance!r}; expected null (batch order) or a cost model, one of {list(CP_BALANCE_CHOICES)}.",
+                    "set the recipe knob ds4.cp_balance to null, ds4 or dense.",
+                )
+            )
+        elif not _has_cp_balance_field(role.engine_target):
+            errors.append(
+                Problem(
+                    f"{ek}._target_",
+                    f"is {role.engine_target!r}, which has no cp_balance field (cp_balance={role.cp_balance!r} would "
+                    "fail when verl builds the engine config).",
+                    f"set {ek}._target_={_DS4_ENGINE_CONFIG} (the DS4 recipes do).",
+                )
+            )
     if uses_cp and role.scheduler is not None and role.scheduler not in SEQUENCE_PACKING_SCHEDULERS:
         errors.append(
             Problem(
