@@ -209,6 +209,29 @@ def test_balancing_reaches_target_on_many_short_sequences():
         assert bal.straggler_ratio(prob.costs(order)) <= 1.02
 
 
+def _sft_lengths(seed: int) -> torch.Tensor:
+    """1024 chat samples, log-normal around 700 tokens, clipped to [32, 16K] (the benchmark's "sft")."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp(torch.randn(1024, generator=g, dtype=torch.float64) * 0.9 + 6.55).clamp(32, 16384).round().long()
+
+
+def test_dense_heavy_tailed_sft_at_cp16_reaches_target():
+    """The case the rank-bins start exists for: one sequence costs 1.7 mean ranks, several 0.2-0.6."""
+    prob = bal.BalanceProblem.contiguous(_sft_lengths(16), cp_size=16, cost_model="dense")
+    tau = prob.total_cost / 16
+    assert float(prob.seq_cost.max()) > 1.5 * tau  # a giant that must straddle a boundary
+    assert bal.straggler_ratio(prob.costs(torch.arange(prob.num_seqs))) >= 1.05
+    start = bal._rank_bins_order(prob)
+    assert _is_permutation(start, prob.num_seqs)
+    # the giant is cut by a rank boundary, not left whole inside one rank
+    giant = int(prob.seq_cost.argmax())
+    slot = int((start == giant).nonzero())
+    begin = int(prob.padded[start[:slot]].sum())
+    assert begin // prob.local_rows != (begin + int(prob.padded[giant]) - 1) // prob.local_rows
+    order = bal.balance_order(None, cp_size=16, problem=prob)
+    assert bal.straggler_ratio(prob.costs(order)) <= 1.02
+
+
 def test_lower_bound_is_below_what_any_order_reaches():
     gen = torch.Generator().manual_seed(7)
     for trial in range(6):

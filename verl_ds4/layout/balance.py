@@ -24,11 +24,17 @@ cheap head on the left rank, its expensive tail on the right one). Costs are eva
 closed-form prefix sums at the ``cp - 1`` boundaries only, batched over candidate orders.
 
 Algorithm (vectorised, except the heavy-sequence constructions, which loop over sequences in
-Python and run only when some sequence costs over a quarter of a mean rank):
+Python and run only when some sequence costs over a quarter of a mean rank, and the rank-bins
+start, which loops over the costly sequences when the cheap candidates are not good enough):
   1. candidates: plain order; an "excess merge" that interleaves sequences whose cost per row is
      above the buffer mean with those below it so the cumulative cost tracks the straight line
      from 0 to the total (boundaries then cut near ``r * mean``); longest-first; and a snake
      partition by cost. The best is kept.
+  1b. many sequences (``B >= 4 cp``) and no candidate within 1% of the mean yet: "rank bins"
+     (:func:`_rank_bins_order`): giants straddle boundaries, the other costly sequences are
+     dealt to the ranks with the most budget left after reserving their share of the short
+     ones, and the short ones fill the remaining rows (dense attention with heavy-tailed
+     lengths: the SFT case at CP 16).
   2. heavy sequences (far above the mean cost per row) are cut at rank boundaries: half-way
      through their excess with a balancing walk of the others around them, or where their two
      ranks cost the same with the cheapest other sequences reserved for those ranks.
@@ -61,6 +67,7 @@ __all__ = [
 ]
 
 _REL_TOL = 1e-12
+_BINS_BELOW = 1.01  # a straggler ratio the cheap candidates already reach: skip the rank-bins start
 
 
 def _as_lengths(seqlens) -> torch.Tensor:
@@ -426,6 +433,78 @@ def _heavy_split_order(prob: BalanceProblem, threshold: float, excess: torch.Ten
     return torch.tensor(out, dtype=torch.int64)
 
 
+def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, sand: float = 0.002) -> torch.Tensor:
+    """Fill the ``cp`` ranks as bins (rows and cost), then concatenate them: for many sequences.
+
+    * giants (cost above ``giant`` of a mean rank, at most ``cp - 1``) straddle evenly spread
+      rank boundaries, cut where their two ranks cost the same once the rest of both is sand;
+    * other sequences above ``sand`` of a mean rank go, most costly first, to the rank with the
+      most cost budget left once its share of the sand (rows left x sand cost per row) is
+      reserved, among those with rows left for them;
+    * sand fills the remaining rows: shortest first to the ranks needing the least cost per row;
+    * inside a rank the shortest sequences sit at both edges, so the sequences cut by rank
+      boundaries (other than giants) are cheap.
+    Host NumPy; a Python loop over the non-sand sequences only.
+    """
+    import numpy as np
+
+    cp, L = prob.cp_size, prob.local_rows
+    rows = prob.padded.numpy().astype(np.int64)
+    cost = prob.seq_cost.numpy()
+    real = prob.seqlens.numpy()
+    tau = prob.total_cost / cp
+    cap = np.full(cp, float(L))
+    cap[-1] -= prob.tail_rows
+    budget = np.full(cp, tau)
+    budget[-1] -= prob.tail_rows * prob.cost_model.pad_row_cost
+    desc = np.argsort(-cost, kind="stable")
+    is_sand = cost <= sand * tau
+    rho = float(cost[is_sand].sum()) / max(float(rows[is_sand].sum()), 1.0)  # sand cost per row
+
+    head: list[int | None] = [None] * cp  # giant cut by the boundary after rank b
+    giants = [i for i in desc[: cp - 1].tolist() if cost[i] > giant * tau and rows[i] <= L]
+    for k, i in enumerate(giants):
+        b = int((k + 0.5) * (cp - 1) / len(giants))
+        if head[b] is not None:
+            continue
+        t = torch.arange(1, int(rows[i]), dtype=torch.int64)
+        head_cost = _partial(prob, torch.tensor(int(real[i])), t).numpy()
+        # both ranks equal once the rest of their rows hold sand: F(t) + rho (L - t) = C - F(t) + rho (L - p + t)
+        cut = int(np.argmin(np.abs(head_cost - rho * t.numpy() - (cost[i] - rho * rows[i]) / 2)))
+        head[b] = i
+        cap[b] -= cut + 1
+        budget[b] -= head_cost[cut]
+        cap[b + 1] -= rows[i] - (cut + 1)
+        budget[b + 1] -= cost[i] - head_cost[cut]
+    placed = np.zeros(rows.shape[0], dtype=bool)
+    placed[[i for i in head if i is not None]] = True
+    rest = desc[~placed[desc]]
+    big, fine = rest[~is_sand[rest]], rest[is_sand[rest]]
+    members: list[list[int]] = [[] for _ in range(cp)]
+    for i in big.tolist():
+        room = cap >= rows[i]
+        b = int(np.argmax(np.where(room, budget - cap * rho, -np.inf))) if room.any() else int(np.argmax(cap))
+        members[b].append(i)
+        cap[b] -= rows[i]
+        budget[b] -= cost[i]
+    fine = fine[np.argsort(rows[fine], kind="stable")]
+    by_need = np.argsort(budget / np.maximum(cap, 1.0), kind="stable")
+    ends = np.cumsum(np.maximum(cap[by_need], 0.0))
+    cum = np.cumsum(rows[fine])
+    slot = np.searchsorted(ends, cum - rows[fine] / 2, side="right").clip(max=cp - 1)
+    for k, b in enumerate(by_need.tolist()):
+        members[b].extend(fine[slot == k].tolist())
+    out: list[int] = []
+    for b in range(cp):
+        m = np.asarray(members[b], dtype=np.int64)
+        m = m[np.argsort(rows[m], kind="stable")]
+        out.extend(m[0::2].tolist())
+        out.extend(m[1::2][::-1].tolist())
+        if head[b] is not None:
+            out.append(head[b])
+    return torch.tensor(out, dtype=torch.int64)
+
+
 def _candidates(prob: BalanceProblem) -> torch.Tensor:
     b = prob.num_seqs
     ident = torch.arange(b)
@@ -654,6 +733,11 @@ def balance_order(
         return _exhaustive(prob)
     cands = _candidates(prob)
     cand_costs = prob.costs(cands)
+    mean = prob.total_cost / prob.cp_size
+    if b >= 4 * prob.cp_size and float(cand_costs.max(-1).values.min()) > mean * _BINS_BELOW:
+        # many sequences and no good start yet (dense attention, heavy tails): fill ranks as bins
+        cands = torch.cat([cands, _rank_bins_order(prob).view(1, -1)])
+        cand_costs = torch.cat([cand_costs, prob.costs(cands[-1:])])
     if rounds is None:
         rounds = max(4, min(48, 4096 // b))
     if max_moves is None:
