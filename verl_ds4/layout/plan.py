@@ -256,7 +256,8 @@ class THDPlan:
         self._token_rows: torch.Tensor | None = None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array as a tensor on the plan's device (shares memory on the CPU)."""
+        """A host array as a tensor on the plan's device (shares memory on the CPU: pass an array
+        nobody else writes, or a copy)."""
         return torch.from_numpy(array).to(self._device)
 
     @property
@@ -268,13 +269,13 @@ class THDPlan:
     @property
     def token_offsets(self) -> torch.Tensor:
         if self._token_offsets is None:
-            self._token_offsets = self._to_device(self._h_offsets)
+            self._token_offsets = self._to_device(self._h_offsets.copy())
         return self._token_offsets
 
     @property
     def seqlens_padded(self) -> torch.Tensor:
         if self._seqlens_padded is None:
-            self._seqlens_padded = self._to_device(self._h_padded)
+            self._seqlens_padded = self._to_device(self._h_padded.copy())
         return self._seqlens_padded
 
     @property
