@@ -6,10 +6,13 @@ For B sequences of 64-512 tokens, CP 4 and 8, both layouts, it times on one CP r
 * postprocess: ``postprocess_thd_engine`` on a ``[1, local_rows]`` output
 * the copy limit: one raw ``index_select`` of the same number of rows
 
-and prints times and ratios. Each timed call starts with the previous call's outputs released: on
-the CPU, holding them while the next call allocates makes glibc hand the freed memory back to the
-OS and page-fault it in again on every call (200-350 faults per call at B=4096), which measures
-the allocator more than the code; on CUDA the caching allocator has no such effect. Both implementations run under the same stand-ins: Megatron's
+and prints times and ratios. On the CPU, glibc's malloc hands freed memory back to the OS
+depending on the history of earlier allocations (its thresholds adapt), so the same call then
+page-faults its fresh tensors in again: 200-350 faults per call at B=4096, and times that change
+by 2-5x between runs of the same cell. The benchmark fixes malloc's thresholds at start-up
+(``mallopt``, see :func:`fix_malloc_thresholds`; ``--no-fixed-malloc`` turns it off) and releases
+the previous call's outputs before each timed call; this applies to verl, verl_ds4 and the copy
+alike, and is what PyTorch's caching allocator does on CUDA anyway. Both implementations run under the same stand-ins: Megatron's
 parallel-state getters report the chosen tp/cp/rank, and ``torch.distributed.all_gather`` copies
 the local shard into every slot (one process cannot all-gather; the real collective is exercised
 by the tests). megatron-core 0.16.1 lacks ``PackedSeqParams.cp_partition_mode``, so the field is
@@ -32,6 +35,26 @@ import warnings
 import torch
 
 
+def fix_malloc_thresholds() -> bool:
+    """Fixed glibc malloc thresholds: freed memory stays in the process (no trim / re-fault churn).
+
+    Returns False where this is not glibc (nothing changes then).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum on 64-bit
+        return bool(ok and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024, 4096], help="sequences per micro-batch")
@@ -45,6 +68,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-fixed-malloc", dest="fixed_malloc", action="store_false", help="keep glibc's adaptive malloc thresholds"
+    )
     return p.parse_args(argv)
 
 
@@ -118,7 +144,11 @@ def main(argv=None) -> int:
         f"{'B':>5} {'cp':>3} {'layout':>10} | {'verl pre':>10} {'ours pre':>9} {'x faster':>9} {'copy':>8} "
         f"{'ours/copy':>9} | {'verl post':>10} {'ours post':>9} {'x faster':>9}"
     )
-    print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} lengths {args.min_len}-{args.max_len}")
+    malloc = "fixed thresholds" if args.fixed_malloc and fix_malloc_thresholds() else "glibc defaults"
+    print(
+        f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"lengths {args.min_len}-{args.max_len} malloc={malloc}"
+    )
     print("times in ms, best of repeats; rank = cp // 2")
     print(header)
     print("-" * len(header))
@@ -174,8 +204,15 @@ def main(argv=None) -> int:
         for (b, cp, lay) in by_key
         if b == 4096 and (1024, cp, lay) in by_key
     ]
+    copy_ratios = [
+        by_key[(4096, cp, lay)]["copy"] / by_key[(1024, cp, lay)]["copy"]
+        for (b, cp, lay) in by_key
+        if b == 4096 and (1024, cp, lay) in by_key
+    ]
     if ratios:
         print(f"ours preprocess time B=4096 / B=1024: {', '.join(f'{r:.2f}' for r in ratios)} (4.0 = linear)")
+        # the copy moves 4x the rows too: above 4.0 it shows what caches do to any pass over the rows
+        print(f"raw copy time       B=4096 / B=1024: {', '.join(f'{r:.2f}' for r in copy_ratios)} (same cells)")
     if rows:
         print(f"median speed-up preprocess {statistics.median(r['verl_pre'] / r['ours_pre'] for r in rows):.0f}x, "
               f"postprocess {statistics.median(r['verl_post'] / r['ours_post'] for r in rows):.1f}x")
