@@ -60,7 +60,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode

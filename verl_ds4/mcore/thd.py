@@ -42,7 +42,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from verl_ds4.layout import CPLayout, PlanOptions, THDPlan, build_plan, plan_from_offsets
+from verl_ds4.layout import CPLayout, PlanOptions, THDPlan, plan_from_offsets
 from verl_ds4.layout.plan import plan_from_padded_lengths
 
 PLAN_ATTRIBUTE = "verl_ds4_plan"
