@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from verl_ds4.layout import CPLayout, PlanOptions, build_plan
+from verl_ds4.layout import CPLayout, PlanOptions, build_plan, plan_from_offsets
 from verl_ds4.testing.distributed import run_distributed
 
 
@@ -310,3 +310,30 @@ def test_ranks_without_padding_rows_skip_the_masks_and_agree(layout):
         assert torch.equal(plan.position_ids(r), torch.where(keep, info.position, 0))
     if layout == "zigzag":
         assert skipped >= 1  # the middle ranks hold no padding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_cuda_plan_matches_cpu_and_syncs_only_once(layout):
+    """On CUDA: the same rows as on the CPU; after the plan's one transfer, packing, positions,
+    labels and unpacking never synchronise the stream (the per-rank copies go through pinned memory)."""
+    lengths = torch.tensor([300, 5, 129, 64, 1, 77])
+    values = torch.arange(int(lengths.sum())) * 3 + 1
+    options = PlanOptions(layout, cp_size=4, min_local_rows=128)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    cpu_plan = plan_from_offsets(offsets, options)
+    gpu_plan = plan_from_offsets(offsets.cuda(), options)  # the one device-to-host transfer
+    gpu_values = values.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = [(gpu_plan.pack(gpu_values, r), gpu_plan.pack(gpu_values, r, shift=True), gpu_plan.position_ids(r))
+                  for r in range(4)]  # fmt: skip
+        rows = gpu_plan.token_rows()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for r, (ids, labels, positions) in enumerate(packed):
+        assert torch.equal(ids.cpu(), cpu_plan.pack(values, r))
+        assert torch.equal(labels.cpu(), cpu_plan.pack(values, r, shift=True))
+        assert torch.equal(positions.cpu(), cpu_plan.position_ids(r))
+    assert torch.equal(rows.cpu(), cpu_plan.token_rows())

@@ -257,8 +257,17 @@ class THDPlan:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the plan's device (shares memory on the CPU: pass an array
-        nobody else writes, or a copy)."""
-        return torch.from_numpy(array).to(self._device)
+        nobody else writes, or a copy).
+
+        On CUDA the array goes through pinned memory and is copied with ``non_blocking=True``:
+        asynchronous, with no stream synchronisation (a blocking copy, or one from pageable
+        memory, may synchronise the stream); PyTorch's caching host allocator keeps the pinned
+        block until the copy has run.
+        """
+        tensor = torch.from_numpy(array)
+        if self._device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self._device, non_blocking=True)
 
     @property
     def seqlens(self) -> torch.Tensor:
