@@ -51,6 +51,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cost import TokenCostModel, get_cost_model
@@ -446,8 +447,6 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, sand: float = 0.0
       boundaries (other than giants) are cheap.
     Host NumPy; a Python loop over the non-sand sequences only.
     """
-    import numpy as np
-
     cp, L = prob.cp_size, prob.local_rows
     rows = prob.padded.numpy().astype(np.int64)
     cost = prob.seq_cost.numpy()
@@ -462,7 +461,7 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, sand: float = 0.0
     rho = float(cost[is_sand].sum()) / max(float(rows[is_sand].sum()), 1.0)  # sand cost per row
 
     head: list[int | None] = [None] * cp  # giant cut by the boundary after rank b
-    giants = [i for i in desc[: cp - 1].tolist() if cost[i] > giant * tau and rows[i] <= L]
+    giants = [i for i in desc[: cp - 1].tolist() if cost[i] > giant * tau and 1 < rows[i] <= L]
     for k, i in enumerate(giants):
         b = int((k + 0.5) * (cp - 1) / len(giants))
         if head[b] is not None:
