@@ -109,11 +109,16 @@ ds4_plugin_modules() {
 }
 
 # Knobs of a local launcher: the names it reads as NAME=${NAME:-...} / NAME=${NAME-...}, except
-# PYTHON (an interpreter path of the submitting host, not of the cluster nodes).
+# PYTHON (an interpreter path of the submitting host, not of the cluster nodes). A launcher that
+# runs another one (a `# delegates-to: FILE` line, FILE beside it) has that one's knobs too.
 ds4_launcher_knobs() {
-    local launcher=$1
+    local launcher=$1 delegate
     [ -f "$launcher" ] || return 0
     sed -n -E 's/^([A-Z][A-Z0-9_]*)=\$\{\1:?-.*/\1/p' "$launcher" | grep -v -x PYTHON || true
+    delegate=$(sed -n -E 's/^# delegates-to: ([A-Za-z0-9_.-]+)$/\1/p' "$launcher" | head -n 1)
+    if [ -n "$delegate" ]; then
+        ds4_launcher_knobs "$(dirname "$launcher")/$delegate"
+    fi
 }
 
 # Names of the env variables a cluster job carries to every node: the recipe knobs and the local

@@ -10,103 +10,10 @@
 # DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_32gpu_pp4_ep8` (and MODEL_PATH to the Pro checkpoint).
 # Before Ray starts, the full config is composed and validated (`verl-ds4 recipe grpo`): a bad
 # mesh, budget, rollout TP or missing path fails in seconds with the setting and the fix.
+#
+# The launcher is the PPO one with the GRPO recipe: every knob (MODEL_PATH, MESH, CP, ROLLOUT_*, ...)
+# is read there.
+# delegates-to: run_deepseek_v4_flash_ppo_megatron.sh
 set -euo pipefail
 
-DRY_RUN=0
-PASSTHROUGH=()
-for arg in "$@"; do
-    case "$arg" in
-        --dry-run) DRY_RUN=1 ;;
-        *) PASSTHROUGH+=("$arg") ;;
-    esac
-done
-
-# ---------------- user-adjustable ----------------
-MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4-Flash}
-TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_rl/train.parquet}
-VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_rl/test.parquet}
-# Named mesh from configs/ds4_mesh/ (nodes, GPUs per node, PP/EP/CP). The knobs below, when set,
-# replace single fields of it; empty means "take it from MESH".
-MESH=${MESH:-h200_64gpu_pp8_ep8}
-NNODES=${NNODES:-}
-GPUS_PER_NODE=${GPUS_PER_NODE:-}
-PP=${PP:-}
-EP=${EP:-}
-CP=${CP:-}
-# Rollout: vllm or sglang; tensor parallel size per replica (empty: GPUs per node); FP8 weights
-# (ROLLOUT_QUANT=fp8).
-ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-vllm}
-ROLLOUT_TP=${ROLLOUT_TP:-}
-ROLLOUT_QUANT=${ROLLOUT_QUANT:-}
-# MoE router replay: disabled, R2 or R3 (R3 also turns on rollout routing replay).
-ROUTER_REPLAY=${ROUTER_REPLAY:-disabled}
-MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-1024}
-MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-2048}
-TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
-TOKENS_PER_GPU=${TOKENS_PER_GPU:-16384}
-OFFLOAD=${OFFLOAD:-true}
-PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-grpo}
-EXP_NAME=${EXP_NAME:-flash-megatron}
-CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/$PROJECT_NAME/$EXP_NAME}
-# Resume: auto (latest checkpoint in CKPT_DIR), disable, or a RESUME_FROM checkpoint folder.
-RESUME_MODE=${RESUME_MODE:-auto}
-RESUME_FROM=${RESUME_FROM:-}
-PYTHON=${PYTHON:-python3}
-# --------------------------------------------------
-
-RECIPE=(
-    "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"
-    +recipe=deepseek_v4_grpo
-    ds4_model=flash
-    "ds4_mesh=$MESH"
-)
-
-MESH_OVERRIDES=()
-if [ -n "$NNODES" ]; then MESH_OVERRIDES+=("ds4.mesh.nnodes=$NNODES"); fi
-if [ -n "$GPUS_PER_NODE" ]; then MESH_OVERRIDES+=("ds4.mesh.gpus_per_node=$GPUS_PER_NODE"); fi
-if [ -n "$PP" ]; then MESH_OVERRIDES+=("ds4.mesh.pp=$PP"); fi
-if [ -n "$EP" ]; then MESH_OVERRIDES+=("ds4.mesh.ep=$EP"); fi
-if [ -n "$CP" ]; then MESH_OVERRIDES+=("ds4.mesh.cp=$CP"); fi
-
-MODEL=(
-    "actor_rollout_ref.model.path=$MODEL_PATH"
-    "ds4.router_replay=$ROUTER_REPLAY"
-    "ds4.offload.param=$OFFLOAD"
-    "ds4.offload.optimizer=$OFFLOAD"
-    "ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"
-)
-if [ "$ROUTER_REPLAY" = R3 ]; then MODEL+=(actor_rollout_ref.rollout.enable_rollout_routing_replay=true); fi
-
-ROLLOUT=("ds4.rollout.engine=$ROLLOUT_ENGINE")
-if [ -n "$ROLLOUT_TP" ]; then ROLLOUT+=("ds4.rollout.tp=$ROLLOUT_TP"); fi
-if [ -n "$ROLLOUT_QUANT" ]; then ROLLOUT+=("ds4.rollout.quantization=$ROLLOUT_QUANT"); fi
-
-DATA=(
-    "data.train_files=$TRAIN_FILES"
-    "data.val_files=$VAL_FILES"
-    "data.max_prompt_length=$MAX_PROMPT_LENGTH"
-    "data.max_response_length=$MAX_RESPONSE_LENGTH"
-    "data.train_batch_size=$TRAIN_BATCH_SIZE"
-)
-
-TRAINER=(
-    "trainer.project_name=$PROJECT_NAME"
-    "trainer.experiment_name=$EXP_NAME"
-    "trainer.default_local_dir=$CKPT_DIR"
-)
-if [ -n "$RESUME_FROM" ]; then
-    TRAINER+=(trainer.resume_mode=resume_path "trainer.resume_from_path=$RESUME_FROM")
-else
-    TRAINER+=("trainer.resume_mode=$RESUME_MODE")
-fi
-
-ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${ROLLOUT[@]}" "${DATA[@]}" "${TRAINER[@]}" "${PASSTHROUGH[@]}")
-
-if [ "$DRY_RUN" = 1 ]; then
-    exec "$PYTHON" -m verl_ds4.cli recipe grpo --dry-run -- "${ALL[@]}"
-fi
-
-# Validate (seconds, no GPU) before Ray schedules any worker.
-"$PYTHON" -m verl_ds4.cli recipe grpo --shell-env -- "${ALL[@]}" >/dev/null
-
-exec "$PYTHON" -m verl.trainer.main_ppo "${ALL[@]}"
+DS4_RL_RECIPE=grpo exec bash "$(dirname "${BASH_SOURCE[0]}")/run_deepseek_v4_flash_ppo_megatron.sh" "$@"

@@ -10,7 +10,14 @@
 # DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_32gpu_pp4_ep8` (and MODEL_PATH to the Pro checkpoint).
 # Before Ray starts, the full config is composed and validated (`verl-ds4 recipe ppo`): a bad
 # mesh, budget, rollout TP or missing path fails in seconds with the setting and the fix.
+# scripts/run_deepseek_v4_flash_grpo_megatron.sh runs this launcher with DS4_RL_RECIPE=grpo.
 set -euo pipefail
+
+RL_RECIPE=${DS4_RL_RECIPE:-ppo}   # ppo | grpo (set by the GRPO launcher)
+case "$RL_RECIPE" in
+    ppo | grpo) ;;
+    *) echo "DS4_RL_RECIPE=$RL_RECIPE: expected ppo or grpo" >&2; exit 2 ;;
+esac
 
 DRY_RUN=0
 PASSTHROUGH=()
@@ -45,7 +52,7 @@ MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-2048}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
 TOKENS_PER_GPU=${TOKENS_PER_GPU:-16384}
 OFFLOAD=${OFFLOAD:-true}
-PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-ppo}
+PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-$RL_RECIPE}
 EXP_NAME=${EXP_NAME:-flash-megatron}
 CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/$PROJECT_NAME/$EXP_NAME}
 # Resume: auto (latest checkpoint in CKPT_DIR), disable, or a RESUME_FROM checkpoint folder.
@@ -56,7 +63,7 @@ PYTHON=${PYTHON:-python3}
 
 RECIPE=(
     "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"
-    +recipe=deepseek_v4_ppo
+    "+recipe=deepseek_v4_$RL_RECIPE"
     ds4_model=flash
     "ds4_mesh=$MESH"
 )
@@ -103,10 +110,10 @@ fi
 ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${ROLLOUT[@]}" "${DATA[@]}" "${TRAINER[@]}" "${PASSTHROUGH[@]}")
 
 if [ "$DRY_RUN" = 1 ]; then
-    exec "$PYTHON" -m verl_ds4.cli recipe ppo --dry-run -- "${ALL[@]}"
+    exec "$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --dry-run -- "${ALL[@]}"
 fi
 
 # Validate (seconds, no GPU) before Ray schedules any worker.
-"$PYTHON" -m verl_ds4.cli recipe ppo --shell-env -- "${ALL[@]}" >/dev/null
+"$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --shell-env -- "${ALL[@]}" >/dev/null
 
 exec "$PYTHON" -m verl.trainer.main_ppo "${ALL[@]}"

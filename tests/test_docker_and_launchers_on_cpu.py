@@ -310,7 +310,8 @@ PPO_4_NODES = {"NNODES": "4", "GPUS_PER_NODE": "8", "MODEL_PATH": "/ckpt/DeepSee
 
 @pytest.mark.parametrize("recipe", ["ppo", "grpo"])
 def test_ray_submit_dry_run(recipe, fake_bin):
-    env = dict(PPO_4_NODES, WANDB_API_KEY="secret-value", EXTRA_ENV_VARS="WANDB_API_KEY HF_HOME", HF_HOME="/hf")
+    env = dict(PPO_4_NODES, WANDB_API_KEY="secret-value", EXTRA_ENV_VARS="WANDB_API_KEY HF_HOME", HF_HOME="/hf",
+               ROLLOUT_QUANT="fp8")
     out = _run("scripts/ray_cluster.sh", "--dry-run", "submit", recipe, "trainer.total_epochs=1",
                "actor_rollout_ref.rollout.n=8", fake_bin=fake_bin, env=env)
     assert out.returncode == 0, out.stderr
@@ -324,7 +325,8 @@ def test_ray_submit_dry_run(recipe, fake_bin):
     assert runtime_env["working_dir"] == str(REPO)
     assert ".venv" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]
     env_vars = runtime_env["env_vars"]
-    for knob in ("NNODES", "GPUS_PER_NODE", "MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "CP", "EXP_NAME"):
+    # ROLLOUT_QUANT is a knob of the PPO launcher only, which the GRPO launcher delegates to
+    for knob in ("NNODES", "GPUS_PER_NODE", "MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "CP", "EXP_NAME", "ROLLOUT_QUANT"):
         assert env_vars[knob] == env[knob], knob
     assert "PP" not in env_vars  # unset knobs keep the local launcher's defaults
     assert env_vars["VERL_USE_EXTERNAL_MODULES"].startswith("verl_ds4")

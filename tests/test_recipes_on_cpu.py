@@ -263,6 +263,8 @@ def test_launcher_dry_run_prints_plan(kind):
     assert "8 nodes x 8 GPUs = 64 GPUs" in out.stdout and "validation: OK (0 errors" in out.stdout
     first_role = "sft" if kind == "sft" else "actor"
     assert any(line.split()[:5] == [first_role, "1", "4", "-", "4"] for line in out.stdout.splitlines()), out.stdout
+    trainer = {"sft": "sft", "ppo": "ppo", "grpo": "ppo"}[kind]
+    assert f"DS4 recipe plan: {kind} ({trainer} trainer)" in out.stdout  # GRPO runs the PPO launcher's code
     assert "contiguous" in out.stdout
 
 
