@@ -20,9 +20,11 @@ from typing import Optional
 
 from verl.workers.config import McoreEngineConfig
 
+from verl_ds4.layout.cost import COST_MODELS
+
 __all__ = ["CP_BALANCE_CHOICES", "DS4McoreEngineConfig", "cp_balance_of"]
 
-CP_BALANCE_CHOICES = ("ds4", "dense")
+CP_BALANCE_CHOICES = tuple(COST_MODELS)  # the cost models PlanOptions.balance accepts
 
 
 def _check_cp_balance(value) -> Optional[str]:
