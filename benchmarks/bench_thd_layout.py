@@ -21,6 +21,7 @@ emulated for both (see ``verl_ds4.testing.megatron_compat``).
     python benchmarks/bench_thd_layout.py                 # full table (verl's B=4096 takes minutes)
     python benchmarks/bench_thd_layout.py --batches 64 256 --cp 4
     python benchmarks/bench_thd_layout.py --device cuda   # where a GPU is present
+    python benchmarks/bench_thd_layout.py --device cuda --without-verl   # GPU machine without verl installed
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--without-verl",
+        action="store_true",
+        help="time verl_ds4 and the copy only (for a machine where verl is not installed, e.g. a bare GPU box)",
+    )
     p.add_argument(
         "--no-fixed-malloc", dest="fixed_malloc", action="store_false", help="keep glibc's adaptive malloc thresholds"
     )
@@ -129,12 +135,13 @@ def timed(fn, repeats: int, device: str, budget_s: float | None = None) -> tuple
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
-    import verl.models.mcore.util as verl_util
-
     from verl_ds4.mcore import thd as ours
     from verl_ds4.testing.megatron_compat import emulate_cp_partition_mode_field
 
-    emulate_cp_partition_mode_field()
+    verl_util = None
+    if not args.without_verl:
+        import verl.models.mcore.util as verl_util
+    emulate_cp_partition_mode_field(include_verl=verl_util is not None)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda requested but no CUDA device is available", file=sys.stderr)
         return 2
@@ -159,35 +166,46 @@ def main(argv=None) -> int:
                 lengths = torch.randint(args.min_len, args.max_len + 1, (batch,), generator=gen)
                 values = torch.randint(0, 100_000, (int(lengths.sum()),), generator=gen)
                 offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-                x = torch.nested.nested_tensor_from_jagged(values.to(args.device), offsets=offsets.to(args.device))
+                device_values = values.to(args.device)
+                x = torch.nested.nested_tensor_from_jagged(device_values, offsets=offsets.to(args.device))
                 rank = cp // 2
+                nan = float("nan")
                 with fake_parallel_state(1, cp, rank):
                     t_ours, (rows_o, params_o, _) = timed(
                         lambda: ours.preprocess_thd_engine(x, cp_layout=layout), args.repeats, args.device
                     )
-                    t_verl, (rows_v, params_v, _) = timed(
-                        lambda: verl_util.preprocess_thd_engine(x, cp_layout=layout),
-                        args.repeats,
-                        args.device,
-                        args.verl_budget_s,
-                    )
-                    if not torch.equal(rows_o, rows_v):
-                        print(f"MISMATCH in packed rows at B={batch} cp={cp} {layout}", file=sys.stderr)
+                    if verl_util is not None:
+                        t_verl, (rows_ref, params_v, _) = timed(
+                            lambda: verl_util.preprocess_thd_engine(x, cp_layout=layout),
+                            args.repeats,
+                            args.device,
+                            args.verl_budget_s,
+                        )
+                        reference = "verl"
+                    else:  # no verl here: check the device's rows against our own CPU result instead
+                        t_verl = nan
+                        x_cpu = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+                        rows_ref = ours.preprocess_thd_engine(x_cpu, cp_layout=layout)[0]
+                        reference = "verl_ds4 on the CPU"
+                    if not torch.equal(rows_o.cpu(), rows_ref.cpu()):
+                        print(f"MISMATCH with {reference} in packed rows at B={batch} cp={cp} {layout}", file=sys.stderr)
                         return 1
                     local = rows_o.to(torch.float32)
                     index = torch.randint(0, values.numel(), (local.shape[1],), generator=gen).to(args.device)
-                    t_copy, _ = timed(lambda: values.to(args.device).index_select(0, index), args.repeats, args.device)
+                    t_copy, _ = timed(lambda: device_values.index_select(0, index), args.repeats, args.device)
                     t_post_o, _ = timed(
                         lambda: ours.postprocess_thd_engine(local, params_o, x, batch, cp_layout=layout),
                         args.repeats,
                         args.device,
                     )
-                    t_post_v, _ = timed(
-                        lambda: verl_util.postprocess_thd_engine(local, params_v, x, batch, cp_layout=layout),
-                        args.repeats,
-                        args.device,
-                        args.verl_budget_s,
-                    )
+                    t_post_v = nan
+                    if verl_util is not None:
+                        t_post_v, _ = timed(
+                            lambda: verl_util.postprocess_thd_engine(local, params_v, x, batch, cp_layout=layout),
+                            args.repeats,
+                            args.device,
+                            args.verl_budget_s,
+                        )
                 row = dict(B=batch, cp=cp, layout=layout, verl_pre=t_verl, ours_pre=t_ours, copy=t_copy,
                            verl_post=t_post_v, ours_post=t_post_o)
                 rows.append(row)
@@ -213,7 +231,7 @@ def main(argv=None) -> int:
         print(f"ours preprocess time B=4096 / B=1024: {', '.join(f'{r:.2f}' for r in ratios)} (4.0 = linear)")
         # the copy moves 4x the rows too: above 4.0 it shows what caches do to any pass over the rows
         print(f"raw copy time       B=4096 / B=1024: {', '.join(f'{r:.2f}' for r in copy_ratios)} (same cells)")
-    if rows:
+    if rows and verl_util is not None:
         print(f"median speed-up preprocess {statistics.median(r['verl_pre'] / r['ours_pre'] for r in rows):.0f}x, "
               f"postprocess {statistics.median(r['verl_post'] / r['ours_post'] for r in rows):.1f}x")
     return 0

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 
-def emulate_cp_partition_mode_field() -> type:
-    """Give verl's and our THD modules a ``PackedSeqParams`` with ``cp_partition_mode``; return it."""
-    import verl.models.mcore.util as verl_util
+def emulate_cp_partition_mode_field(include_verl: bool = True) -> type:
+    """Give verl's (unless ``include_verl`` is False) and our THD modules a ``PackedSeqParams`` with
+    ``cp_partition_mode``; return it."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import verl_ds4.mcore.thd as ours
@@ -25,7 +25,10 @@ def emulate_cp_partition_mode_field() -> type:
     class PackedSeqParamsWithMode(PackedSeqParams):
         cp_partition_mode: str = "zigzag"
 
-    verl_util.PackedSeqParams = PackedSeqParamsWithMode
-    verl_util._PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE = True
+    if include_verl:
+        import verl.models.mcore.util as verl_util
+
+        verl_util.PackedSeqParams = PackedSeqParamsWithMode
+        verl_util._PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE = True
     ours.PackedSeqParams = PackedSeqParamsWithMode
     return PackedSeqParamsWithMode
