@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,10 @@ def test_closed_form_prefix_cost_matches_token_by_token_sum(model):
     cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), model.token_cost(torch.arange(n_max)).cumsum(0)])
     n = torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 19, 20, 21, 127, 128, 129, 511, 512, 2047, 2048, 2049, 2999, 3000])
     torch.testing.assert_close(model.prefix_cost(n), cumulative[n], rtol=1e-12, atol=1e-9)
+    # the balancer's host path: a NumPy array in, the same float64 values out as a NumPy array
+    host = model.prefix_cost(n.numpy())
+    assert isinstance(host, np.ndarray) and host.dtype == np.float64
+    np.testing.assert_allclose(host, cumulative[n].numpy(), rtol=1e-12, atol=1e-9)
 
 
 def test_ds4_cost_terms_follow_the_attention_math():
@@ -131,13 +136,13 @@ def test_incremental_move_evaluation_matches_full_evaluation():
         prob = bal.BalanceProblem.contiguous(
             lens, cp_size=cp, cost_model=["ds4", "dense"][trial % 2], min_local_rows=[None, 9000][trial % 2]
         )
-        order = torch.randperm(b, generator=gen)
+        order = torch.randperm(b, generator=gen).numpy()
         i = torch.randint(0, b, (30,), generator=gen)
         j = torch.randint(0, b, (30,), generator=gen)
         keep = i != j
-        i, j = i[keep], j[keep]
-        swap = torch.rand(i.numel(), generator=gen) < 0.5
-        got = bal._eval_moves(prob, bal._Current(prob, order), i, j, swap)
+        i, j = i[keep].numpy(), j[keep].numpy()
+        swap = (torch.rand(i.size, generator=gen) < 0.5).numpy()
+        got = torch.from_numpy(bal._eval_moves(prob, bal._Current(prob, order), i, j, swap))
         ref = torch.stack([prob.costs(bal._apply_move(order, int(a), int(c), bool(s))) for a, c, s in zip(i, j, swap)])
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-6)
 
@@ -221,7 +226,7 @@ def test_dense_heavy_tailed_sft_at_cp16_reaches_target():
     tau = prob.total_cost / 16
     assert float(prob.seq_cost.max()) > 1.5 * tau  # a giant that must straddle a boundary
     assert bal.straggler_ratio(prob.costs(torch.arange(prob.num_seqs))) >= 1.05
-    start = bal._rank_bins_order(prob)
+    start = torch.from_numpy(bal._rank_bins_order(prob))
     assert _is_permutation(start, prob.num_seqs)
     # the giant is cut by a rank boundary, not left whole inside one rank
     giant = int(prob.seq_cost.argmax())
@@ -230,6 +235,69 @@ def test_dense_heavy_tailed_sft_at_cp16_reaches_target():
     assert begin // prob.local_rows != (begin + int(prob.padded[giant]) - 1) // prob.local_rows
     order = bal.balance_order(None, cp_size=16, problem=prob)
     assert bal.straggler_ratio(prob.costs(order)) <= 1.02
+
+
+@pytest.mark.parametrize("model_name", ["ds4", "dense"])
+def test_large_batches_are_deterministic_permutations_never_worse_than_plain(model_name):
+    """1024 sequences (the path without local search): all CP ranks must compute the same order."""
+    for seed, cp in [(1, 2), (1, 8), (2, 16), (5, 16), (7, 2)]:
+        lens = _sft_lengths(seed)
+        prob = bal.BalanceProblem.contiguous(lens, cp_size=cp, cost_model=model_name)
+        order = bal.balance_order(None, cp_size=cp, problem=prob)
+        assert _is_permutation(order, lens.numel())
+        again = bal.balance_order(lens.clone(), cp_size=cp, cost_model=model_name)
+        assert torch.equal(order, again)
+        plain = bal.straggler_ratio(prob.costs(torch.arange(lens.numel())))
+        balanced = bal.straggler_ratio(prob.costs(order))
+        assert balanced <= plain * (1 + 1e-12)
+        if model_name == "dense" and plain >= 1.05:
+            assert balanced <= 1.02, (seed, cp, plain, balanced)
+
+
+def test_giant_slides_to_the_best_cut_among_its_neighbours():
+    """Displace the giant of a rank-bins order by a few slots: the slide finds the best of all
+    positions within reach, checked against evaluating every such order in full."""
+    prob = bal.BalanceProblem.contiguous(_sft_lengths(3), cp_size=16, cost_model="dense")
+    start = bal._rank_bins_order(prob, reach=8)
+    giant = int(np.argmax(prob.cost))
+    slot = int(np.flatnonzero(start == giant)[0])
+    begin = int(prob.rows[start[:slot]].sum())
+    boundary = (begin + int(prob.rows[giant])) // prob.local_rows - 1  # cut after this rank
+    for shift in (-3, 2):
+        displaced = bal._apply_move(start, slot, slot + shift, False)
+        at = slot + shift
+        slid = bal._slide_giants(prob, displaced.copy(), np.array([boundary]), np.array([at]), 8)
+        pair = lambda o: float(prob.costs_np(o[None, :])[0][boundary : boundary + 2].max())  # noqa: E731
+        options = [displaced] + [bal._apply_move(displaced, at, at + d, False) for d in range(-8, 9) if d]
+        still_cut = [o for o in options if _cut_by(prob, o, giant, boundary)]
+        assert _cut_by(prob, slid, giant, boundary)
+        assert pair(slid) == pytest.approx(min(pair(o) for o in still_cut), rel=1e-12)
+        assert pair(slid) < pair(displaced)
+
+
+def _cut_by(prob, order, giant, boundary) -> bool:
+    slot = int(np.flatnonzero(order == giant)[0])
+    begin = int(prob.rows[order[:slot]].sum())
+    return begin < (boundary + 1) * prob.local_rows < begin + int(prob.rows[giant])
+
+
+def test_over_budget_ranks_take_the_cheapest_filler_until_covered():
+    lens = torch.tensor([100, 20, 40, 60, 80, 30, 50])
+    prob = bal.BalanceProblem.contiguous(lens, cp_size=2, cost_model="dense")
+    filler = np.arange(7)
+    rho = float(prob.cost.sum() / prob.rows.sum())
+    gain = rho * prob.rows - prob.cost  # room a sequence frees when it fills rows instead of the mean
+    cheapest = np.argsort(prob.cost / prob.rows, kind="stable")
+    need = float(gain[cheapest[:2]].sum()) - 1.0  # covered by the two cheapest, not by one
+    left, bin_of = [10_000.0, 10_000.0], np.full(7, -1)
+    rest = bal._cheap_filler_first(prob, filler, np.array([0]), np.array([-need, 0.0]), left, bin_of, rho)
+    assert sorted(np.flatnonzero(bin_of == 0).tolist()) == sorted(cheapest[:2].tolist())
+    assert left[0] == 10_000 - prob.rows[cheapest[:2]].sum()
+    assert sorted(rest.tolist()) == sorted(cheapest[2:].tolist())
+    # a deficit the cheaper-than-mean filler cannot cover: the rank's rows are filled cheapest-first
+    left, bin_of = [float(prob.rows[cheapest[:5]].sum()), 10_000.0], np.full(7, -1)
+    bal._cheap_filler_first(prob, filler, np.array([0]), np.array([-1e12, 0.0]), left, bin_of, rho)
+    assert sorted(np.flatnonzero(bin_of == 0).tolist()) == sorted(cheapest[:5].tolist()) and left[0] == 0
 
 
 def test_lower_bound_is_below_what_any_order_reaches():

@@ -12,9 +12,9 @@ Contract:
     depend on the order, so the balanced layout keeps every DS4 invariant and unpacking restores
     the original order exactly (the plan's job).
   * Deterministic: the result is a pure function of the lengths and options (no clocks, no
-    unseeded randomness, stable sorts, float64 host arithmetic on tensors small enough to be
-    reduced on one thread), because every CP rank computes the plan on its own and all must
-    agree. Ranks are assumed to run the same torch build on the same kind of CPU.
+    unseeded randomness, stable sorts, float64 host arithmetic), because every CP rank computes
+    the plan on its own and all must agree. Ranks are assumed to run the same NumPy build on the
+    same kind of CPU.
   * Never worse than the plain order under the chosen cost model: the identity order is always
     a candidate and a move is only accepted when it lowers the objective.
 
@@ -23,30 +23,35 @@ Cost of a rank: each of its rows costs ``c(position inside its sequence)``; padd
 cheap head on the left rank, its expensive tail on the right one). Costs are evaluated with
 closed-form prefix sums at the ``cp - 1`` boundaries only, batched over candidate orders.
 
-Algorithm (vectorised, except the heavy-sequence constructions, which loop over sequences in
-Python and run only when some sequence costs over a quarter of a mean rank, and the rank-bins
-start, which loops over the costly sequences when the cheap candidates are not good enough):
-  1. candidates: plain order; an "excess merge" that interleaves sequences whose cost per row is
-     above the buffer mean with those below it so the cumulative cost tracks the straight line
-     from 0 to the total (boundaries then cut near ``r * mean``); longest-first; and a snake
-     partition by cost. The best is kept.
-  1b. many sequences (``B >= 4 cp``) and no candidate within 1% of the mean yet: "rank bins"
-     (:func:`_rank_bins_order`): giants straddle boundaries, the other costly sequences are
-     dealt to the ranks with the most budget left after reserving their share of the short
-     ones, and the short ones fill the remaining rows (dense attention with heavy-tailed
-     lengths: the SFT case at CP 16).
-  2. heavy sequences (far above the mean cost per row) are cut at rank boundaries: half-way
-     through their excess with a balancing walk of the others around them, or where their two
-     ranks cost the same with the cheapest other sequences reserved for those ranks.
-  3. local search: best-improvement over swap and move (remove + insert) neighbourhoods around
-     the most loaded rank, objective (max rank cost, then sum of squares), each candidate
-     evaluated incrementally in O(cp).
-  4. small batches: seeded restarts from perturbed copies of the best order (iterated local
+Speed: planning runs on the host in NumPy (many small array operations, a few microseconds
+each; tensors cost more per operation). 1024 sequences plan in under 1 ms at CP 2-16 under both
+cost models (``benchmarks/bench_cp_balance.py``). Python loops run over the sequences of small
+batches only, over the costly sequences of the rank bins (a heap, well under a microsecond
+each), and over the few giants.
+
+Algorithm. "Excess" of a sequence: its cost minus the mean cost per row times its rows.
+  1. Constructions. Many sequences (``B >= 4 cp``) with one whose excess is over
+     ``_BINS_FIRST`` of a mean rank (dense attention with heavy-tailed lengths): the rank bins
+     (:func:`_rank_bins_order`) first: giants straddle rank boundaries at the cut where their two
+     ranks cost the same, the other costly sequences are dealt greedily to the ranks with the
+     most room, the short ones fill the remaining rows, and each giant finally slides among its
+     short neighbours to its best cut. Otherwise: the plain order and an "excess merge" that
+     interleaves above-mean and below-mean sequences so the cumulative cost tracks the straight
+     line from 0 to the total (boundaries then cut near ``r * mean``); the rank bins follow when
+     those do not reach ``good_enough``. Small batches (``B <= 256``) also try longest-first, a
+     snake partition by cost, shortest-first and the heavy-sequence constructions (a balancing
+     walk cutting heavy sequences half-way through their excess, or where their two ranks cost
+     the same with the cheapest sequences reserved for them). The best start is kept.
+  2. Local search (small batches; large ones stop after the constructions): best-improvement
+     over swap and move (remove + insert) neighbourhoods around the most loaded rank, objective
+     (max rank cost, then sum of squares), each candidate evaluated incrementally in O(cp).
+  3. Small batches: seeded restarts from perturbed copies of the best order (iterated local
      search); tiny batches (``B <= exhaustive_max``): all ``B!`` orders are evaluated (optimal).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -68,7 +73,8 @@ __all__ = [
 ]
 
 _REL_TOL = 1e-12
-_BINS_BELOW = 1.01  # a straggler ratio the cheap candidates already reach: skip the rank-bins start
+_BINS_FIRST = 0.05  # excess of the costliest sequence (in mean ranks) above which the rank bins go first
+_SMALL = 256  # batches up to this size try every constructive start (their local search is cheap too)
 
 
 def _as_lengths(seqlens) -> torch.Tensor:
@@ -83,12 +89,22 @@ def _as_lengths(seqlens) -> torch.Tensor:
     return t
 
 
+def _host_copy(values) -> np.ndarray:
+    """An int64 NumPy copy of a tensor or a sequence."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy().astype(np.int64)
+    return np.array(values, dtype=np.int64)
+
+
 @dataclass
 class BalanceProblem:
     """Everything order-independent about one micro-batch: lengths, padding, per-sequence cost.
 
     ``padded`` are the per-sequence padded lengths in *original* order and ``total_rows`` the
     buffer length (``>= padded.sum()``; the difference is tail padding after the last sequence).
+    The tensors are the public view; the balancer works on NumPy mirrors of them (``rows``,
+    ``real``, ``cost``), because its many small operations cost a few microseconds less each
+    there than as tensor operations.
     """
 
     seqlens: torch.Tensor  # int64 [B]
@@ -100,18 +116,23 @@ class BalanceProblem:
     def __post_init__(self):
         if self.cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
-        if self.padded.shape != self.seqlens.shape or bool((self.padded < self.seqlens).any()):
+        self.real = _host_copy(self.seqlens)  # copies: the caller may reuse its tensors
+        self.rows = _host_copy(self.padded)
+        if self.rows.shape != self.real.shape or bool((self.rows < self.real).any()):
             raise ValueError("padded lengths must have the same shape as seqlens and be >= them")
-        if self.total_rows % self.cp_size or self.total_rows < int(self.padded.sum()):
+        padded_sum = int(self.rows.sum())
+        if self.total_rows % self.cp_size or self.total_rows < padded_sum:
             raise ValueError(
                 f"total_rows={self.total_rows} must be a multiple of cp_size={self.cp_size} and >= the sum of "
-                f"padded lengths ({int(self.padded.sum())})"
+                f"padded lengths ({padded_sum})"
             )
         self.local_rows = self.total_rows // self.cp_size
-        self.seq_cost = self.cost_model.sequence_cost(self.seqlens, self.padded)
-        self.tail_rows = self.total_rows - int(self.padded.sum())
-        self.total_cost = float(self.seq_cost.sum()) + self.cost_model.pad_row_cost * self.tail_rows
-        self._bounds = torch.arange(1, self.cp_size, dtype=torch.int64) * self.local_rows
+        pad = self.cost_model.pad_row_cost
+        self.cost = self.cost_model.prefix_cost(self.real) + pad * (self.rows - self.real)
+        self.seq_cost = torch.from_numpy(self.cost)
+        self.tail_rows = self.total_rows - padded_sum
+        self.total_cost = float(self.cost.sum()) + pad * self.tail_rows
+        self.bounds = np.arange(1, self.cp_size, dtype=np.int64) * self.local_rows
 
     @classmethod
     def from_options(
@@ -125,9 +146,10 @@ class BalanceProblem:
                 "Zigzag already balances dense causal attention inside every sequence."
             )
         unit = options.sequence_alignment
-        padded = lens + (-lens) % unit
+        real = lens.numpy()
+        padded = real + (-real) % unit
         total = options.padded_total(int(padded.sum()))
-        return cls(lens, padded, total, options.cp_size, get_cost_model(cost_model))
+        return cls(lens, torch.from_numpy(padded), total, options.cp_size, get_cost_model(cost_model))
 
     @classmethod
     def contiguous(
@@ -153,121 +175,150 @@ class BalanceProblem:
 
     @property
     def num_seqs(self) -> int:
-        return int(self.seqlens.numel())
+        return int(self.real.shape[0])
 
-    def costs(self, orders: torch.Tensor) -> torch.Tensor:
+    def costs(self, orders) -> torch.Tensor:
         """Per-rank costs ``[K, cp]`` (float64) for a batch of orders ``[K, B]`` (or ``[cp]`` for ``[B]``)."""
-        single = orders.dim() == 1
-        orders = orders.view(1, -1) if single else orders
+        o = np.asarray(orders, dtype=np.int64)
+        out = self.costs_np(o.reshape(1, -1) if o.ndim == 1 else o)
+        return torch.from_numpy(out[0] if o.ndim == 1 else out)
+
+    def costs_np(self, orders: np.ndarray) -> np.ndarray:
+        """:meth:`costs` on the host: ``orders`` int64 ``[K, B]`` -> float64 ``[K, cp]``."""
         k, b = orders.shape
         cp = self.cp_size
         if cp == 1:
-            out = torch.full((k, 1), self.total_cost, dtype=torch.float64)
-            return out[0] if single else out
-        p = self.padded[orders]
-        zero_i = torch.zeros((k, 1), dtype=torch.int64)
-        cum_rows = torch.cat([zero_i, p.cumsum(1)], 1)  # [K, B+1], row where buffer seq k starts
-        cum_cost = torch.cat([torch.zeros((k, 1), dtype=torch.float64), self.seq_cost[orders].cumsum(1)], 1)
-        x = self._bounds.expand(k, cp - 1).contiguous()
-        idx = torch.searchsorted(cum_rows, x, right=True) - 1  # buffer slot containing row x (B = tail)
-        slot = idx.clamp(max=b - 1)
-        seq = orders.gather(1, slot)
-        off = x - cum_rows.gather(1, idx)
-        n = self.seqlens[seq]
-        real = torch.minimum(off, n)
-        inside = (
-            cum_cost.gather(1, idx)
-            + self.cost_model.prefix_cost(real)
-            + self.cost_model.pad_row_cost * (off - real).to(torch.float64)
-        )
-        in_tail = cum_cost[:, -1:] + self.cost_model.pad_row_cost * off.to(torch.float64)
-        g = torch.where(idx >= b, in_tail, inside)
-        g = torch.cat(
-            [torch.zeros((k, 1), dtype=torch.float64), g, torch.full((k, 1), self.total_cost, dtype=torch.float64)], 1
-        )
-        out = g.diff(dim=1)
-        return out[0] if single else out
+            return np.full((k, 1), self.total_cost)
+        cum_rows = np.zeros((k, b + 1), dtype=np.int64)
+        np.cumsum(self.rows[orders], axis=1, out=cum_rows[:, 1:])
+        cum_cost = np.zeros((k, b + 1))
+        np.cumsum(self.cost[orders], axis=1, out=cum_cost[:, 1:])
+        # one binary search for all K orders: row k of cum_rows is shifted by k * (total_rows + 1)
+        base = np.arange(k, dtype=np.int64)[:, None]
+        x = self.bounds[None, :]
+        flat_rows = (cum_rows + base * (self.total_rows + 1)).ravel()
+        found = np.searchsorted(flat_rows, (x + base * (self.total_rows + 1)).ravel(), side="right") - 1
+        at = found.reshape(k, cp - 1)  # flat index of the slot holding row x (slot b = the tail)
+        idx = at - base * (b + 1)
+        seq = orders.ravel()[np.minimum(idx, b - 1) + base * b]
+        off = x - cum_rows.ravel()[at]
+        before = cum_cost.ravel()[at]
+        pad = self.cost_model.pad_row_cost
+        g = np.where(idx >= b, cum_cost[:, -1:] + pad * off, before + self.partial(self.real[seq], off))
+        return _rank_diff(g, self.total_cost)
 
-    def boundary_slots(self, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def partial(self, real: np.ndarray, off: np.ndarray) -> np.ndarray:
+        """Cost of the first ``off`` rows of sequences with ``real`` tokens (then padding rows)."""
+        r = np.minimum(off, real)
+        return self.cost_model.prefix_cost(r) + self.cost_model.pad_row_cost * (off - r)
+
+    def boundary_slots(self, order) -> tuple[torch.Tensor, torch.Tensor]:
         """For one order: buffer slots of the first and last sequence touching each rank ``[cp]`` each."""
-        cum_rows = torch.cat([torch.zeros(1, dtype=torch.int64), self.padded[order].cumsum(0)])
-        starts = torch.arange(self.cp_size, dtype=torch.int64) * self.local_rows
-        first = torch.searchsorted(cum_rows, starts, right=True) - 1
-        last = torch.searchsorted(cum_rows, starts + self.local_rows - 1, right=True) - 1
+        first, last = self._boundary_slots(np.asarray(order, dtype=np.int64))
+        return torch.from_numpy(first), torch.from_numpy(last)
+
+    def _boundary_slots(self, order: np.ndarray, cum_rows: np.ndarray | None = None):
+        if cum_rows is None:
+            cum_rows = np.concatenate([[0], np.cumsum(self.rows[order])])
+        starts = np.arange(self.cp_size, dtype=np.int64) * self.local_rows
+        first = np.searchsorted(cum_rows, starts, side="right") - 1
+        last = np.searchsorted(cum_rows, starts + self.local_rows - 1, side="right") - 1
         b = self.num_seqs
-        return first.clamp(max=b - 1), last.clamp(max=b - 1)
+        return np.minimum(first, b - 1), np.minimum(last, b - 1)
 
 
-def _objective(costs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return costs.max(-1).values, (costs * costs).sum(-1)
+def _rank_diff(g: np.ndarray, total: float) -> np.ndarray:
+    """Per-rank costs from the cumulative cost ``g [K, cp-1]`` at the inner rank boundaries."""
+    k = g.shape[0]
+    full = np.empty((k, g.shape[1] + 2))
+    full[:, 0] = 0.0
+    full[:, 1:-1] = g
+    full[:, -1] = total
+    return np.diff(full, axis=1)
 
 
-def _pick_best(costs: torch.Tensor) -> int:
+def _pick_best(costs: np.ndarray) -> int:
     """Index of the lexicographically best (max, sum of squares) row of ``costs [K, cp]``."""
-    mx, sq = _objective(costs)
-    best = mx.min()
-    near = mx <= best * (1 + _REL_TOL)
-    sq = torch.where(near, sq, torch.full_like(sq, float("inf")))
-    return int(sq.argmin())
+    mx = costs.max(1)
+    sq = (costs * costs).sum(1)
+    near = mx <= mx.min() * (1 + _REL_TOL)
+    return int(np.argmin(np.where(near, sq, np.inf)))
 
 
-def _better(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _better(a: np.ndarray, b: np.ndarray) -> bool:
     """Is cost vector ``a`` strictly better than ``b`` (lexicographic max, then sum of squares)?"""
-    ma, sa = float(a.max()), float((a * a).sum())
-    mb, sb = float(b.max()), float((b * b).sum())
+    ma, sa = float(a.max()), float(a @ a)
+    mb, sb = float(b.max()), float(b @ b)
     if ma < mb * (1 - _REL_TOL):
         return True
     return ma <= mb * (1 + _REL_TOL) and sa < sb * (1 - _REL_TOL)
+
+
+def _desc(values: np.ndarray) -> np.ndarray:
+    """Indices sorting ``values`` descending, ties in index order."""
+    return np.argsort(-values, kind="stable")
 
 
 # ----------------------------------------------------------------------------------------------
 # constructive candidates
 
 
-def _excess_merge_order_of(prob: BalanceProblem, ids: torch.Tensor, excess: torch.Tensor) -> torch.Tensor:
+def _excess_merge_order_of(prob: BalanceProblem, ids: np.ndarray) -> np.ndarray:
     """:func:`_excess_merge_order` of the subset ``ids`` (positions into ``ids``), around its own mean."""
-    rows = prob.padded[ids].to(torch.float64)
-    sub = prob.seq_cost[ids]
-    sub_excess = sub - float(sub.sum()) / max(float(rows.sum()), 1.0) * rows
-    return _excess_merge_order(prob, sub_excess)
+    rows = prob.rows[ids].astype(np.float64)
+    sub = prob.cost[ids]
+    return _excess_merge_order(sub - float(sub.sum()) / max(float(rows.sum()), 1.0) * rows)
 
 
-def _excess_merge_order(prob: BalanceProblem, excess: torch.Tensor) -> torch.Tensor:
-    """Interleave above-mean and below-mean sequences so cumulative cost tracks the mean line."""
-    pos = excess >= 0
-    key = torch.empty_like(excess)
-    for mask in (pos, ~pos):
-        ids = mask.nonzero().flatten()
-        if ids.numel() == 0:
-            continue
-        mag = excess[ids].abs()
-        srt = torch.argsort(mag, descending=True, stable=True)
-        ids, mag = ids[srt], mag[srt]
+def _excess_merge_order(excess: np.ndarray) -> np.ndarray:
+    """Interleave above-mean and below-mean sequences so cumulative cost tracks the mean line.
+
+    Each group, largest excess first (ties in index order), is spread over ``[0, 1]`` by its
+    cumulative excess (the midpoint of each sequence's share); the two groups are then merged by
+    that key, the above-mean one first on ties. Both keys increase, so the merge is a search.
+    """
+    by_size = _desc(np.abs(excess))
+    above = excess[by_size] >= 0
+    groups, keys = [], []
+    for ids in (by_size[above], by_size[~above]):
+        mag = np.abs(excess[ids])
         total = float(mag.sum())
-        if total <= 0:
-            key[ids] = (torch.arange(ids.numel(), dtype=torch.float64) + 0.5) / ids.numel()
-        else:
-            key[ids] = (mag.cumsum(0) - mag / 2) / total
-    return torch.argsort(key, stable=True)
+        key = (np.arange(ids.size) + 0.5) / max(ids.size, 1) if total <= 0 else (np.cumsum(mag) - mag / 2) / total
+        groups.append(ids)
+        keys.append(key)
+    out = np.empty(excess.size, dtype=np.int64)
+    out[np.arange(groups[0].size) + np.searchsorted(keys[1], keys[0], side="left")] = groups[0]
+    out[np.arange(groups[1].size) + np.searchsorted(keys[0], keys[1], side="right")] = groups[1]
+    return out
 
 
-def _snake_order(prob: BalanceProblem) -> torch.Tensor:
+def _snake_order(prob: BalanceProblem) -> np.ndarray:
     """Snake-assign sequences sorted by cost to ``cp`` groups and concatenate the groups."""
     cp, b = prob.cp_size, prob.num_seqs
-    srt = torch.argsort(prob.seq_cost, descending=True, stable=True)
-    i = torch.arange(b)
+    srt = _desc(prob.cost)
+    i = np.arange(b)
     rnd, pos = i // cp, i % cp
-    group = torch.where(rnd % 2 == 0, pos, cp - 1 - pos)
-    key = group * b + i
-    return srt[torch.argsort(key, stable=True)]
+    group = np.where(rnd % 2 == 0, pos, cp - 1 - pos)
+    return srt[np.argsort(group * b + i, kind="stable")]
 
 
-def _excess(prob: BalanceProblem) -> torch.Tensor:
+def _excess(prob: BalanceProblem) -> np.ndarray:
     """Per-sequence cost above the mean row cost times its rows (negative: cheaper than average)."""
-    return prob.seq_cost - (prob.total_cost / prob.total_rows) * prob.padded.to(torch.float64)
+    return prob.cost - (prob.total_cost / prob.total_rows) * prob.rows
 
 
-def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tensor) -> torch.Tensor | None:
+def _heavy(prob: BalanceProblem, threshold: float, excess: np.ndarray) -> np.ndarray:
+    """Up to ``cp - 1`` sequences whose excess is above ``threshold`` of a mean rank, largest first."""
+    heavy = _desc(excess)[: prob.cp_size - 1]
+    return heavy[excess[heavy] > threshold * prob.total_cost / prob.cp_size]
+
+
+def _spread_bounds(m: int, cp: int) -> np.ndarray:
+    """``m`` rank boundaries (1 .. cp-1) spread evenly."""
+    return np.floor((np.arange(m) + 0.5) * (cp - 1) / m).astype(np.int64) + 1
+
+
+def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: np.ndarray) -> np.ndarray | None:
     """Cut heavy sequences at rank boundaries, and fill around them with a balancing walk.
 
     A sequence is heavy when its excess (cost above the mean row cost times its rows) is more
@@ -276,62 +327,49 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tens
     either side. The other sequences follow a walk that keeps the cumulative deviation from the
     mean line at its target: a below-mean sequence next when ahead, an above-mean one when
     behind; the target is ``-excess/2`` just before a heavy sequence and 0 elsewhere.
-    Returns ``None`` when nothing is heavy. Python loop over sequences: used for small batches
-    and when heavy sequences exist.
+    Returns ``None`` when nothing is heavy. Python loop over sequences: used for small batches.
     """
     cp, b, L = prob.cp_size, prob.num_seqs, prob.local_rows
-    tau = prob.total_cost / cp
     mean_row = prob.total_cost / prob.total_rows
-    heavy = torch.argsort(excess, descending=True, stable=True)[: cp - 1]
-    heavy = heavy[excess[heavy] > threshold * tau]
-    m = heavy.numel()
+    heavy = _heavy(prob, threshold, excess)
+    m = heavy.size
     if m == 0:
         return None
     # where half of each heavy sequence's excess is reached (grid search, one batched call)
-    grid = torch.linspace(0, 1, 1025, dtype=torch.float64).view(1, -1)
-    hp = prob.padded[heavy].view(-1, 1)
-    t = (grid * hp).round().to(torch.int64)
-    real = torch.minimum(t, prob.seqlens[heavy].view(-1, 1))
-    dev = prob.cost_model.prefix_cost(real) + prob.cost_model.pad_row_cost * (t - real) - mean_row * t
-    half = excess[heavy].view(-1, 1) / 2
-    cut = t.gather(1, (dev - half).abs().argmin(1, keepdim=True)).flatten().clamp(1, None)
-    cut = torch.minimum(cut, hp.flatten() - 1).clamp(min=1)
-    bounds = ((torch.arange(m, dtype=torch.float64) + 0.5) * (cp - 1) / m).floor().to(torch.int64) + 1
+    hp = prob.rows[heavy][:, None]
+    t = np.round(np.linspace(0.0, 1.0, 1025)[None, :] * hp).astype(np.int64)
+    dev = prob.partial(prob.real[heavy][:, None], t) - mean_row * t
+    cut = np.take_along_axis(t, np.abs(dev - excess[heavy][:, None] / 2).argmin(1)[:, None], 1).ravel()
+    cut = np.maximum(np.minimum(np.maximum(cut, 1), hp.ravel() - 1), 1)
+    bounds = _spread_bounds(m, cp)
 
-    rows, cost, ex = prob.padded.tolist(), prob.seq_cost.tolist(), excess.tolist()
-    is_heavy = torch.zeros(b, dtype=torch.bool)
+    rows, ex = prob.rows.tolist(), excess.tolist()
+    is_heavy = np.zeros(b, dtype=bool)
     is_heavy[heavy] = True
-    rest = (~is_heavy).nonzero().flatten()
+    rest = np.flatnonzero(~is_heavy)
     light = rest[excess[rest] < 0]
-    light = light[torch.argsort(excess[light], stable=True)].tolist()  # most negative first
+    light = light[np.argsort(excess[light], kind="stable")].tolist()  # most negative first
     dense = rest[excess[rest] >= 0]
-    dense = dense[torch.argsort(excess[dense], descending=True, stable=True)].tolist()
-    plan = list(zip(heavy.tolist(), cut.tolist(), bounds.tolist(), excess[heavy].tolist()))
+    dense = dense[_desc(excess[dense])].tolist()
     out: list[int] = []
     x, d = 0, 0.0  # rows placed, cumulative deviation from the mean line
     li = di = 0
-    for h, c, r, e in plan:
-        start = r * L - c  # where h must start so boundary r cuts it after c rows
-        if start < x:  # an earlier heavy sequence already covers this boundary: place h next
-            start = x
+    for h, c, r, e in zip(heavy.tolist(), cut.tolist(), bounds.tolist(), excess[heavy].tolist()):
+        start = max(r * L - c, x)  # where h must start so boundary r cuts it after c rows (if still ahead)
         target = -e / 2
         while x < start:
-            want_light = d > target
-            if (want_light and li < len(light)) or di >= len(dense):
+            if (d > target and li < len(light)) or di >= len(dense):
                 if li >= len(light):
                     break
-                f = light[li]
+                f, take_light = light[li], True
             else:
-                f = dense[di]
+                f, take_light = dense[di], False
             if x + rows[f] > start and (x + rows[f] - start) > (start - x):
                 break  # placing f would overshoot the cut point more than stopping here
             out.append(f)
             x += rows[f]
             d += ex[f]
-            if f == (light[li] if li < len(light) else -1):
-                li += 1
-            else:
-                di += 1
+            li, di = (li + 1, di) if take_light else (li, di + 1)
         out.append(h)
         x += rows[h]
         d += e
@@ -344,174 +382,330 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: torch.Tens
             di += 1
         out.append(f)
         d += ex[f]
-    return torch.tensor(out, dtype=torch.int64)
+    return np.asarray(out, dtype=np.int64)
 
 
-def _heavy_split_order(prob: BalanceProblem, threshold: float, excess: torch.Tensor) -> torch.Tensor | None:
+def _heavy_split_order(prob: BalanceProblem, threshold: float, excess: np.ndarray) -> np.ndarray | None:
     """Cut each very heavy sequence where its two ranks cost the same, both filled cheapest-first.
 
     Heavy: excess above ``threshold`` of a mean rank (at most ``cp - 1`` of them, one per evenly
     spread boundary). The cut is chosen assuming the rest of both ranks is filled with the
     cheapest other sequences (lowest cost per row); those ranks are then filled that way, and
-    everything else is placed by the mean-line walk of :func:`_heavy_walk_order`'s fillers.
-    Returns ``None`` when nothing is heavy.
+    everything else follows the excess merge. Returns ``None`` when nothing is heavy.
     """
     cp, b, L = prob.cp_size, prob.num_seqs, prob.local_rows
-    tau = prob.total_cost / cp
-    heavy = torch.argsort(excess, descending=True, stable=True)[: cp - 1]
-    heavy = heavy[excess[heavy] > threshold * tau]
-    m = heavy.numel()
+    heavy = _heavy(prob, threshold, excess)
+    m = heavy.size
     if m == 0:
         return None
-    is_heavy = torch.zeros(b, dtype=torch.bool)
+    is_heavy = np.zeros(b, dtype=bool)
     is_heavy[heavy] = True
-    rest = (~is_heavy).nonzero().flatten()
-    density = prob.seq_cost / prob.padded.clamp(min=1).to(torch.float64)
-    cheap = rest[torch.argsort(density[rest], stable=True)]  # cheapest per row first
-    crows = prob.padded[cheap].cumsum(0).to(torch.float64)
-    ccost = prob.seq_cost[cheap].cumsum(0)
-    hp = prob.padded[heavy].view(-1, 1)
-    t = (torch.linspace(0, 1, 1025, dtype=torch.float64).view(1, -1) * hp).round().to(torch.int64)
-    t = torch.minimum(t, hp - 1).clamp(min=1)
-    real = torch.minimum(t, prob.seqlens[heavy].view(-1, 1))
-    head = prob.cost_model.prefix_cost(real) + prob.cost_model.pad_row_cost * (t - real)
-    tail = prob.seq_cost[heavy].view(-1, 1) - head
+    rest = np.flatnonzero(~is_heavy)
+    density = prob.cost / np.maximum(prob.rows, 1)
+    cheap = rest[np.argsort(density[rest], kind="stable")]  # cheapest per row first
+    crows = np.cumsum(prob.rows[cheap]).astype(np.float64)
+    ccost = np.cumsum(prob.cost[cheap])
+    cheap_density = density[cheap]
+    hp = prob.rows[heavy][:, None]
+    t = np.round(np.linspace(0.0, 1.0, 1025)[None, :] * hp).astype(np.int64)
+    t = np.maximum(np.minimum(t, hp - 1), 1)
+    head = prob.partial(prob.real[heavy][:, None], t)
+    tail = prob.cost[heavy][:, None] - head
 
-    def fill(k: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    def cost_of_first(k: np.ndarray) -> np.ndarray:  # cost of the k cheapest rows (fractional at the end)
+        i = np.minimum(np.searchsorted(crows, k), crows.size - 1)
+        prev_rows = np.where(i > 0, crows[np.maximum(i - 1, 0)], 0.0)
+        prev_cost = np.where(i > 0, ccost[np.maximum(i - 1, 0)], 0.0)
+        return prev_cost + (k - prev_rows) * cheap_density[i]
+
+    def fill(k: np.ndarray, offset: np.ndarray) -> np.ndarray:
         # cost of the k cheapest rows after the first `offset` cheap rows (used by earlier heavies)
-        k = k.clamp(min=0).to(torch.float64) + offset
-        i = torch.searchsorted(crows, k).clamp(max=crows.numel() - 1)
-        pr = torch.where(i > 0, crows[(i - 1).clamp(min=0)], torch.zeros_like(k))
-        pc = torch.where(i > 0, ccost[(i - 1).clamp(min=0)], torch.zeros_like(k))
-        full = pc + (k - pr) * density[cheap][i]
-        i0 = torch.searchsorted(crows, offset).clamp(max=crows.numel() - 1)
-        pr0 = torch.where(i0 > 0, crows[(i0 - 1).clamp(min=0)], torch.zeros_like(offset))
-        pc0 = torch.where(i0 > 0, ccost[(i0 - 1).clamp(min=0)], torch.zeros_like(offset))
-        return full - (pc0 + (offset - pr0) * density[cheap][i0])
+        return cost_of_first(np.maximum(k, 0) + offset) - cost_of_first(offset + 0 * k)
 
-    used = torch.zeros(m, 1, dtype=torch.float64)
+    used = np.zeros((m, 1))
     if m > 1:
-        used[1:, 0] = (2 * L - hp.flatten()[:-1].to(torch.float64)).clamp(min=0).cumsum(0)
+        used[1:, 0] = np.cumsum(np.maximum(2 * L - hp.ravel()[:-1], 0))
     left = head + fill(L - t, used)
-    right = tail + fill(L - (hp - t), used + (L - t).clamp(min=0))
-    cut = t.gather(1, torch.maximum(left, right).argmin(1, keepdim=True)).flatten()
-    bounds = ((torch.arange(m, dtype=torch.float64) + 0.5) * (cp - 1) / m).floor().to(torch.int64) + 1
+    right = tail + fill(L - (hp - t), used + np.maximum(L - t, 0))
+    cut = np.take_along_axis(t, np.maximum(left, right).argmin(1)[:, None], 1).ravel()
+    bounds = _spread_bounds(m, cp)
 
     # reserve the cheapest sequences for the ranks around the cuts; the rest follow the excess merge
-    need = float((2 * L - hp.flatten()).clamp(min=0).sum())
-    n_res = int(torch.searchsorted(crows, torch.tensor(need, dtype=torch.float64))) + 1
+    need = float(np.maximum(2 * L - hp.ravel(), 0).sum())
+    n_res = int(np.searchsorted(crows, need)) + 1
     reserved = cheap[:n_res].tolist()
     others = cheap[n_res:]
-    stream = others[_excess_merge_order_of(prob, others, excess)].tolist() if others.numel() else []
-    rows = prob.padded.tolist()
+    stream = others[_excess_merge_order_of(prob, others)].tolist() if others.size else []
+    rows = prob.rows.tolist()
     out: list[int] = []
-    x = 0
-    ri = si = 0
-
-    def place(f: int) -> None:
-        nonlocal x
-        out.append(f)
-        x += rows[f]
-
+    x = ri = si = 0
     for h, c, r in zip(heavy.tolist(), cut.tolist(), bounds.tolist()):
         while x < (r - 1) * L and si < len(stream):
-            place(stream[si])
+            out.append(stream[si])
+            x += rows[stream[si]]
             si += 1
         start = r * L - c
         while x < start and ri < len(reserved):
             f = reserved[ri]
             if x + rows[f] > start and (x + rows[f] - start) > (start - x):
                 break  # stopping short is closer to the cut point than overshooting
-            place(f)
+            out.append(f)
+            x += rows[f]
             ri += 1
-        place(h)
+        out.append(h)
+        x += rows[h]
         end = (x // L + 1) * L if x % L else x
         while x < end and ri < len(reserved):
-            place(reserved[ri])
+            out.append(reserved[ri])
+            x += rows[reserved[ri]]
             ri += 1
     out.extend(stream[si:])
     out.extend(reserved[ri:])
-    return torch.tensor(out, dtype=torch.int64)
+    return np.asarray(out, dtype=np.int64)
 
 
-def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, sand: float = 0.002) -> torch.Tensor:
+def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.002, reach: int = 8) -> np.ndarray:
     """Fill the ``cp`` ranks as bins (rows and cost), then concatenate them: for many sequences.
 
-    * giants (cost above ``giant`` of a mean rank, at most ``cp - 1``) straddle evenly spread
-      rank boundaries, cut where their two ranks cost the same once the rest of both is sand;
-    * other sequences above ``sand`` of a mean rank go, most costly first, to the rank with the
-      most cost budget left once its share of the sand (rows left x sand cost per row) is
-      reserved, among those with rows left for them;
-    * sand fills the remaining rows: shortest first to the ranks needing the least cost per row;
+    The filler are the sequences costing at most ``big`` of a mean rank; ``rho`` is their mean
+    cost per row. A rank's *room* is its cost budget left once its remaining rows hold filler at
+    ``rho`` (``budget - rows_left * rho``); a sequence takes ``cost - rho * rows`` of it.
+
+    * giants (taking over ``giant`` of an empty rank's room, at most ``cp - 1``) straddle evenly
+      spread rank boundaries, cut where their two ranks cost the same once the rest is filler;
+    * the other non-filler sequences go, most costly first, to the rank with the most room among
+      those with rows left for them (greedy, a heap over the ranks);
+    * the filler, in an order whose running cost per row stays at ``rho``
+      (:func:`_excess_merge_order`), fills each rank's remaining rows;
     * inside a rank the shortest sequences sit at both edges, so the sequences cut by rank
       boundaries (other than giants) are cheap.
-    Host NumPy; a Python loop over the non-sand sequences only.
+    Host NumPy; Python loops over the giants and the non-filler sequences only.
     """
     cp, L = prob.cp_size, prob.local_rows
-    rows = prob.padded.numpy().astype(np.int64)
-    cost = prob.seq_cost.numpy()
-    real = prob.seqlens.numpy()
+    rows, cost = prob.rows, prob.cost
     tau = prob.total_cost / cp
-    cap = np.full(cp, float(L))
-    cap[-1] -= prob.tail_rows
+    rows_left = np.full(cp, float(L))
+    rows_left[-1] -= prob.tail_rows
     budget = np.full(cp, tau)
     budget[-1] -= prob.tail_rows * prob.cost_model.pad_row_cost
-    desc = np.argsort(-cost, kind="stable")
-    is_sand = cost <= sand * tau
-    rho = float(cost[is_sand].sum()) / max(float(rows[is_sand].sum()), 1.0)  # sand cost per row
+    is_filler = cost <= big * tau
+    desc = np.flatnonzero(~is_filler)
+    desc = desc[_desc(cost[desc])]  # the non-filler, most costly first
+    rho = float(cost[is_filler].sum()) / max(float(rows[is_filler].sum()), 1.0)
+    takes = cost - rho * rows  # room a sequence takes
 
-    head: list[int | None] = [None] * cp  # giant cut by the boundary after rank b
-    giants = [i for i in desc[: cp - 1].tolist() if cost[i] > giant * tau and 1 < rows[i] <= L]
+    head = np.full(cp, -1, dtype=np.int64)  # giant cut by the boundary after rank b
+    empty_room = tau - L * rho
+    top = desc[: cp - 1]
+    top = top[(takes[top] > giant * empty_room) & (rows[top] > 1) & (rows[top] <= L)]
+    giants = top.tolist()
     for k, i in enumerate(giants):
         b = int((k + 0.5) * (cp - 1) / len(giants))
-        if head[b] is not None:
+        if head[b] >= 0:
             continue
-        t = torch.arange(1, int(rows[i]), dtype=torch.int64)
-        head_cost = _partial(prob, torch.tensor(int(real[i])), t).numpy()
-        # both ranks equal once the rest of their rows hold sand: F(t) + rho (L - t) = C - F(t) + rho (L - p + t)
-        cut = int(np.argmin(np.abs(head_cost - rho * t.numpy() - (cost[i] - rho * rows[i]) / 2)))
+        t, head_cost = _giant_cut(prob, i, rho, takes[i])
         head[b] = i
-        cap[b] -= cut + 1
-        budget[b] -= head_cost[cut]
-        cap[b + 1] -= rows[i] - (cut + 1)
-        budget[b + 1] -= cost[i] - head_cost[cut]
+        rows_left[b] -= t
+        budget[b] -= head_cost
+        rows_left[b + 1] -= rows[i] - t
+        budget[b + 1] -= cost[i] - head_cost
     placed = np.zeros(rows.shape[0], dtype=bool)
-    placed[[i for i in head if i is not None]] = True
-    rest = desc[~placed[desc]]
-    big, fine = rest[~is_sand[rest]], rest[is_sand[rest]]
-    members: list[list[int]] = [[] for _ in range(cp)]
-    for i in big.tolist():
-        room = cap >= rows[i]
-        b = int(np.argmax(np.where(room, budget - cap * rho, -np.inf))) if room.any() else int(np.argmax(cap))
-        members[b].append(i)
-        cap[b] -= rows[i]
-        budget[b] -= cost[i]
-    fine = fine[np.argsort(rows[fine], kind="stable")]
-    by_need = np.argsort(budget / np.maximum(cap, 1.0), kind="stable")
-    ends = np.cumsum(np.maximum(cap[by_need], 0.0))
-    cum = np.cumsum(rows[fine])
-    slot = np.searchsorted(ends, cum - rows[fine] / 2, side="right").clip(max=cp - 1)
-    for k, b in enumerate(by_need.tolist()):
-        members[b].extend(fine[slot == k].tolist())
-    out: list[int] = []
-    for b in range(cp):
-        m = np.asarray(members[b], dtype=np.int64)
-        m = m[np.argsort(rows[m], kind="stable")]
-        out.extend(m[0::2].tolist())
-        out.extend(m[1::2][::-1].tolist())
-        if head[b] is not None:
-            out.append(head[b])
-    return torch.tensor(out, dtype=torch.int64)
+    placed[head[head >= 0]] = True
+    # the shortest filler sits next to each giant, ``reach`` sequences on either side: the giant
+    # slides among them to its best cut at the end (the bins only approximate their rows)
+    cut_at = np.flatnonzero(head >= 0)
+    near_giant: dict[int, np.ndarray] = {}
+    if cut_at.size:
+        free = np.flatnonzero(is_filler & ~placed)
+        shortest = free[np.argsort(rows[free], kind="stable")[: 2 * reach * cut_at.size]]
+        for k, b in enumerate(cut_at.tolist()):
+            chunk = shortest[2 * reach * k : 2 * reach * (k + 1)]
+            near_giant[b], near_giant[-1 - b] = chunk[0::2], chunk[1::2]  # before / after the giant
+            for side, r in ((chunk[0::2], b), (chunk[1::2], b + 1)):
+                rows_left[r] -= rows[side].sum()
+                budget[r] -= cost[side].sum()
+        placed[shortest] = True
+    bigs = desc[~placed[desc]]
+    bin_of = np.full(rows.shape[0], -1, dtype=np.int64)
+    room = [(-float(budget[b] - rows_left[b] * rho), b) for b in range(cp)]  # heap: most room first, then lower rank
+    heapq.heapify(room)
+    left = rows_left.tolist()
+    to: list[int] = []
+    big_rows = rows[bigs]
+    fewest = np.minimum.accumulate(big_rows[::-1])[::-1].tolist()  # fewest rows of any big still to come
+    replace, take = heapq.heapreplace, to.append  # (local names: this loop runs once per sequence)
+    for r, x, low in zip(big_rows.tolist(), takes[bigs].tolist(), fewest):
+        if room and left[room[0][1]] >= r:
+            k, b = room[0]
+            replace(room, (k + x, b))
+        else:
+            b = _take_with_rows(room, left, r, x, low)
+        left[b] -= r
+        take(b)
+    bin_of[bigs] = to
+    filler = np.flatnonzero(is_filler & ~placed)
+    room_left = np.empty(cp)
+    for k, b in room:
+        room_left[b] = -k
+    needy = np.flatnonzero(room_left < -1e-3 * tau)
+    if filler.size and needy.size:
+        filler = _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho)
+    if filler.size:
+        filler = filler[_excess_merge_order_of(prob, filler)]
+        ends = np.cumsum(np.maximum(left, 0.0))
+        mid = np.cumsum(rows[filler]) - rows[filler] / 2
+        bin_of[filler] = np.minimum(np.searchsorted(ends, mid, side="right"), cp - 1)
+    # concatenate the bins; inside each, shortest at both edges (ties in index order); a giant's
+    # near filler sits just before and after it. Every sequence's slot is computed directly.
+    members = np.flatnonzero(bin_of >= 0)
+    mb = bin_of[members]
+    members = members[np.argsort(mb * (int(rows.max()) + 1) + rows[members], kind="stable")]  # by bin, rows, index
+    mb = bin_of[members]
+    counts = np.bincount(mb, minlength=cp)
+    r = np.arange(members.size) - (np.cumsum(counts) - counts)[mb]  # rank inside its bin by rows
+    place = np.where(r % 2 == 0, r // 2, counts[mb] - 1 - r // 2)
+    lead = np.zeros(cp, dtype=np.int64)  # slots before a bin's members: the filler after the previous giant
+    trail = np.zeros(cp, dtype=np.int64)  # slots after them: the filler before its giant, and the giant
+    for b in cut_at.tolist():
+        trail[b] = near_giant[b].size + 1
+        lead[b + 1] = near_giant[-1 - b].size
+    start = np.cumsum(lead + counts + trail) - (lead + counts + trail)
+    order = np.empty(members.size + int((lead + trail).sum()), dtype=np.int64)
+    order[start[mb] + lead[mb] + place] = members
+    giant_slot = []
+    for b in cut_at.tolist():
+        before, after = near_giant[b], near_giant[-1 - b]
+        at = start[b] + lead[b] + counts[b]
+        order[at : at + before.size] = before
+        order[at + before.size] = head[b]
+        giant_slot.append(at + before.size)
+        order[start[b + 1] : start[b + 1] + after.size] = after
+    if not cut_at.size:
+        return order
+    return _slide_giants(prob, order, cut_at, np.asarray(giant_slot, dtype=np.int64), reach)
 
 
-def _candidates(prob: BalanceProblem) -> torch.Tensor:
+def _giant_cut(prob: BalanceProblem, i: int, rho: float, takes: float) -> tuple[int, float]:
+    """Rows ``t`` (``1 <= t < rows``) of giant ``i`` on the left rank, and their cost ``F(t)``, so
+    that both ranks cost the same once the rest of their rows hold filler at ``rho``:
+    ``h(t) = F(t) - rho t - takes / 2 = 0``. ``h`` is convex (the per-row cost does not fall with
+    position), negative at 0 and positive at ``rows``, so it crosses 0 once and ``|h|`` is least
+    next to the crossing: found on a coarse grid, then row by row inside one grid step."""
+    p, real = int(prob.rows[i]), prob.real[i : i + 1]
+    grid = 1 + np.arange(65) * (p - 2) // 64  # 1 .. p - 1, non-decreasing
+    h = prob.partial(real, grid) - rho * grid - takes / 2
+    k = int(np.searchsorted(h >= 0, True)) if bool((h >= 0).any()) else grid.size - 1  # first grid point past 0
+    t = np.arange(grid[max(k - 1, 0)], grid[k] + 1, dtype=np.int64)
+    head_cost = prob.partial(real, t)
+    best = int(np.argmin(np.abs(head_cost - rho * t - takes / 2)))
+    return int(t[best]), float(head_cost[best])
+
+
+def _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho) -> np.ndarray:
+    """Give each rank with negative room (over budget even with filler at ``rho``: typically next
+    to a giant) the cheapest filler per row: until its deficit is covered, or, when the filler
+    cheaper than ``rho`` cannot cover it, all its rows. Returns the filler not taken; ``left``
+    and ``bin_of`` are updated in place."""
+    rows, cost = prob.rows, prob.cost
+    cheap = filler[np.argsort(cost[filler] / np.maximum(rows[filler], 1), kind="stable")]
+    gain = np.cumsum(rho * rows[cheap] - cost[cheap])  # room freed; increases while below rho
+    cum_rows = np.cumsum(rows[cheap])
+    below = int((cost[cheap] < rho * rows[cheap]).sum())  # the cheaper-than-rho ones come first
+    pos, n = 0, cheap.size
+    for b in needy.tolist():
+        if pos >= n:
+            break
+        g0 = gain[pos - 1] if pos else 0.0
+        r0 = cum_rows[pos - 1] if pos else 0
+        fits = pos + int(np.searchsorted(cum_rows[pos:] - r0, left[b], side="right"))
+        if pos < below and gain[below - 1] - g0 >= -room_left[b]:
+            fits = min(fits, pos + int(np.searchsorted(gain[pos:below] - g0, -room_left[b], side="left")) + 1)
+        bin_of[cheap[pos:fits]] = b
+        left[b] -= int(rows[cheap[pos:fits]].sum())
+        pos = fits
+    return cheap[pos:]
+
+
+def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, slot: np.ndarray, reach: int):
+    """Move each giant (at ``slot[k]``, cut by the boundary after rank ``bounds[k]``) past up to
+    ``reach`` of its neighbours, wherever the larger of its two ranks' costs is smallest.
+
+    A giant's cut point decides how its large cost splits between two ranks, and the bins only
+    approximate their planned rows; its neighbours are short, so each step moves the cut by a
+    few rows. Moving it left past ``m`` sequences moves their cost to the right rank and
+    ``F(t + rows) - F(t)`` of the giant's to the left one (``t``: its rows on the left rank), and
+    the other way round; nothing else changes while it still straddles the same boundary. The
+    steps of different giants touch disjoint slots, so they are applied last giant first.
+    """
+    n, L = prob.num_seqs, prob.local_rows
+    cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
+    cum_cost = np.concatenate([[0.0], np.cumsum(prob.cost[order])])
+    edge = _cum_cost_at(prob, order, cum_rows, cum_cost, (bounds[:, None] + np.arange(3)[None, :]) * L).tolist()
+    for k in np.argsort(-slot, kind="stable").tolist():  # last giant first: earlier slots stay valid
+        s, g = int(slot[k]), int(order[slot[k]])
+        p, t = int(prob.rows[g]), int((bounds[k] + 1) * L - cum_rows[s])  # giant rows on the left rank
+        if not 0 < t < p:
+            continue
+        left, right = edge[k][1] - edge[k][0], edge[k][2] - edge[k][1]
+        steps, rows_moved, cost_moved = [], [], []
+        for direction, passed in ((1, order[max(s - reach, 0) : s][::-1]), (-1, order[s + 1 : s + 1 + reach])):
+            r_sum = c_sum = 0
+            for q, (r, c) in enumerate(zip(prob.rows[passed].tolist(), prob.cost[passed].tolist())):
+                r_sum, c_sum = r_sum + r, c_sum + c
+                if 0 < t + direction * r_sum < p:
+                    steps.append(direction * (q + 1))
+                    rows_moved.append(direction * r_sum)
+                    cost_moved.append(direction * c_sum)
+        if not steps:
+            continue
+        gained = prob.partial(prob.real[g : g + 1], t + np.asarray(rows_moved)) - float(prob.partial(prob.real[g : g + 1], np.array([t]))[0])
+        lo = left - np.asarray(cost_moved) + gained  # the left rank after the step
+        hi = right + np.asarray(cost_moved) - gained
+        worse = np.maximum(lo, hi)
+        best = int(worse.argmin())
+        if worse[best] < max(left, right) * (1 - _REL_TOL):
+            order = _apply_move(order, s, s - steps[best], False)
+    return order
+
+
+def _cum_cost_at(prob: BalanceProblem, order: np.ndarray, cum_rows, cum_cost, x: np.ndarray) -> np.ndarray:
+    """Cost of buffer rows ``[0, x)`` for one order (``cum_rows``/``cum_cost``: its prefix sums)."""
+    n = order.size
+    idx = np.searchsorted(cum_rows, x, side="right") - 1
+    off = x - cum_rows[idx]
+    inside = cum_cost[np.minimum(idx, n)] + prob.partial(prob.real[order[np.minimum(idx, n - 1)]], off)
+    return np.where(idx >= n, cum_cost[n] + prob.cost_model.pad_row_cost * off, inside)
+
+
+def _take_with_rows(room: list, left: list, r: int, x: float, low: int) -> int:
+    """The rank with the most room among those in the heap ``room`` (of ``(-room, rank)``) with
+    ``r`` rows left, else the one with the most rows left; its room shrinks by ``x``. The heap is
+    rebuilt from the ranks that can still take a later sequence (``low``: the fewest rows of any)."""
+    fit = [e for e in room if left[e[1]] >= r]
+    if fit:
+        k, b = min(fit)
+    else:
+        b = max(range(len(left)), key=left.__getitem__)
+        k = next((e[0] for e in room if e[1] == b), 0.0)
+    rest = [e for e in room if e[1] != b and left[e[1]] >= low]
+    room[:] = rest + ([(k + x, b)] if left[b] - r >= low else [])
+    heapq.heapify(room)
+    return b
+
+
+def _cheap_candidates(prob: BalanceProblem, excess: np.ndarray) -> list[np.ndarray]:
+    """Plain order and the excess merge; for small batches also longest-first, snake and shortest-first."""
     b = prob.num_seqs
-    ident = torch.arange(b)
-    longest = torch.argsort(prob.padded, descending=True, stable=True)
-    excess = _excess(prob)
-    cands = [ident, _excess_merge_order(prob, excess)]
-    if b <= 256:  # cheap extra starting points where the local search is cheap too
-        cands += [longest, _snake_order(prob), longest.flip(0)]
+    cands = [np.arange(b), _excess_merge_order(excess)]
+    if b <= _SMALL:  # cheap extra starting points where the local search is cheap too
+        longest = _desc(prob.rows)
+        cands += [longest, _snake_order(prob), longest[::-1].copy()]
+    return cands
+
+
+def _heavy_candidates(prob: BalanceProblem, excess: np.ndarray) -> list[np.ndarray]:
+    """Orders that cut heavy sequences at rank boundaries (Python loops over the sequences)."""
+    cands = []
     top = float(excess.max()) / (prob.total_cost / prob.cp_size)
     for threshold in (0.25, 0.05):
         if top > threshold:  # some sequence is heavy
@@ -522,7 +716,7 @@ def _candidates(prob: BalanceProblem) -> torch.Tensor:
         split = _heavy_split_order(prob, 0.5, excess)
         if split is not None:
             cands.append(split)
-    return torch.stack(cands)
+    return cands
 
 
 # ----------------------------------------------------------------------------------------------
@@ -538,70 +732,55 @@ def _candidates(prob: BalanceProblem) -> torch.Tensor:
 class _Current:
     """Cumulative rows / cost of one order, with the tail padding as an extra, fixed slot."""
 
-    def __init__(self, prob: BalanceProblem, order: torch.Tensor):
+    def __init__(self, prob: BalanceProblem, order: np.ndarray):
         self.order = order
-        tail = torch.tensor([prob.tail_rows], dtype=torch.int64)
-        self.rows = torch.cat([prob.padded[order], tail])
-        self.cost = torch.cat([prob.seq_cost[order], tail.to(torch.float64) * prob.cost_model.pad_row_cost])
-        self.real = torch.cat([prob.seqlens[order], torch.zeros(1, dtype=torch.int64)])
-        self.cum_rows = torch.cat([torch.zeros(1, dtype=torch.int64), self.rows.cumsum(0)])
-        self.cum_cost = torch.cat([torch.zeros(1, dtype=torch.float64), self.cost.cumsum(0)])
+        self.rows = np.append(prob.rows[order], prob.tail_rows)
+        self.cost = np.append(prob.cost[order], prob.tail_rows * prob.cost_model.pad_row_cost)
+        self.real = np.append(prob.real[order], 0)
+        self.cum_rows = np.concatenate([[0], np.cumsum(self.rows)])
+        self.cum_cost = np.concatenate([[0.0], np.cumsum(self.cost)])
 
 
-def _partial(prob: BalanceProblem, real: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-    """Cost of the first ``off`` rows of a slot with ``real`` tokens (then padding)."""
-    r = torch.minimum(off, real)
-    return prob.cost_model.prefix_cost(r) + prob.cost_model.pad_row_cost * (off - r).to(torch.float64)
-
-
-def _eval_moves(prob: BalanceProblem, cur: _Current, i: torch.Tensor, j: torch.Tensor, swap: torch.Tensor):
+def _eval_moves(prob: BalanceProblem, cur: _Current, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
     """Per-rank costs ``[K, cp]`` after swapping (``swap``) or moving slot ``i`` to slot ``j``."""
     b = prob.num_seqs
     cr, cc, rows, cost = cur.cum_rows, cur.cum_cost, cur.rows, cur.cost
-    x = prob._bounds.view(1, -1)
-    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+    x = prob.bounds[None, :]
+    lo, hi = np.minimum(i, j), np.maximum(i, j)
     fwd = i < j
+    back = swap | ~fwd
     # item 1: swap -> the sequence of slot hi placed at slot lo; move -> the moved sequence (slot i)
-    s1 = torch.where(swap, hi, i)
-    start1 = torch.where(swap | ~fwd, cr[lo], cr[j + 1] - rows[i])
-    ccs1 = torch.where(swap | ~fwd, cc[lo], cc[j + 1] - cost[i])
-    # shifted range [a, b) of untouched slots
-    d_rows = torch.where(swap, rows[hi] - rows[lo], torch.where(fwd, -rows[i], rows[i]))
-    d_cost = torch.where(swap, cost[hi] - cost[lo], torch.where(fwd, -cost[i], cost[i]))
-    a = torch.where(swap | fwd, lo + 1, lo)
-    e = torch.where(swap, hi, torch.where(fwd, hi + 1, hi))
+    s1 = np.where(swap, hi, i)
+    start1 = np.where(back, cr[lo], cr[j + 1] - rows[i])
+    ccs1 = np.where(back, cc[lo], cc[j + 1] - cost[i])
+    # shifted range [a, e) of untouched slots
+    d_rows = np.where(swap, rows[hi] - rows[lo], np.where(fwd, -rows[i], rows[i]))
+    d_cost = np.where(swap, cost[hi] - cost[lo], np.where(fwd, -cost[i], cost[i]))
+    a = np.where(swap | fwd, lo + 1, lo)
+    e = np.where(swap, hi, np.where(fwd, hi + 1, hi))
     # item 2 (swaps only): the sequence of slot lo placed at slot hi
-    start2 = cr[hi] + d_rows
-    ccs2 = cc[hi] + d_cost
+    start2 = (cr[hi] + d_rows)[:, None]
+    ccs2 = (cc[hi] + d_cost)[:, None]
+    s1, start1, ccs1, lo2 = s1[:, None], start1[:, None], ccs1[:, None], lo[:, None]
+    d_rows, d_cost, a, e = d_rows[:, None], d_cost[:, None], a[:, None], e[:, None]
 
-    s1, start1, ccs1 = s1.view(-1, 1), start1.view(-1, 1), ccs1.view(-1, 1)
-    start2, ccs2, lo2 = start2.view(-1, 1), ccs2.view(-1, 1), lo.view(-1, 1)
-    d_rows, d_cost, a, e = d_rows.view(-1, 1), d_cost.view(-1, 1), a.view(-1, 1), e.view(-1, 1)
-
-    base_slot = (torch.searchsorted(cr, prob._bounds, right=True) - 1).clamp(0, b).view(1, -1)
+    base_slot = np.minimum(np.searchsorted(cr, prob.bounds, side="right") - 1, b)[None, :]
     y = x - d_rows
-    y_slot = (torch.searchsorted(cr, y.contiguous(), right=True) - 1).clamp(0, b)
+    y_slot = np.clip(np.searchsorted(cr, y, side="right") - 1, 0, b)
     in_shift = (y_slot >= a) & (y_slot < e) & (y >= 0)
     off1 = x - start1
     in1 = (off1 >= 0) & (off1 < rows[s1])
     off2 = x - start2
-    in2 = swap.view(-1, 1) & (off2 >= 0) & (off2 < rows[lo2])
+    in2 = swap[:, None] & (off2 >= 0) & (off2 < rows[lo2])
 
-    slot = torch.where(in1, s1, torch.where(in2, lo2, torch.where(in_shift, y_slot, base_slot)))
-    off = torch.where(in1, off1, torch.where(in2, off2, torch.where(in_shift, y - cr[y_slot], x - cr[base_slot])))
-    ccs = torch.where(
-        in1, ccs1, torch.where(in2, ccs2, torch.where(in_shift, cc[y_slot] + d_cost, cc[base_slot]))
-    )
-    g = ccs + _partial(prob, cur.real[slot], off)
-    k = g.shape[0]
-    g = torch.cat(
-        [torch.zeros((k, 1), dtype=torch.float64), g, torch.full((k, 1), prob.total_cost, dtype=torch.float64)], 1
-    )
-    return g.diff(dim=1)
+    slot = np.where(in1, s1, np.where(in2, lo2, np.where(in_shift, y_slot, base_slot)))
+    off = np.where(in1, off1, np.where(in2, off2, np.where(in_shift, y - cr[y_slot], x - cr[base_slot])))
+    ccs = np.where(in1, ccs1, np.where(in2, ccs2, np.where(in_shift, cc[y_slot] + d_cost, cc[base_slot])))
+    return _rank_diff(ccs + prob.partial(cur.real[slot], off), prob.total_cost)
 
 
-def _apply_move(order: torch.Tensor, i: int, j: int, swap: bool) -> torch.Tensor:
-    out = order.clone()
+def _apply_move(order: np.ndarray, i: int, j: int, swap: bool) -> np.ndarray:
+    out = order.copy()
     if swap:
         out[i], out[j] = order[j], order[i]
     elif i < j:
@@ -613,15 +792,14 @@ def _apply_move(order: torch.Tensor, i: int, j: int, swap: bool) -> torch.Tensor
     return out
 
 
-def _spread(lo: int, hi: int, count: int) -> torch.Tensor:
+def _spread(lo: int, hi: int, count: int) -> np.ndarray:
     """Up to ``count`` evenly spread integers in ``[lo, hi]`` (all of them when few)."""
-    n = hi - lo + 1
-    if n <= count:
-        return torch.arange(lo, hi + 1)
-    return torch.unique(torch.linspace(lo, hi, count).round().to(torch.int64))
+    if hi - lo + 1 <= count:
+        return np.arange(lo, hi + 1)
+    return np.unique(np.round(np.linspace(lo, hi, count)).astype(np.int64))
 
 
-def _neighbourhood(prob: BalanceProblem, cur: _Current, costs: torch.Tensor, max_moves: int):
+def _neighbourhood(prob: BalanceProblem, cur: _Current, costs: np.ndarray, max_moves: int):
     """(i, j, swap) of candidate moves around the most loaded rank.
 
     Sources: the slots touching the most loaded rank (its two straddlers and its most costly
@@ -630,39 +808,37 @@ def _neighbourhood(prob: BalanceProblem, cur: _Current, costs: torch.Tensor, max
     the whole buffer. Each (source, target) pair is tried as a swap and as a move either way.
     """
     b = prob.num_seqs
-    cr = cur.cum_rows
-    starts = torch.arange(prob.cp_size, dtype=torch.int64) * prob.local_rows
-    first = (torch.searchsorted(cr, starts, right=True) - 1).clamp(0, b - 1)
-    last = (torch.searchsorted(cr, starts + prob.local_rows - 1, right=True) - 1).clamp(0, b - 1)
+    first, last = prob._boundary_slots(cur.order, cur.cum_rows)
     worst = int(costs.argmax())
     f, l = int(first[worst]), int(last[worst])
     n_src = max(4, int(math.sqrt(max_moves / 3)))
-    heavy = f + torch.argsort(cur.cost[f : l + 1], descending=True, stable=True)[: max(1, n_src // 3)]
-    src = torch.unique(torch.cat([torch.tensor([f, l]), heavy, _spread(f, l, n_src)]))
-    n_dst = max(4, max_moves // (3 * src.numel()))
-    near = (first[1:].view(-1, 1) + torch.arange(-1, 2).view(1, -1)).flatten().clamp(0, b - 1)
-    dst = torch.unique(torch.cat([near[: n_dst // 2], _spread(0, b - 1, max(2, n_dst - near[: n_dst // 2].numel()))]))
-    ii, jj = torch.meshgrid(src, dst, indexing="ij")
-    ii, jj = ii.flatten(), jj.flatten()
+    heavy = f + _desc(cur.cost[f : l + 1])[: max(1, n_src // 3)]
+    src = np.unique(np.concatenate([[f, l], heavy, _spread(f, l, n_src)]))
+    n_dst = max(4, max_moves // (3 * src.size))
+    near = np.clip((first[1:, None] + np.arange(-1, 2)[None, :]).ravel(), 0, b - 1)[: n_dst // 2]
+    dst = np.unique(np.concatenate([near, _spread(0, b - 1, max(2, n_dst - near.size))]))
+    ii = np.repeat(src, dst.size)
+    jj = np.tile(dst, src.size)
     keep = ii != jj
     ii, jj = ii[keep], jj[keep]
-    n = ii.numel()
-    swap = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(2 * n, dtype=torch.bool)])
-    i_all, j_all = torch.cat([ii, ii, jj]), torch.cat([jj, jj, ii])
-    # a heavy sequence on the worst rank (over a quarter of a mean rank): try every slot for it,
-    # i.e. every boundary and every cut point the other sequences allow
+    n = ii.size
+    swap = np.zeros(3 * n, dtype=bool)
+    swap[:n] = True
+    i_all, j_all = np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii])
+    # a heavy sequence on the worst rank (over a quarter of a mean rank) in a small batch: try
+    # every slot for it, i.e. every boundary and every cut point the other sequences allow (in
+    # large batches the rank-bins start places such sequences and slides them to their cut)
     top = int(heavy[0])
-    if float(cur.cost[top]) > 0.25 * prob.total_cost / prob.cp_size:
-        j = torch.arange(b)
-        j = j[j != top]
-        i_all = torch.cat([i_all, torch.full_like(j, top)])
-        j_all = torch.cat([j_all, j])
-        swap = torch.cat([swap, torch.zeros(j.numel(), dtype=torch.bool)])
+    if b <= _SMALL and float(cur.cost[top]) > 0.25 * prob.total_cost / prob.cp_size:
+        j = np.delete(np.arange(b), top)
+        i_all = np.concatenate([i_all, np.full_like(j, top)])
+        j_all = np.concatenate([j_all, j])
+        swap = np.concatenate([swap, np.zeros(j.size, dtype=bool)])
     return i_all, j_all, swap
 
 
 def _local_search(
-    prob: BalanceProblem, order: torch.Tensor, costs: torch.Tensor, rounds: int, max_moves: int, good_enough: float
+    prob: BalanceProblem, order: np.ndarray, costs: np.ndarray, rounds: int, max_moves: int, good_enough: float
 ):
     mean = prob.total_cost / prob.cp_size
     for _ in range(rounds):
@@ -670,7 +846,7 @@ def _local_search(
             break
         cur = _Current(prob, order)
         i, j, swap = _neighbourhood(prob, cur, costs, max_moves)
-        if i.numel() == 0:
+        if i.size == 0:
             break
         cand_costs = _eval_moves(prob, cur, i, j, swap)
         k = _pick_best(cand_costs)
@@ -681,11 +857,10 @@ def _local_search(
     return order, costs
 
 
-def _exhaustive(prob: BalanceProblem) -> torch.Tensor:
-    perms = torch.tensor(list(itertools.permutations(range(prob.num_seqs))), dtype=torch.int64)
-    costs = prob.costs(perms)
+def _exhaustive(prob: BalanceProblem) -> np.ndarray:
+    perms = np.asarray(list(itertools.permutations(range(prob.num_seqs))), dtype=np.int64)
     # identity is perms[0]: ties keep the plain order
-    return perms[_pick_best(costs)]
+    return perms[_pick_best(prob.costs_np(perms))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,7 +886,8 @@ def balance_order(
 
     Buffer position ``k`` holds sequence ``order[k]``. ``problem`` may be given instead of the
     padding options (it carries padded lengths, e.g. taken from a layout plan). ``rounds`` bounds
-    the local-search rounds (default: 4 for 1024 sequences, up to 48 for small batches);
+    the local-search rounds (default: none above 256 sequences, where the constructions alone
+    keep planning under a millisecond; 4 to 48 for smaller batches);
     ``max_moves`` bounds the candidate moves evaluated per round; the search stops early once the
     straggler ratio is at most ``good_enough``; ``kicks`` random restarts from perturbed copies of
     the best order follow (default: ``min(32, 512 // B)`` for at most 64 sequences, none above);
@@ -725,46 +901,75 @@ def balance_order(
         min_local_rows=min_local_rows,
         pad_to_length_bucket=pad_to_length_bucket,
     )
+    return torch.from_numpy(_balance(prob, rounds, max_moves, good_enough, kicks, exhaustive_max))
+
+
+def _balance(prob: BalanceProblem, rounds, max_moves, good_enough: float, kicks, exhaustive_max: int) -> np.ndarray:
     b = prob.num_seqs
     if prob.cp_size == 1 or b == 1:
-        return torch.arange(b)
+        return np.arange(b)
     if b <= exhaustive_max:
         return _exhaustive(prob)
-    cands = _candidates(prob)
-    cand_costs = prob.costs(cands)
     mean = prob.total_cost / prob.cp_size
-    if b >= 4 * prob.cp_size and float(cand_costs.max(-1).values.min()) > mean * _BINS_BELOW:
-        # many sequences and no good start yet (dense attention, heavy tails): fill ranks as bins
-        cands = torch.cat([cands, _rank_bins_order(prob).view(1, -1)])
-        cand_costs = torch.cat([cand_costs, prob.costs(cands[-1:])])
+    excess = _excess(prob)
+    many = b >= 4 * prob.cp_size
+    # The excess merge cuts rank boundaries within about half the excess of the sequences that
+    # land there; with a sequence whose excess is over _BINS_FIRST of a mean rank it rarely gets
+    # within good_enough, and the rank bins (which cut large sequences on purpose) go first.
+    top = float(excess.max())
+    bins_first = many and top > _BINS_FIRST * mean
+    if bins_first:
+        cands = np.stack([np.arange(b), _rank_bins_order(prob)])
+    else:
+        cands = np.stack(_cheap_candidates(prob, excess))
+    cand_costs = prob.costs_np(cands)
+
+    def add(more: list[np.ndarray]) -> float:
+        nonlocal cands, cand_costs
+        if more:
+            more = np.stack(more)
+            cands = np.concatenate([cands, more])
+            cand_costs = np.concatenate([cand_costs, prob.costs_np(more)])
+        return float(cand_costs.max(1).min())
+
+    best = float(cand_costs.max(1).min())
+    if many and best > mean * good_enough:  # the other construction (the merge: unless hopeless)
+        if not bins_first:
+            best = add([_rank_bins_order(prob)])
+        elif top <= 0.25 * mean:
+            best = add(_cheap_candidates(prob, excess)[1:])
+    if b <= _SMALL or (not many and best > mean * good_enough):
+        add(_heavy_candidates(prob, excess))
+    large = b > _SMALL  # the constructions do the work; a local search round costs about 0.3 ms here
     if rounds is None:
-        rounds = max(4, min(48, 4096 // b))
+        rounds = 0 if large else max(4, min(48, 4096 // b))
     if max_moves is None:
         max_moves = max(192, min(3072, (1 << 17) // b))
     if kicks is None:
         kicks = 0 if b > 64 else min(32, 512 // b)
-    # local search from the two best starting points (a better start can end in a worse optimum)
+    # local search from the two best starting points (a better start can end in a worse optimum;
+    # large batches: from the best only)
     k = _pick_best(cand_costs)
     order, costs = _local_search(prob, cands[k], cand_costs[k], rounds, max_moves, good_enough)
-    if cands.shape[0] > 1 and float(costs.max()) > (prob.total_cost / prob.cp_size) * good_enough:
-        rest = torch.cat([torch.arange(k), torch.arange(k + 1, cands.shape[0])])
+    if not large and cands.shape[0] > 1 and float(costs.max()) > mean * good_enough:
+        rest = np.delete(np.arange(cands.shape[0]), k)
         k2 = int(rest[_pick_best(cand_costs[rest])])
         order2, costs2 = _local_search(prob, cands[k2], cand_costs[k2], rounds, max_moves, good_enough)
         if _better(costs2, costs):
             order, costs = order2, costs2
     # iterated local search: perturb the best order with two random moves, search again, keep
     # the result if it is better. The generator is seeded, so every rank gets the same answer.
-    gen = torch.Generator().manual_seed(0x5EED)
-    mean = prob.total_cost / prob.cp_size
+    rng = np.random.Generator(np.random.PCG64(0x5EED)) if kicks else None
     for _ in range(kicks):
         if float(costs.max()) <= mean * good_enough:
             break
         kicked = order
         for _ in range(2):
-            i, j = torch.randint(0, b, (2,), generator=gen).tolist()
+            i, j = rng.integers(0, b, 2).tolist()
             if i != j:
-                kicked = _apply_move(kicked, i, j, swap=bool(torch.rand((), generator=gen) < 0.5))
-        kicked, kicked_costs = _local_search(prob, kicked, prob.costs(kicked), min(rounds, 16), max_moves, good_enough)
+                kicked = _apply_move(kicked, i, j, swap=bool(rng.random() < 0.5))
+        kicked_costs = prob.costs_np(kicked[None, :])[0]
+        kicked, kicked_costs = _local_search(prob, kicked, kicked_costs, min(rounds, 16), max_moves, good_enough)
         if _better(kicked_costs, costs):
             order, costs = kicked, kicked_costs
     return order

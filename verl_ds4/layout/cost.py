@@ -54,8 +54,10 @@ What does apply under dynamic CP: each scheduled micro-batch is planned with its
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -113,27 +115,27 @@ class CostTerm:
             return torch.floor(q / self.a)
         return torch.floor(q / self.a).clamp(max=self.b)
 
-    def prefix(self, n: torch.Tensor) -> torch.Tensor:
-        """``sum_{q=1..n} g(q)`` for float64 integral ``n >= 0`` (closed form)."""
+    def prefix(self, n):
+        """``sum_{q=1..n} g(q)`` for float64 integral ``n >= 0`` (closed form; a torch tensor or a NumPy array)."""
         if self.kind == "const":
             return n
         if self.kind == "linear":
             return n * (n + 1) / 2
         if self.kind == "min":
             a = float(self.a)
-            m = n.clamp(max=a)
+            m = n.clip(max=a)
             return m * (m + 1) / 2 + a * (n - m)
         if self.kind == "floor":
             return _floor_prefix(n, float(self.a))
         # floor(q/a) < b exactly for q < a*b; from q = a*b on the term is capped at b.
         a, b = float(self.a), float(self.b)
-        m = n.clamp(max=a * b - 1)
+        m = n.clip(max=a * b - 1)
         return _floor_prefix(m, a) + b * (n - m)
 
 
-def _floor_prefix(n: torch.Tensor, a: float) -> torch.Tensor:
+def _floor_prefix(n, a: float):
     # sum_{q=1..n} floor(q/a) with t = floor(n/a): a*t*(t-1)/2 + t*(n - a*t + 1)
-    t = torch.floor(n / a)
+    t = np.floor(n / a) if isinstance(n, np.ndarray) else torch.floor(n / a)
     return a * t * (t - 1) / 2 + t * (n - a * t + 1)
 
 
@@ -155,8 +157,17 @@ class TokenCostModel:
             out = out + term.coef * term.per_token(q)
         return out
 
-    def prefix_cost(self, n: torch.Tensor) -> torch.Tensor:
-        """float64 cost of the first ``n`` real tokens of a sequence (``n >= 0``, elementwise)."""
+    def prefix_cost(self, n):
+        """float64 cost of the first ``n`` real tokens of a sequence (``n >= 0``, elementwise).
+
+        A NumPy array in gives a NumPy array out (the balancer's host arithmetic); anything else
+        is taken as a tensor."""
+        if isinstance(n, np.ndarray):
+            nn = n.astype(np.float64)
+            out = np.zeros_like(nn)
+            for term in self.terms:
+                out += term.coef * term.prefix(nn)
+            return out
         nn = torch.as_tensor(n).to(torch.float64)
         out = torch.zeros_like(nn)
         for term in self.terms:
@@ -275,7 +286,12 @@ def get_cost_model(model: str | TokenCostModel) -> TokenCostModel:
         return model
     if model not in COST_MODELS:
         raise ValueError(f"unknown cost model {model!r}; expected one of {sorted(COST_MODELS)} or a TokenCostModel")
-    return COST_MODELS[model]()
+    return _default_model(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_model(name: str) -> TokenCostModel:
+    return COST_MODELS[name]()  # frozen: one instance per name is shared
 
 
 def dcp_workload(seq_len: int, cp_size: int, cost_model: str | TokenCostModel = "ds4") -> float:
