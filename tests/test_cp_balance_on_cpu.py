@@ -254,6 +254,19 @@ def test_large_batches_are_deterministic_permutations_never_worse_than_plain(mod
             assert balanced <= 1.02, (seed, cp, plain, balanced)
 
 
+def test_degenerate_batches_plan_without_errors():
+    # only empty sequences: every order costs nothing; the plain order comes back
+    assert torch.equal(bal.balance_order(torch.zeros(50, dtype=torch.long), cp_size=4, cost_model="dense"), torch.arange(50))
+    # 1024 equal sequences (no costly ones: the rank bins hold filler only) and 1000 tiny + 3 giants
+    for lens in (torch.full((1024,), 500), torch.tensor([1] * 1000 + [16000] * 3)):
+        for cp in (2, 16):
+            prob = bal.BalanceProblem.contiguous(lens, cp_size=cp, cost_model="dense")
+            assert _is_permutation(torch.from_numpy(bal._rank_bins_order(prob)), lens.numel())
+            order = bal.balance_order(None, cp_size=cp, problem=prob)
+            assert _is_permutation(order, lens.numel())
+            assert float(prob.costs(order).max()) <= float(prob.costs(torch.arange(lens.numel())).max()) * (1 + 1e-12)
+
+
 def test_giant_slides_to_the_best_cut_among_its_neighbours():
     """Displace the giant of a rank-bins order by a few slots: the slide finds the best of all
     positions within reach, checked against evaluating every such order in full."""

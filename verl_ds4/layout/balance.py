@@ -544,9 +544,7 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
         take(b)
     bin_of[bigs] = to
     filler = np.flatnonzero(is_filler & ~placed)
-    room_left = np.empty(cp)
-    for k, b in room:
-        room_left[b] = -k
+    room_left = budget - rows_left * rho - np.bincount(np.asarray(to, dtype=np.int64), weights=takes[bigs], minlength=cp)
     needy = np.flatnonzero(room_left < -1e-3 * tau)
     if filler.size and needy.size:
         filler = _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho)
@@ -906,7 +904,7 @@ def balance_order(
 
 def _balance(prob: BalanceProblem, rounds, max_moves, good_enough: float, kicks, exhaustive_max: int) -> np.ndarray:
     b = prob.num_seqs
-    if prob.cp_size == 1 or b == 1:
+    if prob.cp_size == 1 or b == 1 or prob.total_cost <= 0:  # nothing to balance (e.g. only empty sequences)
         return np.arange(b)
     if b <= exhaustive_max:
         return _exhaustive(prob)
