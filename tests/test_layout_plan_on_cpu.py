@@ -5,6 +5,7 @@ under test; the all-gather paths run on real gloo processes."""
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -206,16 +207,19 @@ def test_dtypes_and_one_host_transfer(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     lengths = torch.tensor([3, 5, 1, 9], dtype=torch.int32)
-    for layout in ("zigzag", "contiguous"):
+    for layout, balance in (("zigzag", None), ("contiguous", None), ("contiguous", "dense")):
         transfers.clear()
-        plan = build_plan(lengths, PlanOptions(layout, cp_size=2, min_local_rows=8, pad_to_length_bucket=6))
-        assert len(transfers) == 1, transfers
+        options = PlanOptions(layout, cp_size=2, min_local_rows=8, pad_to_length_bucket=6, balance=balance)
+        plan = build_plan(lengths, options)
+        assert len(transfers) == 1, transfers  # also when the order is balanced (on the host)
+        assert (plan.order is None) == (balance is None)
         for r in range(2):
             plan.pack(torch.arange(18), r, shift=True)
             plan.position_ids(r)
         plan.token_rows()
         assert len(transfers) == 1, transfers
     monkeypatch.undo()
+    plan = build_plan(lengths, PlanOptions("contiguous", cp_size=2, min_local_rows=8, pad_to_length_bucket=6))
     assert plan.cu_seqlens.dtype == torch.int32 and plan.cu_seqlens_padded.dtype == torch.int32
     assert plan.cu_seqlens.tolist() == [0, 3, 8, 9, 18]
     assert plan.cu_seqlens_padded.tolist() == [0, 4, 10, 12, 24]  # per-sequence tp*cp, then bucket 6
@@ -314,16 +318,29 @@ def test_ranks_without_padding_rows_skip_the_masks_and_agree(layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_cuda_plan_matches_cpu_and_syncs_only_once(layout):
+@pytest.mark.parametrize("layout,balance", [("zigzag", None), ("contiguous", None), ("contiguous", "dense")])
+def test_cuda_plan_matches_cpu_and_syncs_only_once(layout, balance):
     """On CUDA: the same rows as on the CPU; after the plan's one transfer, packing, positions,
-    labels and unpacking never synchronise the stream (the per-rank copies go through pinned memory)."""
+    labels and unpacking never synchronise the stream (the per-rank copies go through pinned memory).
+    With a balanced order, the order is computed on the host and reaches the device the same way."""
     lengths = torch.tensor([300, 5, 129, 64, 1, 77])
     values = torch.arange(int(lengths.sum())) * 3 + 1
-    options = PlanOptions(layout, cp_size=4, min_local_rows=128)
+    options = PlanOptions(layout, cp_size=4, min_local_rows=128, balance=balance)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     cpu_plan = plan_from_offsets(offsets, options)
-    gpu_plan = plan_from_offsets(offsets.cuda(), options)  # the one device-to-host transfer
+    gpu_offsets = offsets.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gpu_plan = plan_from_offsets(gpu_offsets, options)  # the one device-to-host transfer
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]  # the lengths' copy to the host, nothing else
+    if balance is not None:
+        assert torch.equal(gpu_plan.order.cpu(), cpu_plan.order) and gpu_plan.order.is_cuda
     gpu_values = values.cuda()
     torch.cuda.set_sync_debug_mode("error")
     try:

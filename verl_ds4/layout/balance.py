@@ -66,6 +66,7 @@ from .types import CPLayout
 __all__ = [
     "BalanceProblem",
     "balance_order",
+    "balanced_host_order",
     "balanced_order_for_plan",
     "rank_costs",
     "straggler_ratio",
@@ -73,6 +74,8 @@ __all__ = [
 ]
 
 _REL_TOL = 1e-12
+_GOOD_ENOUGH = 1.005  # straggler ratio at which the search stops
+_EXHAUSTIVE_MAX = 6  # batches up to this size are solved by trying every order
 _BINS_FIRST = 0.05  # excess of the costliest sequence (in mean ranks) above which the rank bins go first
 _SMALL = 256  # batches up to this size try every constructive start (their local search is cheap too)
 
@@ -90,7 +93,7 @@ def _as_lengths(seqlens) -> torch.Tensor:
 
 
 def _host_copy(values) -> np.ndarray:
-    """An int64 NumPy copy of a tensor or a sequence."""
+    """An int64 NumPy copy of a tensor, an array or a sequence."""
     if isinstance(values, torch.Tensor):
         return values.detach().cpu().numpy().astype(np.int64)
     return np.array(values, dtype=np.int64)
@@ -107,7 +110,7 @@ class BalanceProblem:
     there than as tensor operations.
     """
 
-    seqlens: torch.Tensor  # int64 [B]
+    seqlens: torch.Tensor  # int64 [B] (an array or a list is taken too; kept as a view of the host copy)
     padded: torch.Tensor  # int64 [B]
     total_rows: int
     cp_size: int
@@ -118,6 +121,7 @@ class BalanceProblem:
             raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
         self.real = _host_copy(self.seqlens)  # copies: the caller may reuse its tensors
         self.rows = _host_copy(self.padded)
+        self.seqlens, self.padded = torch.from_numpy(self.real), torch.from_numpy(self.rows)
         if self.rows.shape != self.real.shape or bool((self.rows < self.real).any()):
             raise ValueError("padded lengths must have the same shape as seqlens and be >= them")
         padded_sum = int(self.rows.sum())
@@ -139,17 +143,20 @@ class BalanceProblem:
         cls, seqlens, options: PlanOptions, cost_model: str | TokenCostModel = "ds4"
     ) -> "BalanceProblem":
         """The problem of a contiguous plan: padding follows ``options`` exactly as ``build_plan`` does."""
-        lens = _as_lengths(seqlens).cpu()
+        return cls.from_host(_as_lengths(seqlens).cpu().numpy(), options, cost_model)
+
+    @classmethod
+    def from_host(cls, real: np.ndarray, options: PlanOptions, cost_model: str | TokenCostModel = "ds4"):
+        """:meth:`from_options` for validated host lengths (int64, ``>= 0``): no tensor is read."""
         if options.layout is not CPLayout.CONTIGUOUS:
             raise ValueError(
                 f"sequence-order balancing needs the contiguous layout, got layout='{options.layout}'. "
                 "Zigzag already balances dense causal attention inside every sequence."
             )
         unit = options.sequence_alignment
-        real = lens.numpy()
         padded = real + (-real) % unit
         total = options.padded_total(int(padded.sum()))
-        return cls(lens, torch.from_numpy(padded), total, options.cp_size, get_cost_model(cost_model))
+        return cls(real, padded, total, options.cp_size, get_cost_model(cost_model))
 
     @classmethod
     def contiguous(
@@ -876,9 +883,9 @@ def balance_order(
     problem: BalanceProblem | None = None,
     rounds: int | None = None,
     max_moves: int | None = None,
-    good_enough: float = 1.005,
+    good_enough: float = _GOOD_ENOUGH,
     kicks: int | None = None,
-    exhaustive_max: int = 6,
+    exhaustive_max: int = _EXHAUSTIVE_MAX,
 ) -> torch.Tensor:
     """Return the permutation ``order`` (int64 ``[B]``) minimising the largest per-rank cost.
 
@@ -980,9 +987,18 @@ def balanced_order_for_plan(seqlens, options: PlanOptions, cost_model: str | Tok
     the returned order is on the lengths' device.
     """
     seqlens = torch.as_tensor(seqlens)
+    host = _as_lengths(seqlens.detach().cpu()).numpy()
+    return torch.from_numpy(balanced_host_order(host, options, cost_model)).to(seqlens.device)
+
+
+def balanced_host_order(
+    host_seqlens: np.ndarray, options: PlanOptions, cost_model: str | TokenCostModel | None = None
+) -> np.ndarray:
+    """:func:`balanced_order_for_plan` on host lengths (int64 ``>= 0``), as a NumPy array: what
+    ``build_plan`` calls after its one device-to-host transfer."""
     model = cost_model or getattr(options, "balance", None) or "ds4"
-    prob = BalanceProblem.from_options(seqlens.detach().cpu(), options, model)
-    return balance_order(None, cp_size=options.cp_size, problem=prob).to(seqlens.device)
+    prob = BalanceProblem.from_host(np.asarray(host_seqlens, dtype=np.int64), options, model)
+    return _balance(prob, None, None, _GOOD_ENOUGH, None, _EXHAUSTIVE_MAX)
 
 
 def rank_costs(

@@ -264,10 +264,7 @@ class THDPlan:
         memory, may synchronise the stream); PyTorch's caching host allocator keeps the pinned
         block until the copy has run.
         """
-        tensor = torch.from_numpy(array)
-        if self._device.type == "cuda":
-            tensor = tensor.pin_memory()
-        return tensor.to(self._device, non_blocking=True)
+        return _host_to_device(array, self._device)
 
     @property
     def seqlens(self) -> torch.Tensor:
@@ -532,6 +529,14 @@ class THDPlan:
         )
 
 
+def _host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """:meth:`THDPlan._to_device` for a given device."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def _host_int64(tensor: torch.Tensor) -> np.ndarray:
     """A host NumPy int64 copy of an integer tensor (the caller's tensor is never shared)."""
     host = tensor.detach().to("cpu", torch.long).numpy()
@@ -564,9 +569,14 @@ def build_plan(
     seqlens = seqlens.long()
     device = seqlens.device
     if order is None and options.balance is not None and options.cp_size > 1:
-        from .balance import balanced_order_for_plan
+        from .balance import balanced_host_order
 
-        order = balanced_order_for_plan(seqlens, options)
+        host_seqlens = _host_int64(seqlens)  # the plan's single device-to-host transfer
+        if host_seqlens.min() < 0:
+            raise ValueError(f"sequence lengths must be non-negative, got a minimum of {host_seqlens.min()}.")
+        host_order = balanced_host_order(host_seqlens, options)  # on the host, like the rest of the plan
+        order = _host_to_device(host_order.copy(), device)
+        return _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets)
     host_order = None
     if order is not None:
         order = torch.as_tensor(order, dtype=torch.long, device=device)
