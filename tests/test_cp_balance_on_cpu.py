@@ -258,13 +258,26 @@ def test_degenerate_batches_plan_without_errors():
     # only empty sequences: every order costs nothing; the plain order comes back
     assert torch.equal(bal.balance_order(torch.zeros(50, dtype=torch.long), cp_size=4, cost_model="dense"), torch.arange(50))
     # 1024 equal sequences (no costly ones: the rank bins hold filler only) and 1000 tiny + 3 giants
+    # (at CP 4 the giants are cut by all three boundaries: adjacent giants share a rank)
     for lens in (torch.full((1024,), 500), torch.tensor([1] * 1000 + [16000] * 3)):
-        for cp in (2, 16):
+        for cp in (2, 4, 16):
             prob = bal.BalanceProblem.contiguous(lens, cp_size=cp, cost_model="dense")
             assert _is_permutation(torch.from_numpy(bal._rank_bins_order(prob)), lens.numel())
             order = bal.balance_order(None, cp_size=cp, problem=prob)
             assert _is_permutation(order, lens.numel())
             assert float(prob.costs(order).max()) <= float(prob.costs(torch.arange(lens.numel())).max()) * (1 + 1e-12)
+
+
+def test_adjacent_giants_fill_their_ranks_left_to_right():
+    """Three sequences of 1.3 mean ranks each at CP 4 cut all three boundaries, so the middle
+    ranks hold two giant pieces: cutting each giant in half would leave them at 1.3 (the heavy
+    constructions and local search got 1.15); filling rank by rank reaches the target."""
+    lens = torch.tensor([3000] * 3 + [10] * 600 + [40] * 200)
+    prob = bal.BalanceProblem.contiguous(lens, cp_size=4, cost_model="dense")
+    assert float(prob.seq_cost.max()) > 1.3 * prob.total_cost / 4
+    start = bal._rank_bins_order(prob)
+    assert bal.straggler_ratio(prob.costs(start)) <= 1.02
+    assert bal.straggler_ratio(prob.costs(bal.balance_order(None, cp_size=4, problem=prob))) <= 1.02
 
 
 def test_giant_slides_to_the_best_cut_among_its_neighbours():

@@ -42,7 +42,8 @@ Algorithm. "Excess" of a sequence: its cost minus the mean cost per row times it
      snake partition by cost, shortest-first and the heavy-sequence constructions (a balancing
      walk cutting heavy sequences half-way through their excess, or where their two ranks cost
      the same with the cheapest sequences reserved for them). The best start is kept.
-  2. Local search (small batches; large ones stop after the constructions): best-improvement
+  2. Local search (small batches, and large ones holding a sequence longer than a rank, which
+     the rank bins cannot place; other large batches stop after the constructions): best-improvement
      over swap and move (remove + insert) neighbourhoods around the most loaded rank, objective
      (max rank cost, then sum of squares), each candidate evaluated incrementally in O(cp).
   3. Small batches: seeded restarts from perturbed copies of the best order (iterated local
@@ -347,7 +348,7 @@ def _heavy_walk_order(prob: BalanceProblem, threshold: float, excess: np.ndarray
     t = np.round(np.linspace(0.0, 1.0, 1025)[None, :] * hp).astype(np.int64)
     dev = prob.partial(prob.real[heavy][:, None], t) - mean_row * t
     cut = np.take_along_axis(t, np.abs(dev - excess[heavy][:, None] / 2).argmin(1)[:, None], 1).ravel()
-    cut = np.maximum(np.minimum(np.maximum(cut, 1), hp.ravel() - 1), 1)
+    cut = np.maximum(np.minimum(cut, hp.ravel() - 1), 1)
     bounds = _spread_bounds(m, cp)
 
     rows, ex = prob.rows.tolist(), excess.tolist()
@@ -427,7 +428,7 @@ def _heavy_split_order(prob: BalanceProblem, threshold: float, excess: np.ndarra
 
     def fill(k: np.ndarray, offset: np.ndarray) -> np.ndarray:
         # cost of the k cheapest rows after the first `offset` cheap rows (used by earlier heavies)
-        return cost_of_first(np.maximum(k, 0) + offset) - cost_of_first(offset + 0 * k)
+        return cost_of_first(np.maximum(k, 0) + offset) - cost_of_first(offset)
 
     used = np.zeros((m, 1))
     if m > 1:
@@ -479,7 +480,8 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     ``rho`` (``budget - rows_left * rho``); a sequence takes ``cost - rho * rows`` of it.
 
     * giants (taking over ``giant`` of an empty rank's room, at most ``cp - 1``) straddle evenly
-      spread rank boundaries, cut where their two ranks cost the same once the rest is filler;
+      spread rank boundaries, left to right, cut where their two ranks have the same room left
+      (or, when the next boundary cuts a giant too, where the left rank is full);
     * the other non-filler sequences go, most costly first, to the rank with the most room among
       those with rows left for them (greedy, a heap over the ranks);
     * the filler, in an order whose running cost per row stays at ``rho``
@@ -505,13 +507,14 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     empty_room = tau - L * rho
     top = desc[: cp - 1]
     top = top[(takes[top] > giant * empty_room) & (rows[top] > 1) & (rows[top] <= L)]
-    giants = top.tolist()
-    for k, i in enumerate(giants):
-        b = int((k + 0.5) * (cp - 1) / len(giants))
-        if head[b] >= 0:
-            continue
-        t, head_cost = _giant_cut(prob, i, rho, takes[i])
-        head[b] = i
+    for k, i in enumerate(top.tolist()):
+        head[int((k + 0.5) * (cp - 1) / top.size)] = i  # distinct, evenly spread boundaries
+    for b in np.flatnonzero(head >= 0).tolist():  # left to right: a rank may hold a giant's tail already
+        i = int(head[b])
+        room_b, room_next = budget[b : b + 2] - rows_left[b : b + 2] * rho
+        # the next boundary cuts a giant too: fill this rank (the rest goes right); else both equal
+        share = room_b if head[b + 1] >= 0 else (takes[i] + room_b - room_next) / 2
+        t, head_cost = _giant_cut(prob, i, rho, share)
         rows_left[b] -= t
         budget[b] -= head_cost
         rows_left[b + 1] -= rows[i] - t
@@ -521,13 +524,14 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     # the shortest filler sits next to each giant, ``reach`` sequences on either side: the giant
     # slides among them to its best cut at the end (the bins only approximate their rows)
     cut_at = np.flatnonzero(head >= 0)
-    near_giant: dict[int, np.ndarray] = {}
+    before_giant: dict[int, np.ndarray] = {}  # by the rank the giant starts on
+    after_giant: dict[int, np.ndarray] = {}
     if cut_at.size:
         free = np.flatnonzero(is_filler & ~placed)
         shortest = free[np.argsort(rows[free], kind="stable")[: 2 * reach * cut_at.size]]
         for k, b in enumerate(cut_at.tolist()):
             chunk = shortest[2 * reach * k : 2 * reach * (k + 1)]
-            near_giant[b], near_giant[-1 - b] = chunk[0::2], chunk[1::2]  # before / after the giant
+            before_giant[b], after_giant[b] = chunk[0::2], chunk[1::2]
             for side, r in ((chunk[0::2], b), (chunk[1::2], b + 1)):
                 rows_left[r] -= rows[side].sum()
                 budget[r] -= cost[side].sum()
@@ -572,14 +576,14 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     lead = np.zeros(cp, dtype=np.int64)  # slots before a bin's members: the filler after the previous giant
     trail = np.zeros(cp, dtype=np.int64)  # slots after them: the filler before its giant, and the giant
     for b in cut_at.tolist():
-        trail[b] = near_giant[b].size + 1
-        lead[b + 1] = near_giant[-1 - b].size
+        trail[b] = before_giant[b].size + 1
+        lead[b + 1] = after_giant[b].size
     start = np.cumsum(lead + counts + trail) - (lead + counts + trail)
     order = np.empty(members.size + int((lead + trail).sum()), dtype=np.int64)
     order[start[mb] + lead[mb] + place] = members
     giant_slot = []
     for b in cut_at.tolist():
-        before, after = near_giant[b], near_giant[-1 - b]
+        before, after = before_giant[b], after_giant[b]
         at = start[b] + lead[b] + counts[b]
         order[at : at + before.size] = before
         order[at + before.size] = head[b]
@@ -590,19 +594,20 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     return _slide_giants(prob, order, cut_at, np.asarray(giant_slot, dtype=np.int64), reach)
 
 
-def _giant_cut(prob: BalanceProblem, i: int, rho: float, takes: float) -> tuple[int, float]:
+def _giant_cut(prob: BalanceProblem, i: int, rho: float, share: float) -> tuple[int, float]:
     """Rows ``t`` (``1 <= t < rows``) of giant ``i`` on the left rank, and their cost ``F(t)``, so
-    that both ranks cost the same once the rest of their rows hold filler at ``rho``:
-    ``h(t) = F(t) - rho t - takes / 2 = 0``. ``h`` is convex (the per-row cost does not fall with
-    position), negative at 0 and positive at ``rows``, so it crosses 0 once and ``|h|`` is least
-    next to the crossing: found on a coarse grid, then row by row inside one grid step."""
+    that its head takes ``share`` of the left rank's room (room: cost beyond filler at ``rho``):
+    ``h(t) = F(t) - rho t - share = 0``. ``h`` is convex (the per-row cost does not fall with
+    position) and starts at ``-share``, so where ``0 < share < takes`` it crosses 0 once and
+    ``|h|`` is least next to the crossing (else at an end): found on a coarse grid, then row by
+    row inside one grid step."""
     p, real = int(prob.rows[i]), prob.real[i : i + 1]
     grid = 1 + np.arange(65) * (p - 2) // 64  # 1 .. p - 1, non-decreasing
-    h = prob.partial(real, grid) - rho * grid - takes / 2
+    h = prob.partial(real, grid) - rho * grid - share
     k = int(np.searchsorted(h >= 0, True)) if bool((h >= 0).any()) else grid.size - 1  # first grid point past 0
     t = np.arange(grid[max(k - 1, 0)], grid[k] + 1, dtype=np.int64)
     head_cost = prob.partial(real, t)
-    best = int(np.argmin(np.abs(head_cost - rho * t - takes / 2)))
+    best = int(np.argmin(np.abs(head_cost - rho * t - share)))
     return int(t[best]), float(head_cost[best])
 
 
@@ -640,13 +645,20 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
     few rows. Moving it left past ``m`` sequences moves their cost to the right rank and
     ``F(t + rows) - F(t)`` of the giant's to the left one (``t``: its rows on the left rank), and
     the other way round; nothing else changes while it still straddles the same boundary. The
-    steps of different giants touch disjoint slots, so they are applied last giant first.
+    steps of different giants touch disjoint slots, so they are applied last giant first (rank
+    costs are read again after a step: adjacent giants share a rank).
     """
     n, L = prob.num_seqs, prob.local_rows
-    cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
-    cum_cost = np.concatenate([[0.0], np.cumsum(prob.cost[order])])
-    edge = _cum_cost_at(prob, order, cum_rows, cum_cost, (bounds[:, None] + np.arange(3)[None, :]) * L).tolist()
-    for k in np.argsort(-slot, kind="stable").tolist():  # last giant first: earlier slots stay valid
+
+    def read(order):
+        cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
+        cum_cost = np.concatenate([[0.0], np.cumsum(prob.cost[order])])
+        at = (bounds[:, None] + np.arange(3)[None, :]) * L
+        return cum_rows, _cum_cost_at(prob, order, cum_rows, cum_cost, at).tolist()
+
+    cum_rows, edge = read(order)
+    todo = np.argsort(-slot, kind="stable").tolist()  # last giant first: earlier slots stay valid
+    for done, k in enumerate(todo, 1):
         s, g = int(slot[k]), int(order[slot[k]])
         p, t = int(prob.rows[g]), int((bounds[k] + 1) * L - cum_rows[s])  # giant rows on the left rank
         if not 0 < t < p:
@@ -670,6 +682,8 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
         best = int(worse.argmin())
         if worse[best] < max(left, right) * (1 - _REL_TOL):
             order = _apply_move(order, s, s - steps[best], False)
+            if done < len(todo):
+                cum_rows, edge = read(order)
     return order
 
 
@@ -943,20 +957,23 @@ def _balance(prob: BalanceProblem, rounds, max_moves, good_enough: float, kicks,
             best = add([_rank_bins_order(prob)])
         elif top <= 0.25 * mean:
             best = add(_cheap_candidates(prob, excess)[1:])
-    if b <= _SMALL or (not many and best > mean * good_enough):
-        add(_heavy_candidates(prob, excess))
-    large = b > _SMALL  # the constructions do the work; a local search round costs about 0.3 ms here
+    # Large batches stop here (the heavy constructions and the local search cost milliseconds at
+    # 1024 sequences) unless a sequence spans more than a rank: the rank bins cannot place those,
+    # and the batch holds a long sequence anyway, which dwarfs a few milliseconds of planning.
+    spans = int(prob.rows.max()) > prob.local_rows
+    search = b <= _SMALL or (spans and best > mean * good_enough)
+    if search:
+        best = add(_heavy_candidates(prob, excess))
     if rounds is None:
-        rounds = 0 if large else max(4, min(48, 4096 // b))
+        rounds = max(4, min(48, 4096 // b)) if search else 0
     if max_moves is None:
         max_moves = max(192, min(3072, (1 << 17) // b))
     if kicks is None:
         kicks = 0 if b > 64 else min(32, 512 // b)
-    # local search from the two best starting points (a better start can end in a worse optimum;
-    # large batches: from the best only)
+    # local search from the two best starting points (a better start can end in a worse optimum)
     k = _pick_best(cand_costs)
     order, costs = _local_search(prob, cands[k], cand_costs[k], rounds, max_moves, good_enough)
-    if not large and cands.shape[0] > 1 and float(costs.max()) > mean * good_enough:
+    if search and cands.shape[0] > 1 and float(costs.max()) > mean * good_enough:
         rest = np.delete(np.arange(cands.shape[0]), k)
         k2 = int(rest[_pick_best(cand_costs[rest])])
         order2, costs2 = _local_search(prob, cands[k2], cand_costs[k2], rounds, max_moves, good_enough)
