@@ -81,16 +81,22 @@ _BINS_FIRST = 0.05  # excess of the costliest sequence (in mean ranks) above whi
 _SMALL = 256  # batches up to this size try every constructive start (their local search is cheap too)
 
 
-def _as_lengths(seqlens) -> torch.Tensor:
-    t = torch.as_tensor(seqlens)
-    if t.dim() != 1 or t.numel() == 0:
-        raise ValueError(f"seqlens must be a non-empty 1-D tensor of sequence lengths, got shape {tuple(t.shape)}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise ValueError(f"seqlens must be integers, got dtype {t.dtype}")
-    t = t.to(torch.int64)
-    if bool((t < 0).any()):
-        raise ValueError(f"sequence lengths must be non-negative, got a minimum of {int(t.min())}")
-    return t
+def _as_lengths(seqlens) -> np.ndarray:
+    """Validated host lengths (int64 copy) from a tensor, an array or a sequence."""
+    if isinstance(seqlens, torch.Tensor):
+        dtype, kind = seqlens.dtype, "f" if seqlens.dtype.is_floating_point or seqlens.dtype == torch.bool else "i"
+        host = seqlens.detach().cpu().numpy()
+    else:
+        host = np.asarray(seqlens)
+        dtype, kind = host.dtype, "i" if host.dtype.kind in "iu" else "f"
+    if host.ndim != 1 or host.size == 0:
+        raise ValueError(f"seqlens must be a non-empty 1-D tensor of sequence lengths, got shape {tuple(host.shape)}")
+    if kind != "i":
+        raise ValueError(f"seqlens must be integers, got dtype {dtype}")
+    host = host.astype(np.int64)
+    if host.min() < 0:
+        raise ValueError(f"sequence lengths must be non-negative, got a minimum of {int(host.min())}")
+    return host
 
 
 def _host_copy(values) -> np.ndarray:
@@ -144,7 +150,7 @@ class BalanceProblem:
         cls, seqlens, options: PlanOptions, cost_model: str | TokenCostModel = "ds4"
     ) -> "BalanceProblem":
         """The problem of a contiguous plan: padding follows ``options`` exactly as ``build_plan`` does."""
-        return cls.from_host(_as_lengths(seqlens).cpu().numpy(), options, cost_model)
+        return cls.from_host(_as_lengths(seqlens), options, cost_model)
 
     @classmethod
     def from_host(cls, real: np.ndarray, options: PlanOptions, cost_model: str | TokenCostModel = "ds4"):
@@ -1004,7 +1010,7 @@ def balanced_order_for_plan(seqlens, options: PlanOptions, cost_model: str | Tok
     the returned order is on the lengths' device.
     """
     seqlens = torch.as_tensor(seqlens)
-    host = _as_lengths(seqlens.detach().cpu()).numpy()
+    host = _as_lengths(seqlens)
     return torch.from_numpy(balanced_host_order(host, options, cost_model)).to(seqlens.device)
 
 
