@@ -68,7 +68,6 @@ __all__ = [
     "BalanceProblem",
     "balance_order",
     "balanced_host_order",
-    "balanced_order_for_plan",
     "rank_costs",
     "straggler_ratio",
     "straggler_lower_bound",
@@ -1003,22 +1002,12 @@ def _balance(prob: BalanceProblem, rounds, max_moves, good_enough: float, kicks,
     return order
 
 
-def balanced_order_for_plan(seqlens, options: PlanOptions, cost_model: str | TokenCostModel | None = None):
-    """The order ``build_plan(seqlens, options, order=...)`` uses when ``options.balance`` is set.
-
-    Runs on the host (one device-to-host copy of the lengths when they live on an accelerator);
-    the returned order is on the lengths' device.
-    """
-    seqlens = torch.as_tensor(seqlens)
-    host = _as_lengths(seqlens)
-    return torch.from_numpy(balanced_host_order(host, options, cost_model)).to(seqlens.device)
-
-
 def balanced_host_order(
     host_seqlens: np.ndarray, options: PlanOptions, cost_model: str | TokenCostModel | None = None
 ) -> np.ndarray:
-    """:func:`balanced_order_for_plan` on host lengths (int64 ``>= 0``), as a NumPy array: what
-    ``build_plan`` calls after its one device-to-host transfer."""
+    """The order ``build_plan`` uses when ``options.balance`` is set (int64 NumPy ``[B]``), from
+    the host lengths of its one device-to-host transfer (int64, ``>= 0``). ``cost_model``
+    defaults to ``options.balance``."""
     model = cost_model or getattr(options, "balance", None) or "ds4"
     prob = BalanceProblem.from_host(np.asarray(host_seqlens, dtype=np.int64), options, model)
     return _balance(prob, None, None, _GOOD_ENOUGH, None, _EXHAUSTIVE_MAX)

@@ -568,15 +568,6 @@ def build_plan(
         raise ValueError("cannot plan an empty micro-batch (no sequences).")
     seqlens = seqlens.long()
     device = seqlens.device
-    if order is None and options.balance is not None and options.cp_size > 1:
-        from .balance import balanced_host_order
-
-        host_seqlens = _host_int64(seqlens)  # the plan's single device-to-host transfer
-        if host_seqlens.min() < 0:
-            raise ValueError(f"sequence lengths must be non-negative, got a minimum of {host_seqlens.min()}.")
-        host_order = balanced_host_order(host_seqlens, options)  # on the host, like the rest of the plan
-        order = _host_to_device(host_order.copy(), device)
-        return _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets)
     host_order = None
     if order is not None:
         order = torch.as_tensor(order, dtype=torch.long, device=device)
@@ -590,7 +581,11 @@ def build_plan(
         host_seqlens = _host_int64(seqlens)  # the plan's single device-to-host transfer
     if host_seqlens.min() < 0:
         raise ValueError(f"sequence lengths must be non-negative, got a minimum of {host_seqlens.min()}.")
+    if order is None and options.balance is not None and options.cp_size > 1:
+        from .balance import balanced_host_order
 
+        host_order = balanced_host_order(host_seqlens, options)  # on the host, from the same lengths
+        order = _host_to_device(host_order.copy(), device)
     return _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets)
 
 
