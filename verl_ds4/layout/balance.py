@@ -929,6 +929,7 @@ def balance_order(
 
 
 def _balance(prob: BalanceProblem, rounds, max_moves, good_enough: float, kicks, exhaustive_max: int) -> np.ndarray:
+    """:func:`balance_order` on the host (the module docstring's algorithm); ``None`` picks a default."""
     b = prob.num_seqs
     if prob.cp_size == 1 or b == 1 or prob.total_cost <= 0:  # nothing to balance (e.g. only empty sequences)
         return np.arange(b)
@@ -968,7 +969,7 @@ def _balance(prob: BalanceProblem, rounds, max_moves, good_enough: float, kicks,
     spans = int(prob.rows.max()) > prob.local_rows
     search = b <= _SMALL or (spans and best > mean * good_enough)
     if search:
-        best = add(_heavy_candidates(prob, excess))
+        add(_heavy_candidates(prob, excess))
     if rounds is None:
         rounds = max(4, min(48, 4096 // b)) if search else 0
     if max_moves is None:
