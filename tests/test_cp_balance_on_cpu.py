@@ -281,24 +281,39 @@ def test_adjacent_giants_fill_their_ranks_left_to_right():
 
 
 def test_giant_slides_to_the_best_cut_among_its_neighbours():
-    """Displace the giant of a rank-bins order by a few slots: the slide finds the best of all
-    positions within reach, checked against evaluating every such order in full."""
-    prob = bal.BalanceProblem.contiguous(_sft_lengths(3), cp_size=16, cost_model="dense")
+    """Displace the giant of a rank-bins order by a few slots: the slide finds the best order of
+    its family (the giant at any place among its 16 neighbours, optionally with one neighbour
+    before it swapped for one after it), checked by evaluating every such order in full; and
+    the swaps make it better than moving the giant alone."""
+    prob = bal.BalanceProblem.contiguous(_sft_lengths(14), cp_size=16, cost_model="dense")
     start = bal._rank_bins_order(prob, reach=8)
     giant = int(np.argmax(prob.cost))
     slot = int(np.flatnonzero(start == giant)[0])
     begin = int(prob.rows[start[:slot]].sum())
     boundary = (begin + int(prob.rows[giant])) // prob.local_rows - 1  # cut after this rank
+    pair = lambda o: float(prob.costs_np(o[None, :])[0][boundary : boundary + 2].max())  # noqa: E731
     for shift in (-3, 2):
         displaced = bal._apply_move(start, slot, slot + shift, False)
         at = slot + shift
         slid = bal._slide_giants(prob, displaced.copy(), np.array([boundary]), np.array([at]), 8)
-        pair = lambda o: float(prob.costs_np(o[None, :])[0][boundary : boundary + 2].max())  # noqa: E731
-        options = [displaced] + [bal._apply_move(displaced, at, at + d, False) for d in range(-8, 9) if d]
-        still_cut = [o for o in options if _cut_by(prob, o, giant, boundary)]
-        assert _cut_by(prob, slid, giant, boundary)
-        assert pair(slid) == pytest.approx(min(pair(o) for o in still_cut), rel=1e-12)
-        assert pair(slid) < pair(displaced)
+        window = np.concatenate([displaced[at - 8 : at], displaced[at + 1 : at + 9]])
+        family, moves_only = [], []
+        for j in range(17):
+            for a in range(-1, j):
+                for c in [None] if a < 0 else range(j, 16):
+                    in_s = np.arange(16) < j
+                    if a >= 0:
+                        in_s[a], in_s[c] = False, True
+                    o = displaced.copy()
+                    o[at - 8 : at + 9] = np.concatenate([window[in_s], [giant], window[~in_s]])
+                    if _cut_by(prob, o, giant, boundary):
+                        family.append(o)
+                        if a < 0:
+                            moves_only.append(o)
+        assert _cut_by(prob, slid, giant, boundary) and _is_permutation(torch.from_numpy(slid), prob.num_seqs)
+        best = min(pair(o) for o in family)
+        assert pair(slid) == pytest.approx(best, rel=1e-12)
+        assert pair(slid) < pair(displaced) and best < min(pair(o) for o in moves_only)
 
 
 def _cut_by(prob, order, giant, boundary) -> bool:

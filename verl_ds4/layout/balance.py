@@ -34,17 +34,17 @@ Algorithm. "Excess" of a sequence: its cost minus the mean cost per row times it
      ``_BINS_FIRST`` of a mean rank (dense attention with heavy-tailed lengths): the rank bins
      (:func:`_rank_bins_order`) first: giants straddle rank boundaries at the cut where their two
      ranks cost the same, the other costly sequences are dealt greedily to the ranks with the
-     most room, the short ones fill the remaining rows, and each giant finally slides among its
-     short neighbours to its best cut. Otherwise: the plain order and an "excess merge" that
-     interleaves above-mean and below-mean sequences so the cumulative cost tracks the straight
-     line from 0 to the total (boundaries then cut near ``r * mean``); the rank bins follow when
-     those do not reach ``good_enough``. Small batches (``B <= 256``) also try longest-first, a
+     most room, the short ones fill the remaining rows, and each giant's cut is finally tuned by
+     choosing which of its short neighbours stand before it. Otherwise: the plain order and an
+     "excess merge" that interleaves above-mean and below-mean sequences so the cumulative cost
+     tracks the straight line from 0 to the total (boundaries then cut near ``r * mean``); the
+     rank bins follow when those do not reach ``good_enough``. Small batches (``B <= 256``) also try longest-first, a
      snake partition by cost, shortest-first and the heavy-sequence constructions (a balancing
      walk cutting heavy sequences half-way through their excess, or where their two ranks cost
      the same with the cheapest sequences reserved for them). The best start is kept.
   2. Local search (small batches, and large ones holding a sequence longer than a rank, which
-     the rank bins cannot place; other large batches stop after the constructions): best-improvement
-     over swap and move (remove + insert) neighbourhoods around the most loaded rank, objective
+     the rank bins cannot place; other large batches stop after the constructions):
+     best-improvement over swap and move (remove + insert) neighbourhoods around the most loaded rank, objective
      (max rank cost, then sum of squares), each candidate evaluated incrementally in O(cp).
   3. Small batches: seeded restarts from perturbed copies of the best order (iterated local
      search); tiny batches (``B <= exhaustive_max``): all ``B!`` orders are evaluated (optimal).
@@ -527,7 +527,7 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     placed = np.zeros(rows.shape[0], dtype=bool)
     placed[head[head >= 0]] = True
     # the shortest filler sits next to each giant, ``reach`` sequences on either side: the giant
-    # slides among them to its best cut at the end (the bins only approximate their rows)
+    # is re-cut among them at the end (the bins only approximate their rows)
     cut_at = np.flatnonzero(head >= 0)
     before_giant: dict[int, np.ndarray] = {}  # by the rank the giant starts on
     after_giant: dict[int, np.ndarray] = {}
@@ -560,7 +560,8 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
         take(b)
     bin_of[bigs] = to
     filler = np.flatnonzero(is_filler & ~placed)
-    room_left = budget - rows_left * rho - np.bincount(np.asarray(to, dtype=np.int64), weights=takes[bigs], minlength=cp)
+    taken = np.bincount(np.asarray(to, dtype=np.int64), weights=takes[bigs], minlength=cp)
+    room_left = budget - rows_left * rho - taken
     needy = np.flatnonzero(room_left < -1e-3 * tau)
     if filler.size and needy.size:
         filler = _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho)
@@ -642,16 +643,19 @@ def _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho) -> np
 
 
 def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, slot: np.ndarray, reach: int):
-    """Move each giant (at ``slot[k]``, cut by the boundary after rank ``bounds[k]``) past up to
-    ``reach`` of its neighbours, wherever the larger of its two ranks' costs is smallest.
+    """Re-cut each giant (at ``slot[k]``, cut by the boundary after rank ``bounds[k]``) by choosing
+    which of its ``2 reach`` neighbours stand before it: the larger of its two ranks' costs is
+    made smallest.
 
     A giant's cut point decides how its large cost splits between two ranks, and the bins only
-    approximate their planned rows; its neighbours are short, so each step moves the cut by a
-    few rows. Moving it left past ``m`` sequences moves their cost to the right rank and
-    ``F(t + rows) - F(t)`` of the giant's to the left one (``t``: its rows on the left rank), and
-    the other way round; nothing else changes while it still straddles the same boundary. The
-    steps of different giants touch disjoint slots, so they are applied last giant first (rank
-    costs are read again after a step: adjacent giants share a rank).
+    approximate their planned rows. Putting a set ``S`` of the neighbours before the giant gives
+    it ``t = boundary - window start - rows(S)`` rows on the left rank: the left rank costs its
+    fixed part + ``cost(S) + F(t)``, the right one the rest. Tried: the giant at every place in
+    the window (a prefix of the neighbours before it), and each such prefix with one neighbour
+    swapped for one after it (a finer step than the neighbours' own lengths). Nothing outside
+    the window changes while the window stays inside the two ranks. Giants are done last first
+    (earlier slots stay valid), and rank costs are read again after a change (adjacent giants
+    share a rank).
     """
     n, L = prob.num_seqs, prob.local_rows
 
@@ -664,29 +668,42 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
     cum_rows, edge = read(order)
     todo = np.argsort(-slot, kind="stable").tolist()  # last giant first: earlier slots stay valid
     for done, k in enumerate(todo, 1):
-        s, g = int(slot[k]), int(order[slot[k]])
-        p, t = int(prob.rows[g]), int((bounds[k] + 1) * L - cum_rows[s])  # giant rows on the left rank
-        if not 0 < t < p:
-            continue
+        s, g, b = int(slot[k]), int(order[slot[k]]), int(bounds[k])
+        lo, hi = max(s - reach, 0), min(s + reach + 1, n)
+        p, t_now = int(prob.rows[g]), int((b + 1) * L - cum_rows[s])  # giant rows on the left rank
+        if not 0 < t_now < p or cum_rows[lo] < b * L or cum_rows[hi] > (b + 2) * L:
+            continue  # not cut by its boundary, or the window reaches a third rank
+        window = np.concatenate([order[lo:s], order[s + 1 : hi]])
+        w_rows, w_cost = prob.rows[window], prob.cost[window]
+        m, before = window.size, s - lo
+        real = prob.real[g : g + 1]
+        f_now = float(prob.partial(real, np.array([t_now]))[0])
         left, right = edge[k][1] - edge[k][0], edge[k][2] - edge[k][1]
-        steps, rows_moved, cost_moved = [], [], []
-        for direction, passed in ((1, order[max(s - reach, 0) : s][::-1]), (-1, order[s + 1 : s + 1 + reach])):
-            r_sum = c_sum = 0
-            for q, (r, c) in enumerate(zip(prob.rows[passed].tolist(), prob.cost[passed].tolist())):
-                r_sum, c_sum = r_sum + r, c_sum + c
-                if 0 < t + direction * r_sum < p:
-                    steps.append(direction * (q + 1))
-                    rows_moved.append(direction * r_sum)
-                    cost_moved.append(direction * c_sum)
-        if not steps:
-            continue
-        gained = prob.partial(prob.real[g : g + 1], t + np.asarray(rows_moved)) - float(prob.partial(prob.real[g : g + 1], np.array([t]))[0])
-        lo = left - np.asarray(cost_moved) + gained  # the left rank after the step
-        hi = right + np.asarray(cost_moved) - gained
-        worse = np.maximum(lo, hi)
+        fixed_left = left - float(w_cost[:before].sum()) - f_now
+        fixed_right = right - float(w_cost[before:].sum()) - (float(prob.cost[g]) - f_now)
+        # S = the first j neighbours (j = 0..m), or that with neighbour a < j swapped for c >= j
+        pre_rows = np.concatenate([[0], np.cumsum(w_rows)])
+        pre_cost = np.concatenate([[0.0], np.cumsum(w_cost)])
+        j = np.arange(m + 1)[:, None, None]
+        a = np.arange(m)[None, :, None]
+        c = np.arange(m)[None, None, :]
+        swap = (a < j) & (c >= j)
+        s_rows = np.where(swap, pre_rows[j] - w_rows[a] + w_rows[c], pre_rows[j]).ravel()
+        s_cost = np.where(swap, pre_cost[j] - w_cost[a] + w_cost[c], pre_cost[j]).ravel()
+        keep = np.where(swap, True, (a == 0) & (c == 0)).ravel()  # one no-swap entry per j
+        t = (b + 1) * L - int(cum_rows[lo]) - s_rows
+        f = prob.partial(real, np.clip(t, 0, p))
+        lhs = fixed_left + s_cost + f
+        rhs = fixed_right + (pre_cost[-1] - s_cost) + (float(prob.cost[g]) - f)
+        worse = np.where(keep & (t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
         best = int(worse.argmin())
         if worse[best] < max(left, right) * (1 - _REL_TOL):
-            order = _apply_move(order, s, s - steps[best], False)
+            bj, ba, bc = np.unravel_index(best, (m + 1, m, m))
+            in_s = np.arange(m) < bj
+            if swap[bj, ba, bc]:
+                in_s[ba], in_s[bc] = False, True
+            order = order.copy()
+            order[lo:hi] = np.concatenate([window[in_s], [g], window[~in_s]])
             if done < len(todo):
                 cum_rows, edge = read(order)
     return order
@@ -851,7 +868,7 @@ def _neighbourhood(prob: BalanceProblem, cur: _Current, costs: np.ndarray, max_m
     i_all, j_all = np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii])
     # a heavy sequence on the worst rank (over a quarter of a mean rank) in a small batch: try
     # every slot for it, i.e. every boundary and every cut point the other sequences allow (in
-    # large batches the rank-bins start places such sequences and slides them to their cut)
+    # large batches the rank-bins start places such sequences and tunes their cut)
     top = int(heavy[0])
     if b <= _SMALL and float(cur.cost[top]) > 0.25 * prob.total_cost / prob.cp_size:
         j = np.delete(np.arange(b), top)
