@@ -281,26 +281,30 @@ def test_adjacent_giants_fill_their_ranks_left_to_right():
 
 
 def test_giant_slides_to_the_best_cut_among_its_neighbours():
-    """Displace the giant of a rank-bins order by a few slots: the slide finds the best order of
-    its family (the giant at any place among its 16 neighbours, optionally with one neighbour
-    before it swapped for one after it), checked by evaluating every such order in full; and
-    the swaps make it better than moving the giant alone."""
+    """Take a rank-bins order, put the giant's 16 neighbours in order of length and displace the
+    giant: the slide finds the best order of its family (the giant at any place among the
+    neighbours; optionally the last neighbour before it swapped for one after it, or one before
+    it swapped for the first after it), checked by evaluating every such order in full, and the
+    swaps reach better cuts than moving the giant alone."""
     prob = bal.BalanceProblem.contiguous(_sft_lengths(14), cp_size=16, cost_model="dense")
     start = bal._rank_bins_order(prob, reach=8)
     giant = int(np.argmax(prob.cost))
     slot = int(np.flatnonzero(start == giant)[0])
     begin = int(prob.rows[start[:slot]].sum())
     boundary = (begin + int(prob.rows[giant])) // prob.local_rows - 1  # cut after this rank
+    near = np.concatenate([start[slot - 8 : slot], start[slot + 1 : slot + 9]])
+    near = near[np.argsort(prob.rows[near], kind="stable")]
     pair = lambda o: float(prob.costs_np(o[None, :])[0][boundary : boundary + 2].max())  # noqa: E731
     for shift in (-3, 2):
-        displaced = bal._apply_move(start, slot, slot + shift, False)
+        displaced = start.copy()
+        displaced[slot - 8 : slot + 9] = np.concatenate([near[: 8 + shift], [giant], near[8 + shift :]])
         at = slot + shift
         slid = bal._slide_giants(prob, displaced.copy(), np.array([boundary]), np.array([at]), 8)
         window = np.concatenate([displaced[at - 8 : at], displaced[at + 1 : at + 9]])
         family, moves_only = [], []
         for j in range(17):
             for a in range(-1, j):
-                for c in [None] if a < 0 else range(j, 16):
+                for c in [None] if a < 0 else range(j, 16) if a == j - 1 else [j] if j < 16 else []:
                     in_s = np.arange(16) < j
                     if a >= 0:
                         in_s[a], in_s[c] = False, True

@@ -52,6 +52,7 @@ Algorithm. "Excess" of a sequence: its cost minus the mean cost per row times it
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -651,8 +652,9 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
     approximate their planned rows. Putting a set ``S`` of the neighbours before the giant gives
     it ``t = boundary - window start - rows(S)`` rows on the left rank: the left rank costs its
     fixed part + ``cost(S) + F(t)``, the right one the rest. Tried: the giant at every place in
-    the window (a prefix of the neighbours before it), and each such prefix with one neighbour
-    swapped for one after it (a finer step than the neighbours' own lengths). Nothing outside
+    the window (a prefix of the neighbours before it), and each such prefix with its last
+    neighbour swapped for any later one or any of it swapped for the next one (steps finer than
+    the neighbours' own lengths). Nothing outside
     the window changes while the window stays inside the two ranks. Giants are done last first
     (earlier slots stay valid), and rank costs are read again after a change (adjacent giants
     share a rank).
@@ -681,32 +683,45 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
         left, right = edge[k][1] - edge[k][0], edge[k][2] - edge[k][1]
         fixed_left = left - float(w_cost[:before].sum()) - f_now
         fixed_right = right - float(w_cost[before:].sum()) - (float(prob.cost[g]) - f_now)
-        # S = the first j neighbours (j = 0..m), or that with neighbour a < j swapped for c >= j
+        # S = the first j neighbours (j = 0..m); or that with its last one (a = j - 1) swapped for
+        # any later one (c >= j), or any of it (a < j) swapped for the next one (c = j)
+        j, a, c = _slide_family(m)
+        swap = a >= 0
         pre_rows = np.concatenate([[0], np.cumsum(w_rows)])
         pre_cost = np.concatenate([[0.0], np.cumsum(w_cost)])
-        j = np.arange(m + 1)[:, None, None]
-        a = np.arange(m)[None, :, None]
-        c = np.arange(m)[None, None, :]
-        swap = (a < j) & (c >= j)
-        s_rows = np.where(swap, pre_rows[j] - w_rows[a] + w_rows[c], pre_rows[j]).ravel()
-        s_cost = np.where(swap, pre_cost[j] - w_cost[a] + w_cost[c], pre_cost[j]).ravel()
-        keep = np.where(swap, True, (a == 0) & (c == 0)).ravel()  # one no-swap entry per j
+        s_rows = pre_rows[j] + np.where(swap, w_rows[c] - w_rows[a], 0)
+        s_cost = pre_cost[j] + np.where(swap, w_cost[c] - w_cost[a], 0.0)
         t = (b + 1) * L - int(cum_rows[lo]) - s_rows
         f = prob.partial(real, np.clip(t, 0, p))
         lhs = fixed_left + s_cost + f
         rhs = fixed_right + (pre_cost[-1] - s_cost) + (float(prob.cost[g]) - f)
-        worse = np.where(keep & (t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
+        worse = np.where((t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
         best = int(worse.argmin())
         if worse[best] < max(left, right) * (1 - _REL_TOL):
-            bj, ba, bc = np.unravel_index(best, (m + 1, m, m))
-            in_s = np.arange(m) < bj
-            if swap[bj, ba, bc]:
-                in_s[ba], in_s[bc] = False, True
+            in_s = np.arange(m) < j[best]
+            if swap[best]:
+                in_s[a[best]], in_s[c[best]] = False, True
             order = order.copy()
             order[lo:hi] = np.concatenate([window[in_s], [g], window[~in_s]])
             if done < len(todo):
                 cum_rows, edge = read(order)
     return order
+
+
+@functools.lru_cache(maxsize=None)
+def _slide_family(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(j, a, c) of :func:`_slide_giants`' candidates for ``m`` neighbours (``a = c = -1``: no swap)."""
+    jj, cc = np.meshgrid(np.arange(m + 1), np.arange(m), indexing="ij")
+    last_out = (jj >= 1) & (cc >= jj)  # a = j - 1 swapped for c >= j
+    jb, ab = np.meshgrid(np.arange(m + 1), np.arange(m), indexing="ij")
+    next_in = (jb < m) & (ab < jb) & (ab != jb - 1)  # a < j - 1 swapped for c = j (a = j - 1: above)
+    none = -np.ones(m + 1, dtype=np.int64)
+    j = np.concatenate([np.arange(m + 1), jj[last_out], jb[next_in]])
+    a = np.concatenate([none, jj[last_out] - 1, ab[next_in]])
+    c = np.concatenate([none, cc[last_out], jb[next_in]])
+    for arr in (j, a, c):
+        arr.setflags(write=False)
+    return j, a, c
 
 
 def _cum_cost_at(prob: BalanceProblem, order: np.ndarray, cum_rows, cum_cost, x: np.ndarray) -> np.ndarray:
