@@ -654,37 +654,27 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
     fixed part + ``cost(S) + F(t)``, the right one the rest. Tried: the giant at every place in
     the window (a prefix of the neighbours before it), and each such prefix with its last
     neighbour swapped for any later one or any of it swapped for the next one (steps finer than
-    the neighbours' own lengths). Nothing outside
-    the window changes while the window stays inside the two ranks. Giants are done last first
-    (earlier slots stay valid), and rank costs are read again after a change (adjacent giants
-    share a rank).
+    the neighbours' own lengths). Nothing outside the window changes while the window stays
+    inside the two ranks. Giants are done last first (earlier slots keep their rows; windows must
+    not overlap), and a change updates its two ranks' costs (adjacent giants share a rank).
     """
     n, L = prob.num_seqs, prob.local_rows
-
-    def read(order):
-        cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
-        cum_cost = np.concatenate([[0.0], np.cumsum(prob.cost[order])])
-        at = (bounds[:, None] + np.arange(3)[None, :]) * L
-        return cum_rows, _cum_cost_at(prob, order, cum_rows, cum_cost, at).tolist()
-
-    cum_rows, edge = read(order)
-    todo = np.argsort(-slot, kind="stable").tolist()  # last giant first: earlier slots stay valid
-    for done, k in enumerate(todo, 1):
+    cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
+    cum_cost = np.concatenate([[0.0], np.cumsum(prob.cost[order])])
+    rank = np.diff(_cum_cost_at(prob, order, cum_rows, cum_cost, np.arange(prob.cp_size + 1) * L)).tolist()
+    window_end = n  # a window must end where the window processed before it begins
+    for k in np.argsort(-slot, kind="stable").tolist():  # last giant first: earlier slots keep their rows
         s, g, b = int(slot[k]), int(order[slot[k]]), int(bounds[k])
         lo, hi = max(s - reach, 0), min(s + reach + 1, n)
         p, t_now = int(prob.rows[g]), int((b + 1) * L - cum_rows[s])  # giant rows on the left rank
-        if not 0 < t_now < p or cum_rows[lo] < b * L or cum_rows[hi] > (b + 2) * L:
-            continue  # not cut by its boundary, or the window reaches a third rank
+        if not 0 < t_now < p or cum_rows[lo] < b * L or cum_rows[hi] > (b + 2) * L or hi > window_end:
+            continue  # not cut by its boundary, or the window reaches a third rank or another window
+        window_end = lo
         window = np.concatenate([order[lo:s], order[s + 1 : hi]])
         w_rows, w_cost = prob.rows[window], prob.cost[window]
         m, before = window.size, s - lo
-        real = prob.real[g : g + 1]
-        f_now = float(prob.partial(real, np.array([t_now]))[0])
-        left, right = edge[k][1] - edge[k][0], edge[k][2] - edge[k][1]
-        fixed_left = left - float(w_cost[:before].sum()) - f_now
-        fixed_right = right - float(w_cost[before:].sum()) - (float(prob.cost[g]) - f_now)
-        # S = the first j neighbours (j = 0..m); or that with its last one (a = j - 1) swapped for
-        # any later one (c >= j), or any of it (a < j) swapped for the next one (c = j)
+        # S = the first j neighbours (j = 0..m; j = before: as it stands); or that with its last
+        # one (a = j - 1) swapped for any later one (c >= j), or any of it swapped for the next one
         j, a, c = _slide_family(m)
         swap = a >= 0
         pre_rows = np.concatenate([[0], np.cumsum(w_rows)])
@@ -692,7 +682,11 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
         s_rows = pre_rows[j] + np.where(swap, w_rows[c] - w_rows[a], 0)
         s_cost = pre_cost[j] + np.where(swap, w_cost[c] - w_cost[a], 0.0)
         t = (b + 1) * L - int(cum_rows[lo]) - s_rows
-        f = prob.partial(real, np.clip(t, 0, p))
+        f = prob.partial(prob.real[g : g + 1], np.minimum(np.maximum(t, 0), p))  # F(t): the giant's head
+        f_now = float(f[before])  # the no-swap entries come first, one per j
+        left, right = rank[b], rank[b + 1]
+        fixed_left = left - float(pre_cost[before]) - f_now
+        fixed_right = right - float(pre_cost[-1] - pre_cost[before]) - (float(prob.cost[g]) - f_now)
         lhs = fixed_left + s_cost + f
         rhs = fixed_right + (pre_cost[-1] - s_cost) + (float(prob.cost[g]) - f)
         worse = np.where((t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
@@ -703,8 +697,7 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, s
                 in_s[a[best]], in_s[c[best]] = False, True
             order = order.copy()
             order[lo:hi] = np.concatenate([window[in_s], [g], window[~in_s]])
-            if done < len(todo):
-                cum_rows, edge = read(order)
+            rank[b], rank[b + 1] = float(lhs[best]), float(rhs[best])  # adjacent giants share a rank
     return order
 
 
