@@ -69,29 +69,21 @@ def _ds4_proxy_transformer_config(hf_config, dtype, overrides):
 
 
 def _ds4_proxy_build(tf_config, hf_config, *, pre_process, post_process, share_embeddings):
-    from megatron.core.models.gpt import GPTModel
-
-    from verl_ds4.models.ds4.proxy import ds4_layer_spec, reset_parameters
+    from verl_ds4.models.ds4.proxy import ds4_gpt_model
 
     sizes = _ds4_proxy_sizes(hf_config)
     if sizes["vocab_size"] < hf_config.vocab_size:
         raise ValueError(
             f"DS4 proxy vocab_size={sizes['vocab_size']} is smaller than the HF config's vocab_size={hf_config.vocab_size}."
         )
-    model = GPTModel(
-        config=tf_config,
-        transformer_layer_spec=ds4_layer_spec(tf_config),
-        vocab_size=sizes["vocab_size"],
-        max_sequence_length=sizes.get("max_sequence_length", 8192),
+    model = ds4_gpt_model(
+        tf_config,
+        sizes,
+        seed=int(sizes.get("seed", 1234)),
         pre_process=pre_process,
         post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=share_embeddings,
-        position_embedding_type="none",
+        share_embeddings=share_embeddings,
     )
-    for param in model.parameters():  # Megatron's torch-norm fallback ignores params_dtype
-        param.data = param.data.to(tf_config.params_dtype)
-    reset_parameters(model, seed=int(sizes.get("seed", 1234)), std=float(sizes.get("init_std", 0.2)))
     _declare_ds4_proxy_cp_layout(model, tf_config)
     return model
 

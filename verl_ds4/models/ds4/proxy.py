@@ -26,7 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .mcore_attention import DS4HybridSelfAttention, DS4ProxyTransformerConfig
 
-__all__ = ["load_proxy_config", "proxy_transformer_config", "ds4_layer_spec", "build_proxy_model", "ValueHead", "reset_parameters"]
+__all__ = ["load_proxy_config", "proxy_transformer_config", "ds4_layer_spec", "ds4_gpt_model", "build_proxy_model", "ValueHead", "reset_parameters"]
 
 REQUIRED_KEYS = (
     "vocab_size hidden_size ffn_hidden_size num_attention_heads head_dim rope_dim q_lora_rank o_groups "
@@ -139,6 +139,38 @@ def reset_parameters(model: torch.nn.Module, seed: int, std: float) -> None:
             param.copy_(value.to(param.dtype))
 
 
+def ds4_gpt_model(
+    config: DS4ProxyTransformerConfig,
+    sizes: dict,
+    *,
+    seed: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    share_embeddings: bool = False,
+    value_head: bool = False,
+) -> GPTModel:
+    """The proxy's ``GPTModel`` (DS4 layers, no position embedding; ``sizes``: its ``vocab_size``
+    and optional ``max_sequence_length`` / ``init_std``), in ``config.params_dtype``, initialised
+    from ``seed``; ``value_head=True`` swaps the LM output layer for a :class:`ValueHead` first."""
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=ds4_layer_spec(config),
+        vocab_size=sizes["vocab_size"],
+        max_sequence_length=sizes.get("max_sequence_length", 8192),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type="none",
+    )
+    if value_head:
+        model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
+    for param in model.parameters():  # Megatron's torch-norm fallback ignores params_dtype
+        param.data = param.data.to(config.params_dtype)
+    reset_parameters(model, seed=seed, std=float(sizes.get("init_std", 0.2)))
+    return model
+
+
 def build_proxy_model(
     cfg: dict | str | Path | None = None,
     dtype: torch.dtype = torch.float32,
@@ -151,20 +183,4 @@ def build_proxy_model(
     """
     cfg = load_proxy_config(cfg)
     config = proxy_transformer_config(cfg, dtype=dtype)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=ds4_layer_spec(config),
-        vocab_size=cfg["vocab_size"],
-        max_sequence_length=cfg.get("max_sequence_length", 8192),
-        pre_process=True,
-        post_process=True,
-        parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="none",
-    )
-    if value_head:
-        model.output_layer = ValueHead(config.hidden_size, dtype)
-    for param in model.parameters():  # Megatron's torch-norm fallback ignores params_dtype
-        param.data = param.data.to(dtype)
-    reset_parameters(model, seed=seed, std=float(cfg.get("init_std", 0.2)))
-    return model
+    return ds4_gpt_model(config, cfg, seed=seed, value_head=value_head)
