@@ -32,7 +32,7 @@ REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__fi
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
 export VERL_PLATFORM=cpu
-export VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,verl_ds4.engine.cpu,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.models.ds4.cpu_builder
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
 

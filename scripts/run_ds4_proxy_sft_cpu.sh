@@ -33,21 +33,21 @@ MASTER_PORT=${MASTER_PORT:-29561}
 # --------------------------------------------------------------------------------------
 
 ASSETS="$WORK_DIR/assets"
-"$PYTHON" -m verl_ds4.testing.cpu_sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
+"$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
 case "$MODEL" in
-    ds4_proxy) MODEL_LIB=verl_ds4.models.ds4.cpu_builder ;;   # registers the deepseek_v4 CPU builder
-    tiny_dense) MODEL_LIB=verl_ds4.testing.tiny_dense ;;      # registers the llama CPU builder
+    ds4_proxy) MODEL_LIB=verl_ds4.cpu.ds4_builder ;;   # registers the deepseek_v4 CPU builder
+    tiny_dense) MODEL_LIB=verl_ds4.cpu.tiny_dense ;;      # registers the llama CPU builder
     *) echo "MODEL=$MODEL: expected ds4_proxy or tiny_dense" >&2; exit 2 ;;
 esac
 case "$DTYPE" in
     # verl's McoreEngineConfig admits only half precision; the CPU engine's config subclass adds fp32.
-    float32|fp32) DTYPE_ARGS=(engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig engine.dtype=float32) ;;
+    float32|fp32) DTYPE_ARGS=(engine._target_=verl_ds4.cpu.engine.CPUMcoreEngineConfig engine.dtype=float32) ;;
     bfloat16|float16) DTYPE_ARGS=(engine.dtype="$DTYPE") ;;
     *) echo "DTYPE=$DTYPE: expected float32, bfloat16 or float16" >&2; exit 2 ;;
 esac
 
 export VERL_PLATFORM=cpu
-export VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,verl_ds4.engine.cpu
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 DATA=(

@@ -18,7 +18,7 @@ from verl_ds4.layout.cost import (
     ds4_cost_model,
     get_cost_model,
 )
-from verl_ds4.testing.distributed import run_distributed
+from verl_ds4.cpu.distributed import run_distributed
 
 MEGATRON_CP_LENGTHS = [5, 127, 1000, 23, 129, 900, 55, 257, 800, 95, 509, 148]
 
@@ -437,7 +437,7 @@ def test_ds4_proxy_cp_parity_holds_with_balance_on(monkeypatch, tmp_path):
     balanced order switched on in every plan the THD path builds: CP 2 and 4 reproduce CP 1."""
     import verl_ds4.layout as layout_pkg
     from verl_ds4.layout.plan import PlanOptions as RealPlanOptions
-    from verl_ds4.models.ds4.parity import RAGGED, compare, format_table, rows_passed, run_parity
+    from verl_ds4.cpu.verify import RAGGED, compare, format_table, rows_passed, run_parity
 
     reference = run_parity(1, dtypes=("fp64",), layout_checks=False)
     marker = tmp_path / "balanced"

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from verl_ds4.testing.distributed import run_distributed
+from verl_ds4.cpu.distributed import run_distributed
 
 
 def _python(code: str, **env_updates) -> subprocess.CompletedProcess:
@@ -34,7 +34,7 @@ def test_cpu_platform_selected_by_env_and_effective_in_verl():
         import verl
         import verl.utils.distributed as d
         from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device, get_device_id
-        from verl_ds4.platform.cpu import self_check, initialize_global_process_group_cpu
+        from verl_ds4.cpu.platform import self_check, initialize_global_process_group_cpu
         self_check()
         assert get_device_name() == "cpu" and get_nccl_backend() == "gloo" and get_device_id() == "cpu"
         mod = get_torch_device()
@@ -43,7 +43,7 @@ def test_cpu_platform_selected_by_env_and_effective_in_verl():
         print("OK")
         """,
         VERL_PLATFORM="cpu",
-        VERL_USE_EXTERNAL_MODULES="verl_ds4.platform.cpu",
+        VERL_USE_EXTERNAL_MODULES="verl_ds4.cpu.platform",
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
@@ -55,7 +55,7 @@ def test_without_verl_platform_cpu_nothing_changes():
         import verl.utils.distributed as d
         original = d.initialize_global_process_group
         from verl.plugin.platform import PlatformRegistry
-        import verl_ds4.platform.cpu as cpu
+        import verl_ds4.cpu.platform as cpu
         assert cpu.install() is False
         assert d.initialize_global_process_group is original      # verl's own, untouched
         assert PlatformRegistry.get("cpu") is cpu.PlatformCPU     # registered, but
@@ -73,7 +73,7 @@ def test_without_verl_platform_cpu_nothing_changes():
 
 
 def _init_pg_rank(rank, world_size):
-    from verl_ds4.platform.cpu import initialize_global_process_group_cpu
+    from verl_ds4.cpu.platform import initialize_global_process_group_cpu
 
     # run_distributed already initialised gloo: the CPU twin must accept that and report the env ranks.
     return initialize_global_process_group_cpu(), torch.distributed.get_backend()
@@ -85,7 +85,7 @@ def test_cpu_process_group_initialiser_uses_gloo():
 
 
 def test_cuda_literals_redirected_only_inside_the_scope():
-    from verl_ds4.engine.cpu import cuda_literals_on_cpu
+    from verl_ds4.cpu.engine import cuda_literals_on_cpu
 
     current_device = torch.cuda.current_device
     with cuda_literals_on_cpu(report_cuda_types=True):
@@ -102,7 +102,7 @@ def test_cuda_literals_redirected_only_inside_the_scope():
 
 
 def test_cpu_rng_tracker_forks_and_round_trips():
-    from verl_ds4.engine.cpu import CPURNGStatesTracker
+    from verl_ds4.cpu.engine import CPURNGStatesTracker
 
     tracker = CPURNGStatesTracker()
     tracker.add("model-parallel-rng", 1234)
@@ -124,7 +124,7 @@ def test_cpu_rng_tracker_forks_and_round_trips():
 
 
 def test_adam_step_counters_restored_from_loaded_param_groups():
-    from verl_ds4.engine.cpu import _restore_adam_step_counters
+    from verl_ds4.cpu.engine import _restore_adam_step_counters
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     inner = torch.optim.AdamW(params, lr=0.1)
@@ -147,7 +147,7 @@ def test_adam_step_counters_restored_from_loaded_param_groups():
 
 
 def test_cpu_transformer_overrides_reject_contradicting_user_values():
-    from verl_ds4.engine.cpu import cpu_transformer_overrides
+    from verl_ds4.cpu.engine import cpu_transformer_overrides
 
     merged = cpu_transformer_overrides({"recompute_granularity": None})
     assert merged["use_cpu_initialization"] is True and merged["gradient_accumulation_fusion"] is False
@@ -159,7 +159,7 @@ def test_cpu_transformer_overrides_reject_contradicting_user_values():
 def test_cpu_engine_config_adds_fp32_and_keeps_verls_checks():
     from verl.workers.config import McoreEngineConfig
 
-    from verl_ds4.engine.cpu import CPUMcoreEngineConfig
+    from verl_ds4.cpu.engine import CPUMcoreEngineConfig
 
     with pytest.raises(AssertionError, match="float32"):  # verl 0.9.1's own config: half precision only
         McoreEngineConfig(dtype="float32")
@@ -176,7 +176,7 @@ def test_cpu_engine_config_adds_fp32_and_keeps_verls_checks():
 def test_fp32_params_refused_by_the_gpu_engines_accepted_by_the_cpu_engines():
     from types import SimpleNamespace
 
-    from verl_ds4.engine.cpu import CPUMcoreEngineConfig, CPUMegatronEngineWithLMHead, CPUMegatronEngineWithValueHead
+    from verl_ds4.cpu.engine import CPUMcoreEngineConfig, CPUMegatronEngineWithLMHead, CPUMegatronEngineWithValueHead
     from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead
 
     model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="llama"))
@@ -191,7 +191,7 @@ def test_fp32_params_refused_by_the_gpu_engines_accepted_by_the_cpu_engines():
 def test_register_cpu_engines_adds_cpu_keys_only():
     from verl.workers.engine.base import EngineRegistry
 
-    from verl_ds4.engine import cpu
+    from verl_ds4.cpu import engine as cpu
 
     cpu.register_cpu_engines()
     cpu.register_cpu_engines()  # idempotent
@@ -207,7 +207,7 @@ def _tiny_attention_rank(rank, world_size, q, k, v, cu_padded):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from verl_ds4.testing.tiny_dense import TorchTHDCausalAttention
+    from verl_ds4.cpu.tiny_dense import TorchTHDCausalAttention
 
     config = TransformerConfig(
         num_layers=1, hidden_size=q.shape[1] * q.shape[2], num_attention_heads=q.shape[1],

@@ -114,7 +114,7 @@ def test_sampling_greedy_top_k_top_p_and_seeded():
 
 
 def _proxy_hf_config():
-    from verl_ds4.testing.cpu_sft_data import model_hf_config
+    from verl_ds4.cpu.sft_data import model_hf_config
 
     return model_hf_config("ds4_proxy")  # vocabulary sized to the demo tokenizer
 
@@ -197,7 +197,7 @@ def _server_checks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server_results():
-    from verl_ds4.testing.distributed import run_distributed
+    from verl_ds4.cpu.distributed import run_distributed
 
     return run_distributed(_server_checks, world_size=1, timeout=240)[0]
 
@@ -289,7 +289,7 @@ def test_replica_launches_a_ray_server_that_generates_and_takes_weights(tmp_path
     ray = pytest.importorskip("ray")
     from omegaconf import OmegaConf
 
-    from verl_ds4.testing.cpu_sft_data import write_model_dir
+    from verl_ds4.cpu.sft_data import write_model_dir
 
     model_dir = write_model_dir(tmp_path / "model", hf_config=_proxy_hf_config())
     model_config = OmegaConf.create(
@@ -340,7 +340,7 @@ def test_replica_launches_a_ray_server_that_generates_and_takes_weights(tmp_path
 def test_cpu_weight_export_unwraps_names_and_steps_aside_for_an_engine_export(monkeypatch):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    from verl_ds4.engine import cpu as cpu_engine
+    from verl_ds4.cpu import engine as cpu_engine
     from verl_ds4.rollout import cpu_weight_export
 
     class Wrapper(torch.nn.Module):  # like Megatron's DDP / Float16Module: the model sits in .module

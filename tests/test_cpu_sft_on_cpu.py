@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_ds4.testing.cpu_sft_data import prepare_cpu_sft_assets
-from verl_ds4.testing.cpu_sft_run import cpu_env, kill_run, parse_losses, sft_command
+from verl_ds4.cpu.sft_data import prepare_cpu_sft_assets
+from verl_ds4.cpu.sft_run import cpu_env, kill_run, parse_losses, sft_command
 
 RUN_TIMEOUT_S = 300
 
@@ -105,14 +105,14 @@ def test_value_head_cp2_matches_cp1(assets, tmp_path):
     import json
     import sys
 
-    from verl_ds4.testing.cpu_sft_run import free_port
+    from verl_ds4.cpu.sft_run import free_port
 
     results = {}
     for cp in (1, 2):
         out = tmp_path / f"values_cp{cp}.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "verl_ds4.testing.cpu_value_forward", str(Path(assets["model"]).parent), str(cp), str(out),
+            "-m", "verl_ds4.cpu.value_forward", str(Path(assets["model"]).parent), str(cp), str(out),
         ]
         log = tmp_path / f"value_cp{cp}.txt"
         with open(log, "w") as f:

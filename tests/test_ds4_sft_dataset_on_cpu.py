@@ -24,7 +24,7 @@ from verl_ds4.models.ds4.chat import (
 )
 from verl_ds4.models.ds4.sft_dataset import DS4ChatSFTDataset
 from verl_ds4.recipes.gsm8k import extract_answer, prepare, to_rl_row, to_sft_row
-from verl_ds4.testing.ds4_tokenizer import ds4_test_vocab, make_ds4_test_tokenizer
+from verl_ds4.cpu.ds4_tokenizer import ds4_test_vocab, make_ds4_test_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl_ds4.layout import CPLayout, PlanOptions, build_plan, plan_from_offsets
-from verl_ds4.testing.distributed import run_distributed
+from verl_ds4.cpu.distributed import run_distributed
 
 
 def _flat(lengths, trailing=(), seed=0):
@@ -269,7 +269,7 @@ def test_unpack_with_an_explicit_dynamic_cp_group():
 
 def test_ds4_window_rows_is_the_one_d_window_rule():
     """D_window = max(window, 2*m) for CSA (m=4), max(window, m) otherwise (shared doc, section 1)."""
-    from verl_ds4.layout import ds4_window_rows
+    from verl_ds4.ds4_facts import window_rows as ds4_window_rows
 
     assert ds4_window_rows(128, 0) == 128 and ds4_window_rows(128, 4) == 128 and ds4_window_rows(128, 128) == 128
     assert ds4_window_rows(2, 4) == 8 and ds4_window_rows(2, 0) == 2 and ds4_window_rows(32, 128) == 128

@@ -1,7 +1,10 @@
 """Static checks on the package (``ast``, nothing imported).
 
-1. Layering (architecture.md): ``layout`` < ``mcore`` < ``engine`` < ``models`` < ``cli``; each layer
-   imports only layers below it, and ``layout`` imports neither verl nor megatron.
+1. Floors (``docs/architecture.md``): every subpackage of ``verl_ds4`` has a floor and imports
+   only packages on lower floors (imports inside functions included); ``ds4_facts`` imports
+   nothing but the standard library, ``layout`` neither verl nor megatron, and ``testing`` is
+   imported by tests and benchmarks only. No import cycle between modules. ``verl_ds4/__init__.py``
+   and the README list the same floors.
 2. One layout decision: no module except ``verl_ds4/mcore/resolver.py`` decides a CP layout (or
    its padding) from a model name / attention variant. verl 0.9.1 copies such a rule into several
    files; the checker is also run on verl's own engine to show it finds that pattern.
@@ -10,35 +13,53 @@
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "verl_ds4"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "verl_ds4"
 RESOLVER = PACKAGE / "mcore" / "resolver.py"
 
-LAYERS = ["layout", "mcore", "engine", "models", "cli"]
+#: Every subpackage (or top-level module) of verl_ds4 and its floor: it may import only lower floors.
+FLOORS = {
+    "ds4_facts": 0,
+    "layout": 1,
+    "mcore": 2,
+    "engine": 3,
+    "models": 4,
+    "cpu": 5,
+    "recipes": 5,
+    "rollout": 6,
+    "cli": 7,
+    "testing": 8,
+}
+#: Folders that only ship YAML as package data (symlinks to recipes/ and configs/).
+DATA_PACKAGES = {"recipes_data", "configs_data"}
 FORBIDDEN_THIRD_PARTY = {"layout": {"verl", "megatron", "transformer_engine", "vllm"}}
 
 
 def _modules():
-    files = sorted(PACKAGE.rglob("*.py"))
+    files = sorted(p for p in PACKAGE.rglob("*.py") if not set(p.relative_to(PACKAGE).parts) & DATA_PACKAGES)
     assert RESOLVER in files and len(files) > 5
     return files
 
 
-def _dotted(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+def _dotted(path: Path, package: Path = PACKAGE) -> str:
+    rel = path.relative_to(package.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def _imports(path: Path):
+def _imports(path: Path, package_dir: Path = PACKAGE):
     """Absolute names of every import in ``path`` (function-level imports included)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = _dotted(path) if path.name == "__init__.py" else _dotted(path).rsplit(".", 1)[0]
+    dotted = _dotted(path, package_dir)
+    package = dotted if path.name == "__init__.py" else dotted.rsplit(".", 1)[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -55,28 +76,153 @@ def _imports(path: Path):
                 yield node.lineno, f"{module}.{alias.name}"
 
 
-def _layer(name: str) -> str | None:
+def _package_of(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] != "verl_ds4" or len(parts) < 2:
         return None
-    return parts[1] if parts[1] in LAYERS else None
+    return parts[1] if parts[1] in FLOORS else None
 
 
-def test_layers_import_only_layers_below():
+def floor_violations(files, package_dir: Path = PACKAGE) -> list[str]:
+    """``path:line (package, floor) imports name (package, floor)`` for each import that breaks a floor."""
     violations = []
-    for path in _modules():
-        own = _layer(_dotted(path))
+    for path in files:
+        own = _package_of(_dotted(path, package_dir))
         if own is None:
             continue
-        allowed = set(LAYERS[: LAYERS.index(own) + 1])
-        for lineno, name in _imports(path):
-            target = _layer(name)
-            if target is not None and target not in allowed:
-                violations.append(f"{path.relative_to(PACKAGE.parent)}:{lineno} ({own}) imports {name} ({target})")
+        where = path.relative_to(package_dir.parent)
+        seen = set()
+        for lineno, name in _imports(path, package_dir):
+            target = _package_of(name)
+            if (lineno, target) in seen:  # `from a.b import c` also yields a.b.c
+                continue
+            seen.add((lineno, target))
+            if target is not None and target != own and FLOORS[target] >= FLOORS[own]:
+                violations.append(f"{where}:{lineno} ({own}, floor {FLOORS[own]}) imports {name} (floor {FLOORS[target]})")
             top = name.split(".")[0]
             if top in FORBIDDEN_THIRD_PARTY.get(own, ()):
-                violations.append(f"{path.relative_to(PACKAGE.parent)}:{lineno} ({own}) imports {name}")
-    assert not violations, "layering broken:\n" + "\n".join(violations)
+                violations.append(f"{where}:{lineno} ({own}) imports {name}")
+            if own == "ds4_facts" and top not in sys.stdlib_module_names and top != "__future__":
+                violations.append(f"{where}:{lineno} (ds4_facts: standard library only) imports {name}")
+    return violations
+
+
+def test_every_subpackage_has_a_floor():
+    found = {p.name if p.is_dir() else p.stem for p in PACKAGE.iterdir() if not p.name.startswith(("_", "."))}
+    found = {name for name in found if name.isidentifier()} - DATA_PACKAGES
+    assert found == set(FLOORS), f"give these a floor in FLOORS (and the docs): {sorted(found ^ set(FLOORS))}"
+
+
+def test_packages_import_only_lower_floors():
+    violations = floor_violations(_modules())
+    assert not violations, "floors broken:\n" + "\n".join(violations)
+
+
+def test_floor_checker_sees_imports_inside_functions(tmp_path):
+    """Negative control: function-level imports of a higher floor, of verl from layout and of a
+    third-party package from ds4_facts are all reported."""
+    package = tmp_path / "verl_ds4"
+    (package / "layout").mkdir(parents=True)
+    (package / "layout" / "plan.py").write_text(
+        "def f():\n    from ..engine.megatron import x\n    import verl\n    from verl_ds4 import ds4_facts\n"
+    )
+    (package / "ds4_facts.py").write_text("import dataclasses\n\ndef g():\n    import torch\n")
+    found = floor_violations(sorted(package.rglob("*.py")), package)
+    assert any("imports verl_ds4.engine.megatron (floor 3)" in v for v in found), found
+    assert any("(layout) imports verl" in v for v in found), found
+    assert any("standard library only) imports torch" in v for v in found), found
+    assert len(found) == 3, found  # the ds4_facts import from layout and dataclasses are fine
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {_dotted(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for _, imported in _imports(path):
+            # `from pkg import name` may name a module or an attribute: take the longest module prefix
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in modules:
+                parts.pop()
+            target = ".".join(parts)
+            if target and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(_module_graph())
+    assert not cycles, "import cycles (function-level imports count):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_a_cycle():
+    """Negative control for the cycle check."""
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+_FLOOR_LINE = re.compile(r"^\s*(\d+)\.\s+(.*)$")
+
+
+def _documented_floors(text: str) -> dict[str, int]:
+    floors = {}
+    for line in text.splitlines():
+        match = _FLOOR_LINE.match(line)
+        if match:
+            for name in re.findall(r"``verl_ds4\.(\w+)``|`verl_ds4\.(\w+)`", match.group(2)):
+                floors[name[0] or name[1]] = int(match.group(1))
+    return floors
+
+
+def test_init_and_readme_list_the_same_floors():
+    init_doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    assert _documented_floors(init_doc) == FLOORS
+    readme = (ROOT / "README.md").read_text()
+    assert _documented_floors(readme) == FLOORS
+
+
+def test_testing_is_imported_by_tests_and_benchmarks_only():
+    users = []
+    for folder in (ROOT / "scripts", ROOT / "docker", PACKAGE):
+        for path in folder.rglob("*.py"):
+            if "testing" in path.relative_to(ROOT).parts:
+                continue
+            users += [f"{path.relative_to(ROOT)}:{n}" for n, name in _imports(path) if name.startswith("verl_ds4.testing")]
+    assert not users, users
 
 
 # ------------------------------------------------------------------ one layout decision

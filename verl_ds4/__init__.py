@@ -1,12 +1,17 @@
 """verl-ds4: DeepSeek-V4 post-training with verl on Megatron.
 
-Layers (each imports only those below it):
+Floors: each package imports only packages on lower floors (``tests/test_package_boundaries_on_cpu.py``
+checks it, imports inside functions included; ``docs/architecture.md`` says what each owns).
 
-1. ``verl_ds4.layout``  context-parallel layouts as data (pure PyTorch)
-2. ``verl_ds4.mcore``   Megatron-Core glue (THD pre/post-processing, forward functions)
-3. ``verl_ds4.engine``  verl engine subclasses and the plugin that registers them
-4. ``verl_ds4.models``  DS4-specific pieces (provider settings, chat encoding, CPU proxy)
-5. ``verl_ds4.cli``     the ``verl-ds4`` command
+0. ``verl_ds4.ds4_facts``  DS4 facts and start-up rules (standard library only)
+1. ``verl_ds4.layout``     context-parallel layouts as data (PyTorch + NumPy)
+2. ``verl_ds4.mcore``      Megatron-Core glue: THD pre/post-processing, forwards, the layout resolver
+3. ``verl_ds4.engine``     verl engine subclasses and the plugin that registers them
+4. ``verl_ds4.models``     DS4 model pieces (CPU attention, proxy, chat encoding, provider facts)
+5. ``verl_ds4.cpu``, ``verl_ds4.recipes``  the CPU jobs; recipe compose / validate / plan
+6. ``verl_ds4.rollout``    the CPU rollout for verl's RL trainers
+7. ``verl_ds4.cli``        the ``verl-ds4`` command
+8. ``verl_ds4.testing``    helpers for tests and benchmarks only (the product never imports it)
 """
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import sys
 # name -> (module, one-line help). Add one line per subcommand.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("verl_ds4.engine.doctor_cli", "check that verl uses verl-ds4's engines and whether this stack can run DS4 with CP"),
-    "verify": ("verl_ds4.models.ds4.verify_cli", "prove CP parity of the DS4 data path on CPU with the tiny DS4 proxy"),
+    "verify": ("verl_ds4.cpu.verify_cli", "prove CP parity of the DS4 data path on CPU with the tiny DS4 proxy"),
     "recipe": ("verl_ds4.recipes.command", "compose, validate and print the plan of a DS4 SFT/PPO/GRPO recipe"),
     "plan": ("verl_ds4.layout.plan_cli", "show a micro-batch's CP layout: per-rank rows, padding, cost, straggler ratio"),
 }

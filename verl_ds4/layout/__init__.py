@@ -12,6 +12,6 @@ up in :mod:`verl_ds4.mcore.thd`.
 """
 
 from .plan import PlanOptions, THDPlan, build_plan, plan_from_offsets
-from .types import CPLayout, ds4_window_rows
+from .types import CPLayout
 
-__all__ = ["CPLayout", "PlanOptions", "THDPlan", "build_plan", "ds4_window_rows", "plan_from_offsets"]
+__all__ = ["CPLayout", "PlanOptions", "THDPlan", "build_plan", "plan_from_offsets"]

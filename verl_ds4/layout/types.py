@@ -45,17 +45,3 @@ class CPLayout(str, enum.Enum):
         """
         factor = 2 if self is CPLayout.ZIGZAG and cp_size > 1 else 1
         return tp_size * cp_size * factor
-
-
-DS4_CSA_RATIO = 4  # DS4's compressed-sparse-attention layers pool overlapping blocks of 2 * 4 rows
-
-
-def ds4_window_rows(window_size: int, compress_ratio: int) -> int:
-    """``D_window`` of one DeepSeek-V4 attention layer: the rows a CP rank reads from its left
-    neighbour, and so the fewest rows every rank must hold (``PlanOptions.min_local_rows``).
-
-    ``max(window, 2 * m)`` for the overlapping CSA pool (``m = 4``), ``max(window, m)`` otherwise
-    (``m = 0`` sliding window, ``m = 128`` HCA). Megatron's DS4 raises below this.
-    """
-    pool = 2 * compress_ratio if compress_ratio == DS4_CSA_RATIO else compress_ratio
-    return max(int(window_size), int(pool))

@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from verl_ds4.layout.types import ds4_window_rows
+from verl_ds4 import ds4_facts
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +74,6 @@ ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"
 LAYOUTS = (ZIGZAG, CONTIGUOUS)
 
-#: ``TransformerConfig.experimental_attention_variant`` of DeepSeek-V4's hybrid attention.
-DS4_ATTENTION_VARIANT = "dsv4_hybrid"
-#: Hugging Face ``model_type`` that Megatron-Bridge maps onto the DS4 hybrid attention.
-DS4_HF_MODEL_TYPE = "deepseek_v4"
-#: Megatron-LM dev accepts DS4 with THD CP only under these packing schedulers (a validation gate).
-DS4_SEQUENCE_PACKING_SCHEDULERS = ("dp_balanced", "default_dynamic_cp")
-DS4_DEFAULT_SCHEDULER = "default_dynamic_cp"
-#: Window of DS4's CSA when the config does not carry ``csa_window_size``.
-DS4_DEFAULT_WINDOW = 128
 
 PROTOCOL_ATTRIBUTE = "cp_layout_requirement"
 #: Attribute under which the resolved layout is cached on each model chunk and its config.
@@ -232,20 +223,18 @@ def transformer_config_fields() -> frozenset[str]:
 
 
 def _is_ds4_config(tf_config) -> bool:
-    return getattr(tf_config, "experimental_attention_variant", None) == DS4_ATTENTION_VARIANT
+    return getattr(tf_config, "experimental_attention_variant", None) == ds4_facts.ATTENTION_VARIANT
 
 
 def _ds4_window(tf_config) -> int:
-    """Rows every CP rank needs for DS4: the largest ``D_window`` over the layers (``ds4_window_rows``)."""
-    window = getattr(tf_config, "csa_window_size", None)
-    window = int(window) if window else DS4_DEFAULT_WINDOW
-    ratios = getattr(tf_config, "csa_compress_ratios", None) or (0,)
-    return max(ds4_window_rows(window, int(ratio)) for ratio in ratios)
+    """Rows every CP rank needs for DS4: :func:`verl_ds4.ds4_facts.min_local_rows` over the layers."""
+    ratios = getattr(tf_config, "csa_compress_ratios", None) or (ds4_facts.WINDOW_ONLY,)
+    return ds4_facts.min_local_rows(ds4_facts.window_size(tf_config), ratios)
 
 
 def is_ds4_hf_config(hf_config) -> bool:
     """Whether a Hugging Face config describes a model Megatron-Bridge builds with DS4 attention."""
-    return getattr(hf_config, "model_type", None) == DS4_HF_MODEL_TYPE
+    return getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE
 
 
 def _normalise_requirement(value, source: str) -> LayoutRequirement:
@@ -310,7 +299,7 @@ def collect_requirements(model, tf_config=None) -> list[LayoutRequirement]:
             LayoutRequirement(
                 CONTIGUOUS,
                 _ds4_window(tf_config),
-                f"TransformerConfig.experimental_attention_variant={DS4_ATTENTION_VARIANT!r}",
+                f"TransformerConfig.experimental_attention_variant={ds4_facts.ATTENTION_VARIANT!r}",
                 frozenset([CONTIGUOUS]),
             )
         )
@@ -380,33 +369,23 @@ def transformer_config_fills(
     """
     if not is_ds4_hf_config(hf_config):
         return {}
-    if tp_size > 1:
-        raise CPLayoutError(
-            f"DeepSeek-V4 attention does not support tensor parallelism, but tensor_model_parallel_size={tp_size}. "
-            "Set tensor_model_parallel_size=1 (use expert / pipeline / context parallelism instead)."
-        )
+    user = dict(user_overrides or {})
+    _raise_if(
+        ds4_facts.check_tensor_parallel(tp_size),
+        ds4_facts.check_cp_partition_mode(user.get(CP_PARTITION_MODE), cp_size, dynamic_cp),
+        ds4_facts.check_packing_scheduler(user.get(SEQUENCE_PACKING_SCHEDULER), cp_size, dynamic_cp),
+    )
     if not (cp_size > 1 or dynamic_cp):
         return {}
     fields = transformer_config_fields() if config_fields is None else frozenset(config_fields)
-    fills: dict[str, Any] = {}
-    mode = _explicit(user_overrides, CP_PARTITION_MODE)
-    if mode is not None and mode != CONTIGUOUS:
-        raise CPLayoutError(
-            f"override_transformer_config.cp_partition_mode={mode!r}, but DeepSeek-V4 attention needs the "
-            f"contiguous CP layout (each rank addresses its rows from one offset; {mode} scrambles positions). "
-            "Remove the override or set cp_partition_mode=contiguous."
-        )
-    if mode is None and CP_PARTITION_MODE in fields:
-        fills[CP_PARTITION_MODE] = CONTIGUOUS
-    scheduler = _explicit(user_overrides, SEQUENCE_PACKING_SCHEDULER)
-    if scheduler is not None and scheduler not in DS4_SEQUENCE_PACKING_SCHEDULERS:
-        raise CPLayoutError(
-            f"override_transformer_config.sequence_packing_scheduler={scheduler!r} is not accepted for "
-            f"DeepSeek-V4 with context parallelism; use one of {DS4_SEQUENCE_PACKING_SCHEDULERS} or remove it."
-        )
-    if scheduler is None and SEQUENCE_PACKING_SCHEDULER in fields:
-        fills[SEQUENCE_PACKING_SCHEDULER] = DS4_DEFAULT_SCHEDULER
-    return fills
+    return ds4_facts.fill_transformer_config(user, fields, cp_size, dynamic_cp)
+
+
+def _raise_if(*violations: "ds4_facts.Violation | None") -> None:
+    """Raise the first DS4 rule violation as a start-up :class:`CPLayoutError`."""
+    for violation in violations:
+        if violation is not None:
+            raise CPLayoutError(violation.engine_message())
 
 
 def _format_requirements(requirements: Iterable[LayoutRequirement]) -> str:
@@ -444,11 +423,8 @@ def resolve_cp_layout(
     chunks = _chunks(model)
     if tf_config is None:
         tf_config = getattr(chunks[0], "config", None) if chunks else None
-    if tf_config is not None and _is_ds4_config(tf_config) and tp_size > 1:
-        raise CPLayoutError(
-            f"DeepSeek-V4 attention does not support tensor parallelism, but tensor_model_parallel_size={tp_size}. "
-            "Set tensor_model_parallel_size=1."
-        )
+    if tf_config is not None and _is_ds4_config(tf_config):
+        _raise_if(ds4_facts.check_tensor_parallel(tp_size))
     if pad_to_length_bucket is not None and (
         isinstance(pad_to_length_bucket, bool) or not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket < 1
     ):

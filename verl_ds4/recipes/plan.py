@@ -7,7 +7,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
-from verl_ds4.recipes.validate import ValidationReport, _get
+from verl_ds4.recipes.roles import _get
+from verl_ds4.recipes.validate import ValidationReport
 
 
 def _fmt(value: Any) -> str:
@@ -49,8 +50,9 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
     lines = [
         f"DS4 recipe plan: {report.recipe} ({report.trainer} trainer)",
         f"model   : {facts.name}: {facts.num_layers} layers + {facts.mtp_layers} MTP, {facts.n_routed_experts} "
-        f"routed experts (top-{facts.num_experts_per_tok}), hidden {facts.hidden_size}, CSA window "
-        f"{facts.csa_window_size}  [facts from {facts.source}]",
+        f"routed experts (top-{facts.num_experts_per_tok}), hidden {facts.hidden_size}, {facts.num_attention_heads} "
+        f"heads, window {facts.csa_window_size}, CSA top-{facts.index_topk}, >= {facts.min_local_rows} rows per CP "
+        f"rank  [facts from {facts.source}]",
         f"cluster : {report.nnodes} nodes x {report.gpus_per_node} GPUs = {report.world_size} GPUs"
         f"  [named mesh {_fmt(mesh.get('name'))} ({_fmt(mesh.get('hardware'))}){_mesh_changes(mesh)}]",
         f"max sequence length: {report.max_seq_len} tokens",
@@ -92,7 +94,7 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
                     b.key,
                     str(b.tokens_per_gpu),
                     str(b.tokens_per_gpu * r.cp),
-                    str(r.cp * facts.csa_window_size) if r.cp > 1 or r.dynamic_cp else "- (CP=1)",
+                    str(r.cp * facts.min_local_rows) if r.cp > 1 or r.dynamic_cp else "- (CP=1)",
                 ]
             )
         if r.dynamic_cp:

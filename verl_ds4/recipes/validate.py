@@ -33,15 +33,11 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from verl_ds4.models.ds4.provider import (
-    HF_MODEL_TYPE,
-    REQUIRED_CP_PARTITION_MODE,
-    SEQUENCE_PACKING_SCHEDULERS,
-    SUPPORTED_TENSOR_PARALLEL_SIZE,
-    DS4ModelFacts,
-    is_remote_path,
-    load_model_facts,
-)
+from verl_ds4 import ds4_facts
+from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
+from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
+
+__all__ = ["Problem", "RecipeValidationError", "ValidationReport", "validate_recipe"]
 
 # Parallel sizes the reference model must share with the actor (same processes, one Megatron
 # parallel state per process).
@@ -54,16 +50,6 @@ _SHARED_WITH_ACTOR = (
     "expert_tensor_parallel_size",
     "dynamic_context_parallel",
 )
-
-
-class RecipeValidationError(ValueError):
-    """A composed recipe cannot run; ``problems`` lists every reason (setting, what, fix)."""
-
-    def __init__(self, problems: list["Problem"]):
-        self.problems = list(problems)
-        lines = [f"DS4 recipe validation failed with {len(self.problems)} error(s):"]
-        lines += [f"  - {p}" for p in self.problems]
-        super().__init__("\n".join(lines))
 
 
 _DS4_ENGINE_CONFIG = "verl_ds4.engine.config.DS4McoreEngineConfig"
@@ -82,72 +68,6 @@ def _has_cp_balance_field(target: str | None) -> bool:
     except Exception:
         return False
     return dataclasses.is_dataclass(cls) and "cp_balance" in {f.name for f in dataclasses.fields(cls)}
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding: the config key it is about, what is wrong, and how to fix it."""
-
-    setting: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.setting}: {self.message} Fix: {self.fix}"
-
-
-@dataclass(frozen=True)
-class Budget:
-    """One per-GPU token budget: its config key, value, and the longest sequence it must hold."""
-
-    key: str
-    tokens_per_gpu: int
-
-
-@dataclass
-class RoleMesh:
-    """The resolved parallel layout of one engine (SFT engine, actor, reference or critic).
-
-    Attributes:
-        role: ``"sft"``, ``"actor"``, ``"ref"`` or ``"critic"``.
-        engine_key: config path of the engine block (e.g. ``actor_rollout_ref.actor.megatron``).
-        model_key: config path of the model block it reads ``use_remove_padding`` from.
-        tp, pp, vpp, cp, ep, etp: parallel sizes (vpp may be None).
-        dynamic_cp: whether dynamic context parallelism is on.
-        thd: packed THD input (``<model_key>.use_remove_padding``).
-        cp_partition_mode: ``override_transformer_config.cp_partition_mode`` (None if unset).
-        scheduler: ``override_transformer_config.sequence_packing_scheduler`` (None if unset).
-        max_seqlen_per_dp_cp_rank: dynamic-CP per-rank cap.
-        budgets: per-GPU token budgets that apply to this engine.
-        mtp: whether MTP is enabled on its model.
-        cp_balance: the engine's ``cp_balance`` (None: batch order, or the field is absent).
-        engine_target: the engine block's ``_target_`` (None if unset).
-    """
-
-    role: str
-    engine_key: str
-    model_key: str
-    tp: int
-    pp: int
-    vpp: int | None
-    cp: int
-    ep: int
-    etp: int
-    dynamic_cp: bool
-    thd: bool
-    cp_partition_mode: str | None
-    scheduler: str | None
-    max_seqlen_per_dp_cp_rank: int | None
-    budgets: list[Budget] = field(default_factory=list)
-    mtp: bool = False
-    cp_balance: str | None = None
-    engine_target: str | None = None
-
-    def dp(self, world: int) -> int:
-        return world // (self.tp * self.pp * self.cp)
-
-    def expert_dp(self, world: int) -> int:
-        return world // (self.pp * self.etp * self.ep)
-
 
 @dataclass
 class ValidationReport:
@@ -168,94 +88,6 @@ class ValidationReport:
     def raise_if_errors(self) -> None:
         if self.errors:
             raise RecipeValidationError(self.errors)
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    node = cfg
-    for part in key.split("."):
-        if node is None:
-            return default
-        if isinstance(node, (DictConfig, dict)):
-            node = node.get(part, None)
-        else:
-            return default
-    return default if node is None else node
-
-
-def _int(node: Any, key: str, where: str, default: Any = 1) -> Any:
-    value = node.get(key, default)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise RecipeValidationError(
-            [Problem(f"{where}.{key}", f"is {value!r}, not an integer.", "set an integer size.")]
-        ) from None
-
-
-def _role_mesh(cfg: DictConfig, role: str, engine_key: str, model_key: str, budgets: list[Budget]) -> RoleMesh:
-    engine = _get(cfg, engine_key)
-    if engine is None:
-        raise RecipeValidationError(
-            [Problem(engine_key, "is missing from the composed config.", "select model_engine=megatron (the recipes do).")]
-        )
-    otc = engine.get("override_transformer_config") or {}
-    vpp = _int(engine, "virtual_pipeline_model_parallel_size", engine_key, None)
-    etp = _int(engine, "expert_tensor_parallel_size", engine_key, None)
-    tp = _int(engine, "tensor_model_parallel_size", engine_key)
-    return RoleMesh(
-        role=role,
-        engine_key=engine_key,
-        model_key=model_key,
-        tp=tp,
-        pp=_int(engine, "pipeline_model_parallel_size", engine_key),
-        vpp=vpp,
-        cp=_int(engine, "context_parallel_size", engine_key),
-        ep=_int(engine, "expert_model_parallel_size", engine_key),
-        # Megatron: expert TP defaults to TP when unset.
-        etp=tp if etp is None else etp,
-        dynamic_cp=bool(engine.get("dynamic_context_parallel", False)),
-        thd=bool(_get(cfg, f"{model_key}.use_remove_padding", False)),
-        cp_partition_mode=otc.get("cp_partition_mode"),
-        scheduler=otc.get("sequence_packing_scheduler"),
-        max_seqlen_per_dp_cp_rank=engine.get("max_seqlen_per_dp_cp_rank"),
-        budgets=budgets,
-        mtp=bool(_get(cfg, f"{model_key}.mtp.enable", False)),
-        cp_balance=engine.get("cp_balance", None),
-        engine_target=engine.get("_target_", None),
-    )
-
-
-def _budget(cfg: DictConfig, key: str, enabled_key: str | None) -> list[Budget]:
-    if enabled_key is not None and not bool(_get(cfg, enabled_key, False)):
-        return []
-    value = _get(cfg, key)
-    return [] if value is None else [Budget(key, int(value))]
-
-
-def collect_roles(cfg: DictConfig, trainer: str) -> list[RoleMesh]:
-    """The engines a composed config will build, with their resolved meshes and budgets."""
-    if trainer == "sft":
-        budgets = _budget(cfg, "data.max_token_len_per_gpu", "data.use_dynamic_bsz")
-        return [_role_mesh(cfg, "sft", "engine", "model", budgets)]
-
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-
-    arr = "actor_rollout_ref"
-    actor_budgets = _budget(cfg, f"{arr}.actor.ppo_max_token_len_per_gpu", f"{arr}.actor.use_dynamic_bsz")
-    actor_budgets += _budget(
-        cfg, f"{arr}.rollout.log_prob_max_token_len_per_gpu", f"{arr}.rollout.log_prob_use_dynamic_bsz"
-    )
-    roles = [_role_mesh(cfg, "actor", f"{arr}.actor.megatron", f"{arr}.model", actor_budgets)]
-    if need_reference_policy(cfg):
-        ref_budgets = _budget(cfg, f"{arr}.ref.log_prob_max_token_len_per_gpu", f"{arr}.ref.log_prob_use_dynamic_bsz")
-        roles.append(_role_mesh(cfg, "ref", f"{arr}.ref.megatron", f"{arr}.model", ref_budgets))
-    if need_critic(cfg):
-        critic_budgets = _budget(cfg, "critic.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz")
-        critic_budgets += _budget(cfg, "critic.forward_max_token_len_per_gpu", "critic.use_dynamic_bsz")
-        roles.append(_role_mesh(cfg, "critic", "critic.megatron", "critic.model", critic_budgets))
-    return roles
 
 
 def _as_list(value: Any) -> list[str]:
@@ -323,17 +155,26 @@ def _check_paths(cfg: DictConfig, trainer: str, roles: list[RoleMesh], report: V
                 report.errors.append(problem)
 
 
+def _add(report: ValidationReport, engine_key: str, violation: ds4_facts.Violation | None) -> None:
+    """Report a DS4 rule violation (the same rule the engine raises at start-up) as an error."""
+    if violation is not None:
+        key, message, fix = violation.recipe_problem()
+        report.errors.append(Problem(f"{engine_key}.{key}", message, fix))
+
+
 def _check_role(role: RoleMesh, report: ValidationReport) -> None:
-    world, facts, ek = report.world_size, report.facts, role.engine_key
-    errors, warnings = report.errors, report.warnings
-    if role.tp != SUPPORTED_TENSOR_PARALLEL_SIZE:
-        errors.append(
-            Problem(
-                f"{ek}.tensor_model_parallel_size",
-                f"is {role.tp}, but DS4's hybrid attention does not support tensor parallelism.",
-                "set it to 1 (launcher keeps TP=1) and scale with PP/EP/CP/DP instead.",
-            )
-        )
+    _add(report, role.engine_key, ds4_facts.check_tensor_parallel(role.tp))
+    if not _check_sizes(role, report):
+        return
+    _check_model_fit(role, report)
+    _check_context_parallel(role, report)
+    _check_cp_balance(role, report)
+    _check_budgets(role, report)
+
+
+def _check_sizes(role: RoleMesh, report: ValidationReport) -> bool:
+    """Positive sizes whose products divide the world; False when a size is not even positive."""
+    world, ek, errors = report.world_size, role.engine_key, report.errors
     sizes = (
         ("tensor_model_parallel_size", role.tp),
         ("pipeline_model_parallel_size", role.pp),
@@ -344,8 +185,8 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
     for name, size in sizes:
         if size < 1:
             errors.append(Problem(f"{ek}.{name}", f"is {size}; parallel sizes must be >= 1.", "use a positive size."))
-    if min(role.tp, role.pp, role.cp, role.ep, role.etp) < 1:
-        return
+    if min(size for _, size in sizes) < 1:
+        return False
     model_parallel = role.tp * role.pp * role.cp
     if world % model_parallel:
         errors.append(
@@ -367,9 +208,15 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
                 f"choose EP so that PPxETPxEP divides {world}.",
             )
         )
+    return True
+
+
+def _check_model_fit(role: RoleMesh, report: ValidationReport) -> None:
+    """EP divides the routed experts; PP does not exceed the layers."""
+    facts, ek = report.facts, role.engine_key
     if facts.n_routed_experts % role.ep:
         divisors = [d for d in range(1, facts.n_routed_experts + 1) if facts.n_routed_experts % d == 0 and d <= 128]
-        errors.append(
+        report.errors.append(
             Problem(
                 f"{ek}.expert_model_parallel_size",
                 f"EP={role.ep} does not divide the {facts.n_routed_experts} routed experts of {facts.name} "
@@ -378,16 +225,20 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
             )
         )
     if role.pp > facts.num_layers:
-        errors.append(
+        report.errors.append(
             Problem(
                 f"{ek}.pipeline_model_parallel_size",
                 f"PP={role.pp} exceeds the {facts.num_layers} decoder layers of {facts.name}.",
                 f"use PP <= {facts.num_layers}.",
             )
         )
-    uses_cp = role.cp > 1 or role.dynamic_cp
-    if uses_cp and not role.thd:
-        errors.append(
+
+
+def _check_context_parallel(role: RoleMesh, report: ValidationReport) -> None:
+    """THD input, the partition mode and the packing scheduler, with CP."""
+    ek = role.engine_key
+    if role.uses_cp and not role.thd:
+        report.errors.append(
             Problem(
                 f"{role.model_key}.use_remove_padding",
                 f"is False with CP={role.cp}{' (dynamic CP)' if role.dynamic_cp else ''}: DS4 with context "
@@ -395,47 +246,15 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
                 f"set {role.model_key}.use_remove_padding=true (verl copies it into the engine).",
             )
         )
-    mode = role.cp_partition_mode
-    if uses_cp and mode != REQUIRED_CP_PARTITION_MODE:
-        what = "is unset (Megatron's default is zigzag)" if mode is None else f"is {mode!r}"
-        errors.append(
-            Problem(
-                f"{ek}.override_transformer_config.cp_partition_mode",
-                f"{what} with CP={role.cp}: DS4 derives positions from one contiguous slice per CP rank; a "
-                "zigzag rank holds two chunks of every sequence and silently gets wrong positions.",
-                f"set it to {REQUIRED_CP_PARTITION_MODE!r} (recipe knob ds4.cp_partition_mode).",
-            )
+    _add(report, ek, ds4_facts.check_cp_partition_mode(role.cp_partition_mode, role.cp, role.dynamic_cp))
+    if role.uses_cp and role.cp_partition_mode is None:
+        report.notes.append(
+            f"{ek}.override_transformer_config.cp_partition_mode is unset; verl-ds4's engine sets "
+            f"{ds4_facts.CP_PARTITION_MODE!r} (Megatron's own default would be zigzag)."
         )
-    if role.cp_balance is not None:
-        from verl_ds4.engine.config import CP_BALANCE_CHOICES
-
-        if role.cp_balance not in CP_BALANCE_CHOICES:
-            errors.append(
-                Problem(
-                    f"{ek}.cp_balance",
-                    f"is {role.cp_balance!r}; expected null (batch order) or a cost model, one of {list(CP_BALANCE_CHOICES)}.",
-                    "set the recipe knob ds4.cp_balance to null, ds4 or dense.",
-                )
-            )
-        elif not _has_cp_balance_field(role.engine_target):
-            errors.append(
-                Problem(
-                    f"{ek}._target_",
-                    f"is {role.engine_target!r}, which has no cp_balance field (cp_balance={role.cp_balance!r} would "
-                    "fail when verl builds the engine config).",
-                    f"set {ek}._target_={_DS4_ENGINE_CONFIG} (the DS4 recipes do).",
-                )
-            )
-    if uses_cp and role.scheduler is not None and role.scheduler not in SEQUENCE_PACKING_SCHEDULERS:
-        errors.append(
-            Problem(
-                f"{ek}.override_transformer_config.sequence_packing_scheduler",
-                f"is {role.scheduler!r}; DS4 THD with CP>1 accepts only {list(SEQUENCE_PACKING_SCHEDULERS)}.",
-                "pick one of those or leave it null (ds4.sequence_packing_scheduler).",
-            )
-        )
-    if uses_cp and role.scheduler == "dp_balanced":
-        warnings.append(
+    _add(report, ek, ds4_facts.check_packing_scheduler(role.scheduler, role.cp, role.dynamic_cp))
+    if role.uses_cp and role.scheduler == "dp_balanced":
+        report.warnings.append(
             Problem(
                 f"{ek}.override_transformer_config.sequence_packing_scheduler",
                 "is 'dp_balanced', but verl 0.9.1's Megatron engine replaces it with 'default_dynamic_cp' for "
@@ -443,21 +262,50 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
                 "use the verl-ds4 engine, which keeps your choice, or accept default_dynamic_cp.",
             )
         )
-    min_rows = role.cp * facts.csa_window_size
+
+
+def _check_cp_balance(role: RoleMesh, report: ValidationReport) -> None:
+    if role.cp_balance is None:
+        return
+    from verl_ds4.engine.config import CP_BALANCE_CHOICES
+
+    ek = role.engine_key
+    if role.cp_balance not in CP_BALANCE_CHOICES:
+        report.errors.append(
+            Problem(
+                f"{ek}.cp_balance",
+                f"is {role.cp_balance!r}; expected null (batch order) or a cost model, one of {list(CP_BALANCE_CHOICES)}.",
+                "set the recipe knob ds4.cp_balance to null, ds4 or dense.",
+            )
+        )
+    elif not _has_cp_balance_field(role.engine_target):
+        report.errors.append(
+            Problem(
+                f"{ek}._target_",
+                f"is {role.engine_target!r}, which has no cp_balance field (cp_balance={role.cp_balance!r} would "
+                "fail when verl builds the engine config).",
+                f"set {ek}._target_={_DS4_ENGINE_CONFIG} (the DS4 recipes do).",
+            )
+        )
+
+
+def _check_budgets(role: RoleMesh, report: ValidationReport) -> None:
+    """Token budgets hold the rows every CP rank needs and the longest sequence."""
+    min_rows = report.facts.min_local_rows  # the engine's padding minimum: ds4_facts.min_local_rows
     for budget in role.budgets:
         packed = budget.tokens_per_gpu * role.cp
-        if uses_cp and packed < min_rows:
-            errors.append(
+        if role.uses_cp and budget.tokens_per_gpu < min_rows:
+            report.errors.append(
                 Problem(
                     budget.key,
                     f"{budget.tokens_per_gpu} tokens/GPU x CP={role.cp} gives a packed micro-batch of {packed} "
-                    f"tokens, below the CP x {facts.csa_window_size} = {min_rows} rows DS4 pads every micro-batch "
-                    f"to (each CP rank needs >= {facts.csa_window_size} rows).",
-                    f"set {budget.key} >= {facts.csa_window_size} (better: several thousand).",
+                    f"tokens, below the CP x {min_rows} = {role.cp * min_rows} rows DS4 pads every micro-batch "
+                    f"to (each CP rank needs >= {min_rows} rows).",
+                    f"set {budget.key} >= {min_rows} (better: several thousand).",
                 )
             )
         if packed < report.max_seq_len:
-            errors.append(
+            report.errors.append(
                 Problem(
                     budget.key,
                     f"{budget.tokens_per_gpu} tokens/GPU x CP={role.cp} = {packed} cannot hold one sequence of "
@@ -466,15 +314,13 @@ def _check_role(role: RoleMesh, report: ValidationReport) -> None:
                 )
             )
     if role.dynamic_cp:
-        cap = role.max_seqlen_per_dp_cp_rank
-        if cap is None or int(cap) < facts.csa_window_size:
-            errors.append(
-                Problem(
-                    f"{ek}.max_seqlen_per_dp_cp_rank",
-                    f"is {cap} with dynamic CP; each DPxCP rank must be allowed >= {facts.csa_window_size} rows.",
-                    f"set it to an integer >= {facts.csa_window_size} (ds4.max_seqlen_per_dp_cp_rank).",
-                )
-            )
+        _add(
+            report,
+            role.engine_key,
+            ds4_facts.check_rows_per_rank(
+                role.max_seqlen_per_dp_cp_rank, min_rows, "max_seqlen_per_dp_cp_rank", context=" with dynamic CP"
+            ),
+        )
 
 
 def _check_agreement(roles: list[RoleMesh], cfg: DictConfig, report: ValidationReport) -> None:
@@ -525,7 +371,7 @@ def _check_agreement(roles: list[RoleMesh], cfg: DictConfig, report: ValidationR
                     f"{critic.engine_key}.override_transformer_config.cp_partition_mode",
                     f"is {critic.cp_partition_mode!r} but the actor uses {actor.cp_partition_mode!r}; values "
                     "and log-probs of the same tokens must come from the same layout.",
-                    f"use {REQUIRED_CP_PARTITION_MODE!r} for both.",
+                    f"use {ds4_facts.CP_PARTITION_MODE!r} for both.",
                 )
             )
 
@@ -641,12 +487,12 @@ def validate_recipe(
         if raise_on_error:
             report.raise_if_errors()
         return report
-    if facts.model_type != HF_MODEL_TYPE:
+    if facts.model_type != ds4_facts.HF_MODEL_TYPE:
         report.errors.append(
             Problem(
                 model_key,
                 f"points at a model_type={facts.model_type!r} checkpoint ({facts.source}); these recipes and their "
-                f"rules are for {HF_MODEL_TYPE!r}.",
+                f"rules are for {ds4_facts.HF_MODEL_TYPE!r}.",
                 "point it at a DeepSeek-V4 checkpoint or use a recipe for your model.",
             )
         )

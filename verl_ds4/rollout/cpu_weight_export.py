@@ -1,13 +1,13 @@
 """Weight export from the CPU Megatron engine to the ``cpu_demo`` rollout.
 
 verl's trainer syncs weights with ``engine.get_per_tensor_param()``, which on the Megatron engine
-goes through a Megatron bridge (HF names). The CPU engine (:mod:`verl_ds4.engine.cpu`) has no
+goes through a Megatron bridge (HF names). The CPU engine (:mod:`verl_ds4.cpu.engine`) has no
 bridge: its models come from local CPU builders. The ``cpu_demo`` rollout rebuilds the same model
 with the same builder (:class:`verl_ds4.rollout.policy.MegatronCPUPolicy`), so the export it needs
 is simply the actor module's parameters under their Megatron names: :func:`megatron_named_tensors`.
 
 :func:`install` gives the CPU engines that export **only if they do not define one themselves**
-(the method would then belong in ``verl_ds4/engine/cpu.py``; this module steps aside when it is
+(the method would then belong in ``verl_ds4/cpu/engine.py``; this module steps aside when it is
 there). Loading this module installs it when ``VERL_PLATFORM=cpu`` (the CPU PPO launcher lists it
 in ``VERL_USE_EXTERNAL_MODULES``). Limits: TP = PP = 1 (every rank holds whole tensors, which is
 what the CPU engine supports), no LoRA.
@@ -62,7 +62,7 @@ def install() -> list[str]:
     """Give the CPU engines :func:`_get_per_tensor_param` unless they define their own; returns the classes patched."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    from verl_ds4.engine import cpu as cpu_engine
+    from verl_ds4.cpu import engine as cpu_engine
 
     patched = []
     for cls in (cpu_engine.CPUMegatronEngineWithLMHead, cpu_engine.CPUMegatronEngineWithValueHead):

@@ -7,7 +7,7 @@ response (so in [0, 1], and a random policy already earns a little of it).
 
 :func:`write_ppo_assets` writes everything a run needs into one folder, deterministically:
 ``model/`` (the character tokenizer with its chat template and the tiny DS4 proxy's HF config,
-:mod:`verl_ds4.testing.cpu_sft_data`) and ``data/{train,val}.parquet`` in verl's RL format
+:mod:`verl_ds4.cpu.sft_data`) and ``data/{train,val}.parquet`` in verl's RL format
 (``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model`` with the
 ``ground_truth``, ``extra_info``).
 
@@ -66,7 +66,7 @@ def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def write_ppo_assets(out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0) -> dict[str, str]:
     """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths."""
-    from verl_ds4.testing.cpu_sft_data import model_hf_config, write_model_dir
+    from verl_ds4.cpu.sft_data import model_hf_config, write_model_dir
 
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}.")

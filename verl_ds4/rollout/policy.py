@@ -1,7 +1,7 @@
 """The model a CPU rollout server samples from: the actor's own Megatron model, rebuilt at CP=1.
 
 :class:`MegatronCPUPolicy` builds the model with the CPU engine's builder for the HF ``model_type``
-(:data:`verl_ds4.engine.cpu.CPU_MODEL_BUILDERS`: the tiny DS4 proxy for ``deepseek_v4``, the tiny
+(:data:`verl_ds4.cpu.engine.CPU_MODEL_BUILDERS`: the tiny DS4 proxy for ``deepseek_v4``, the tiny
 dense GPT for ``llama``), so its parameter names are exactly the names of the actor's Megatron
 module; :meth:`MegatronCPUPolicy.load_weights` therefore takes the actor's ``(name, tensor)``
 export as is (strictly: a missing, unexpected or mis-shaped tensor is an error). It runs the
@@ -60,8 +60,8 @@ class MegatronCPUPolicy:
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, share_embeddings: bool | None = None):
         import importlib
 
-        from verl_ds4.engine.cpu import CPU_MODEL_BUILDERS, cpu_transformer_overrides
-        from verl_ds4.testing.cpu_sft_data import MODEL_EXTERNAL_LIBS
+        from verl_ds4.cpu.engine import CPU_MODEL_BUILDERS, cpu_transformer_overrides
+        from verl_ds4.cpu.sft_data import MODEL_EXTERNAL_LIBS
 
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in CPU_MODEL_BUILDERS:
@@ -73,7 +73,7 @@ class MegatronCPUPolicy:
         if builder is None:
             raise ValueError(
                 f"The CPU rollout has no model builder for HF model_type={model_type!r}; registered: "
-                f"{sorted(CPU_MODEL_BUILDERS)} (verl_ds4.engine.cpu.register_cpu_model_builder adds one)."
+                f"{sorted(CPU_MODEL_BUILDERS)} (verl_ds4.cpu.engine.register_cpu_model_builder adds one)."
             )
         ensure_single_rank_megatron()
         if share_embeddings is None:

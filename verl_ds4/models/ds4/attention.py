@@ -34,14 +34,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from verl_ds4.layout.types import DS4_CSA_RATIO, ds4_window_rows
+from verl_ds4 import ds4_facts
 
 from .cp_comm import all_gather_rows, exchange_left_halo
 from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 
 __all__ = ["DS4AttentionSpec", "DS4HybridAttention", "layer_kind_for_ratio", "CSA_RATIO"]
 
-CSA_RATIO = DS4_CSA_RATIO
+CSA_RATIO = ds4_facts.CSA_RATIO
 LayerKind = Literal["sliding", "csa", "hca"]
 
 
@@ -102,7 +102,7 @@ class DS4AttentionSpec:
     @property
     def min_local_rows(self) -> int:
         """D_window: rows each CP rank needs from its left neighbour (and so must hold itself)."""
-        return ds4_window_rows(self.window_size, self.compress_ratio)
+        return ds4_facts.window_rows(self.window_size, self.compress_ratio)
 
 
 class _RMSNorm(nn.Module):

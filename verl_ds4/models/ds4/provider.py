@@ -1,17 +1,13 @@
-"""DS4 facts and Megatron-Bridge provider rules that recipes and their validator rely on.
+"""The architecture numbers of one DS4 checkpoint, as recipes and their validator read them.
 
 verl builds DS4 through Megatron-Bridge (``use_mbridge=True``, ``vanilla_mbridge=False``): the bridge
 maps HF ``DeepseekV4ForCausalLM`` (``model_type="deepseek_v4"``) onto its provider, and verl applies
-the engine config plus ``override_transformer_config`` on top. The rules here are what that
-provider accepts for DS4 (shared doc ds4-context-parallel.md, sections 1, 3 and 4):
+the engine config plus ``override_transformer_config`` on top. The rules that provider imposes
+(TP=1, contiguous CP, the packing schedulers, the rows per CP rank) are written once, in
+:mod:`verl_ds4.ds4_facts`, for the validator and the engine alike.
 
-- tensor parallelism is unsupported (``tensor_model_parallel_size`` must be 1);
-- CP>1 needs THD (packed) input, ``cp_partition_mode="contiguous"`` and a packing scheduler in
-  :data:`SEQUENCE_PACKING_SCHEDULERS`;
-- every CP rank must hold at least ``csa_window_size`` (128) rows of the packed micro-batch.
-
-:class:`DS4ModelFacts` carries the architecture numbers the validator needs. They come from the
-checkpoint's ``config.json`` when it is readable and from the recipe's ``ds4.model`` block
+:class:`DS4ModelFacts` carries the numbers the validator needs. They come from the checkpoint's
+``config.json`` when it is readable and from the recipe's ``ds4.model`` block
 (``configs/ds4_model/*.yaml``, sources cited there) otherwise.
 """
 
@@ -22,16 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-HF_MODEL_TYPE = "deepseek_v4"
-
-# DS4's hybrid attention has no tensor-parallel implementation.
-SUPPORTED_TENSOR_PARALLEL_SIZE = 1
-
-# The only CP partition DS4 attention addresses correctly (positions derive from cp_rank * L).
-REQUIRED_CP_PARTITION_MODE = "contiguous"
-
-# Megatron-LM dev accepts these schedulers for DS4 THD with CP>1 (validation gate only).
-SEQUENCE_PACKING_SCHEDULERS = ("dp_balanced", "default_dynamic_cp")
+from verl_ds4 import ds4_facts
 
 # URI schemes a trainer resolves itself (verl copies them to local disk); not checked on disk.
 REMOTE_PATH_SCHEMES = ("hdfs://", "s3://", "gs://", "oss://", "abfs://", "az://", "http://", "https://")
@@ -47,9 +34,12 @@ class DS4ModelFacts:
         num_layers: decoder layers, MTP excluded.
         mtp_layers: multi-token-prediction layers (``num_nextn_predict_layers``).
         hidden_size: model width.
+        num_attention_heads: attention heads.
         n_routed_experts: routed experts per MoE layer (EP must divide it).
         num_experts_per_tok: routed top-k.
-        csa_window_size: attention window; each CP rank needs at least this many rows.
+        csa_window_size: the sliding window of every layer.
+        index_topk: compressed blocks a CSA query selects.
+        compress_ratios: per decoder layer (MTP excluded): 0 window only, 4 CSA, 128 HCA.
         source: where these numbers were read from.
     """
 
@@ -58,23 +48,38 @@ class DS4ModelFacts:
     num_layers: int
     mtp_layers: int
     hidden_size: int
+    num_attention_heads: int
     n_routed_experts: int
     num_experts_per_tok: int
     csa_window_size: int
+    index_topk: int
+    compress_ratios: tuple[int, ...]
     source: str
+
+    def __post_init__(self):
+        ds4_facts.check_compress_ratios(self.compress_ratios, self.num_layers)
+
+    @property
+    def min_local_rows(self) -> int:
+        """Rows every CP rank must hold (:func:`verl_ds4.ds4_facts.min_local_rows`, MTP layers included)."""
+        ratios = ds4_facts.with_mtp(self.compress_ratios, self.mtp_layers)
+        return ds4_facts.min_local_rows(self.csa_window_size, ratios)
 
     @classmethod
     def from_recipe_block(cls, block: Mapping[str, Any], source: str) -> "DS4ModelFacts":
         """Build from a recipe's ``ds4.model`` block (``configs/ds4_model/<size>.yaml``)."""
         return cls(
             name=str(block["name"]),
-            model_type=str(block.get("hf_model_type", HF_MODEL_TYPE)),
+            model_type=str(block.get("hf_model_type", ds4_facts.HF_MODEL_TYPE)),
             num_layers=int(block["num_layers"]),
             mtp_layers=int(block.get("mtp_layers", 0)),
             hidden_size=int(block["hidden_size"]),
+            num_attention_heads=int(block["num_attention_heads"]),
             n_routed_experts=int(block["n_routed_experts"]),
             num_experts_per_tok=int(block["num_experts_per_tok"]),
             csa_window_size=int(block["csa_window_size"]),
+            index_topk=int(block["index_topk"]),
+            compress_ratios=tuple(int(r) for r in block["compress_ratios"]),
             source=source,
         )
 
@@ -83,15 +88,20 @@ class DS4ModelFacts:
         """Build from a checkpoint ``config.json`` dict; fields it lacks come from ``fallback``."""
         text = config.get("text_config") or config
         window = text.get("csa_window_size", text.get("sliding_window", fallback.csa_window_size))
+        # the layer kinds as transformers reads them (its default pattern when the file names none)
+        ratios = ds4_facts.layer_compress_ratios(text) if "num_hidden_layers" in text else fallback.compress_ratios
         return cls(
             name=str(text.get("_name_or_path") or fallback.name),
             model_type=str(config.get("model_type", fallback.model_type)),
             num_layers=int(text.get("num_hidden_layers", fallback.num_layers)),
             mtp_layers=int(text.get("num_nextn_predict_layers", fallback.mtp_layers) or 0),
             hidden_size=int(text.get("hidden_size", fallback.hidden_size)),
+            num_attention_heads=int(text.get("num_attention_heads", fallback.num_attention_heads)),
             n_routed_experts=int(text.get("n_routed_experts", fallback.n_routed_experts)),
             num_experts_per_tok=int(text.get("num_experts_per_tok", fallback.num_experts_per_tok)),
             csa_window_size=int(window),
+            index_topk=int(text.get("index_topk", fallback.index_topk)),
+            compress_ratios=ratios,
             source=source,
         )
 

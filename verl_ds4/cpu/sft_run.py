@@ -2,7 +2,7 @@
 
 :func:`sft_command` builds the ``torchrun ... -m verl.trainer.sft_trainer engine=megatron
 optim=megatron`` command line for the assets written by
-:func:`verl_ds4.testing.cpu_sft_data.prepare_cpu_sft_assets`; :func:`cpu_env` is the
+:func:`verl_ds4.cpu.sft_data.prepare_cpu_sft_assets`; :func:`cpu_env` is the
 environment that selects the CPU platform and loads the CPU engines; :func:`parse_losses`
 reads verl's console lines (``step:N - ... train/loss:X``).
 """
@@ -32,7 +32,7 @@ def cpu_env(base: dict | None = None) -> dict:
     """``base`` (default: ``os.environ``) plus the CPU platform and engine selection."""
     env = dict(os.environ if base is None else base)
     env["VERL_PLATFORM"] = "cpu"
-    env["VERL_USE_EXTERNAL_MODULES"] = "verl_ds4.platform.cpu,verl_ds4.engine.cpu"
+    env["VERL_USE_EXTERNAL_MODULES"] = "verl_ds4.cpu.platform,verl_ds4.cpu.engine"
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
@@ -95,7 +95,7 @@ def engine_dtype_args(dtype: str) -> list[str]:
     verl's own ``McoreEngineConfig`` admits only ``bfloat16``/``float16``.
     """
     if dtype in ("float32", "fp32"):
-        return ["engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig", "engine.dtype=float32"]
+        return ["engine._target_=verl_ds4.cpu.engine.CPUMcoreEngineConfig", "engine.dtype=float32"]
     return [f"engine.dtype={dtype}"]
 
 

@@ -5,17 +5,17 @@ Megatron-Core and mbridge (docs/ds4-context-parallel.md section 8 lists them). T
 engines here are verl-ds4's DS4 engines (:mod:`verl_ds4.engine.megatron`) with a CPU mixin
 slotted between them and verl's engine, replacing exactly those steps. They are registered
 for ``device="cpu"`` only (:func:`register_cpu_engines`; importing this module under
-``VERL_PLATFORM=cpu`` registers them, e.g. ``VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,
-verl_ds4.engine.cpu``), so a GPU run never constructs them.
+``VERL_PLATFORM=cpu`` registers them, e.g. ``VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,
+verl_ds4.cpu.engine``), so a GPU run never constructs them.
 
 Models are built by a CPU model builder chosen by the HF ``model_type``
 (:func:`register_cpu_model_builder`). The builders live with their models and register on
 import; select one with verl's per-model import knob ``model.external_lib``:
-``verl_ds4.models.ds4.cpu_builder`` (``deepseek_v4``: the tiny DS4 proxy) or
-``verl_ds4.testing.tiny_dense`` (``llama``: the tiny dense stepping stone).
+``verl_ds4.cpu.ds4_builder`` (``deepseek_v4``: the tiny DS4 proxy) or
+``verl_ds4.cpu.tiny_dense`` (``llama``: the tiny dense stepping stone).
 
 Precision: verl's ``McoreEngineConfig`` admits only bf16/fp16 parameters; select
-:class:`CPUMcoreEngineConfig` (``engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig
+:class:`CPUMcoreEngineConfig` (``engine._target_=verl_ds4.cpu.engine.CPUMcoreEngineConfig
 engine.dtype=float32``) for fp32 parameters and compute, which the CPU demo and tests use.
 
 What each override does, and why:
@@ -101,7 +101,7 @@ class CPUMcoreEngineConfig(DS4McoreEngineConfig):
     right choice on GPUs. On a CPU, fp32 parameters and compute are what make runs at
     different CP sizes comparable to fp32 tolerance (bf16 rounds differently when the same
     tokens are summed on one rank or two), and fp32 matmuls are no slower there. Select it
-    with ``engine._target_=verl_ds4.engine.cpu.CPUMcoreEngineConfig engine.dtype=float32``;
+    with ``engine._target_=verl_ds4.cpu.engine.CPUMcoreEngineConfig engine.dtype=float32``;
     every other field and check is verl's. The DS4 GPU engines refuse an fp32 config
     (:meth:`verl_ds4.engine.megatron.DS4MegatronEngineWithLMHead`), so it cannot reach them
     unnoticed.
@@ -380,9 +380,9 @@ class _CPUMegatronEngineMixin:
         if builder is None:
             raise ValueError(
                 f"No CPU model builder for HF model_type={model_type!r}; registered: {sorted(CPU_MODEL_BUILDERS)}. "
-                "Set model.external_lib to the module that registers it: verl_ds4.models.ds4.cpu_builder (the tiny "
-                "DS4 proxy, deepseek_v4) or verl_ds4.testing.tiny_dense (the tiny dense model, llama); or call "
-                "verl_ds4.engine.cpu.register_cpu_model_builder()."
+                "Set model.external_lib to the module that registers it: verl_ds4.cpu.ds4_builder (the tiny "
+                "DS4 proxy, deepseek_v4) or verl_ds4.cpu.tiny_dense (the tiny dense model, llama); or call "
+                "verl_ds4.cpu.engine.register_cpu_model_builder()."
             )
         self._cpu_model_builder = builder
         overrides = cpu_transformer_overrides(

@@ -44,7 +44,7 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", 
 
 def ds4_control_tokens() -> list[str]:
     """DS4's chat control tokens as verl's DS4 encoder writes them (each one atomic token)."""
-    from verl_ds4.testing.ds4_tokenizer import DS4_CONTROL_TOKENS
+    from verl_ds4.cpu.ds4_tokenizer import DS4_CONTROL_TOKENS
 
     return list(DS4_CONTROL_TOKENS)
 
@@ -243,7 +243,7 @@ def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
 
 MODELS = ("ds4_proxy", "tiny_dense")
 #: The module that registers each model's CPU builder; verl imports it via ``model.external_lib``.
-MODEL_EXTERNAL_LIBS = {"ds4_proxy": "verl_ds4.models.ds4.cpu_builder", "tiny_dense": "verl_ds4.testing.tiny_dense"}
+MODEL_EXTERNAL_LIBS = {"ds4_proxy": "verl_ds4.cpu.ds4_builder", "tiny_dense": "verl_ds4.cpu.tiny_dense"}
 
 
 def model_hf_config(model: str):
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m verl_ds4.testing.cpu_sft_data",
+        prog="python -m verl_ds4.cpu.sft_data",
         description="Write the CPU demo's model folder (char tokenizer + HF config) and arithmetic SFT parquet.",
     )
     parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")

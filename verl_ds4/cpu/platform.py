@@ -8,7 +8,7 @@ with device ``cpu`` that string names the CPU twice and ``init_process_group`` r
 
 How it is loaded (either works; both are idempotent):
 
-* ``VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu`` - verl imports it at ``import verl``
+* ``VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform`` - verl imports it at ``import verl``
   in every process (torchrun workers, Ray workers);
 * :func:`install` called explicitly (the verl-ds4 plugin calls it when ``VERL_PLATFORM=cpu``).
 
@@ -78,7 +78,7 @@ def _make_device_module() -> types.ModuleType:
     ``torch.cpu`` so a missing call fails with an AttributeError naming it.
     """
     mod = types.ModuleType("verl_ds4_cpu_device")
-    mod.__doc__ = "CPU device module for verl's platform API (see verl_ds4.platform.cpu)."
+    mod.__doc__ = "CPU device module for verl's platform API (see verl_ds4.cpu.platform)."
     overrides: dict[str, Any] = {
         "is_available": lambda: True,
         "device_count": _zero,
@@ -280,10 +280,10 @@ def self_check() -> None:
     if not isinstance(platform, PlatformCPU):
         raise RuntimeError(
             f"VERL_PLATFORM=cpu but verl's platform is {type(platform).__name__}: verl resolved its platform "
-            "before verl_ds4.platform.cpu was imported. Set VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu."
+            "before verl_ds4.cpu.platform was imported. Set VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform."
         )
     if verl_dist.initialize_global_process_group is not initialize_global_process_group_cpu:
-        raise RuntimeError("verl_ds4.platform.cpu.install() did not run: verl would initialise nccl on CPU.")
+        raise RuntimeError("verl_ds4.cpu.platform.install() did not run: verl would initialise nccl on CPU.")
 
 
 install()

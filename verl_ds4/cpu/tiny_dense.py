@@ -255,9 +255,9 @@ def _dense_build(tf_config, hf_config, *, pre_process, post_process, share_embed
 def register_tiny_dense_cpu_builder() -> None:
     """Register this model with the CPU Megatron engine for HF ``model_type="llama"``.
 
-    Runs on import, so ``model.external_lib=verl_ds4.testing.tiny_dense`` selects it in verl.
+    Runs on import, so ``model.external_lib=verl_ds4.cpu.tiny_dense`` selects it in verl.
     """
-    from verl_ds4.engine.cpu import CPUModelBuilder, register_cpu_model_builder
+    from verl_ds4.cpu.engine import CPUModelBuilder, register_cpu_model_builder
 
     register_cpu_model_builder("llama", CPUModelBuilder(_dense_transformer_config, _dense_build))
 

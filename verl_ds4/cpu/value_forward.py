@@ -1,14 +1,14 @@
 """Forward the DS4 proxy's *value head* through verl's own ``TrainingWorker`` on CPU processes.
 
-    torchrun --nproc_per_node=2 -m verl_ds4.testing.cpu_value_forward ASSETS_DIR CP OUT.json
+    torchrun --nproc_per_node=2 -m verl_ds4.cpu.value_forward ASSETS_DIR CP OUT.json
 
 verl's SFT trainer only builds language models, so this module builds the critic the way verl's
 PPO trainer does (``TrainingWorker(model_type="value_model")`` on ``strategy=megatron``, verl's
 config tree composed with Hydra), packs a few DS4-encoded conversations with ``no_padding`` and
 runs ``infer_batch``. The logging rank writes the per-token values (original token order) to
 ``OUT.json``, so runs at different CP sizes can be compared. Requires ``VERL_PLATFORM=cpu`` and
-``VERL_USE_EXTERNAL_MODULES=verl_ds4.platform.cpu,verl_ds4.engine.cpu`` (see
-:func:`verl_ds4.testing.cpu_sft_run.cpu_env`).
+``VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine`` (see
+:func:`verl_ds4.cpu.sft_run.cpu_env`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl.workers.engine_workers import TrainingWorker
 
     from verl_ds4.models.ds4.sft_dataset import DS4ChatSFTDataset
-    from verl_ds4.testing.cpu_sft_run import engine_dtype_args
+    from verl_ds4.cpu.sft_run import engine_dtype_args
 
     initialize_global_process_group()
     with initialize_config_module("verl.trainer.config", version_base=None):
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine=megatron",
                 "optim=megatron",
                 f"model.path={assets}/model",
-                "model.external_lib=verl_ds4.models.ds4.cpu_builder",
+                "model.external_lib=verl_ds4.cpu.ds4_builder",
                 *engine_dtype_args("float32"),
                 f"engine.context_parallel_size={cp}",
                 "engine.sequence_parallel=False",

@@ -1,6 +1,6 @@
 """CP parity harness for the DS4 proxy: every CP size must reproduce CP = 1.
 
-For a CP size ``N`` the harness starts ``N`` gloo processes (:func:`verl_ds4.testing.distributed.run_distributed`)
+For a CP size ``N`` the harness starts ``N`` gloo processes (:func:`verl_ds4.cpu.distributed.run_distributed`)
 with Megatron's parallel state initialised (``context_parallel_size=N``), builds the same proxy actor
 (LM head) and critic (value head) on every rank, and runs one micro-batch through the THD data path
 of :mod:`verl_ds4.mcore.thd` (plan with the contiguous layout and the model's ``min_local_rows``,
@@ -85,7 +85,7 @@ def _batch(lengths, vocab: int, seed: int):
 @contextlib.contextmanager
 def _layout_guard_bypassed():
     """Let DS4 attention accept any CP partition (only to show what the guard prevents)."""
-    from .attention import DS4HybridAttention
+    from verl_ds4.models.ds4.attention import DS4HybridAttention
 
     original = DS4HybridAttention.__dict__["check_cp_partition"]
     DS4HybridAttention.check_cp_partition = classmethod(lambda cls, mode, cp_size: None)
@@ -157,7 +157,7 @@ def _worker(rank: int, world: int, cfg, dtypes, batches, seed: int, layout_check
     # torch.fx logs a deprecation note on every rank when Megatron checks for tracing: noise here.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
-    from .proxy import build_proxy_model, load_proxy_config, proxy_transformer_config
+    from verl_ds4.models.ds4.proxy import build_proxy_model, load_proxy_config, proxy_transformer_config
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     try:
@@ -216,9 +216,9 @@ def run_parity(
     timeout: float = 600.0,
 ) -> ParityResult:
     """Run the proxy at ``cp_size`` on that many gloo processes; returns rank 0's gathered results."""
-    from verl_ds4.testing.distributed import run_distributed
+    from verl_ds4.cpu.distributed import run_distributed
 
-    from . import proxy  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
+    from verl_ds4.models.ds4 import proxy  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
 
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}.")

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Megatron-Core warns at import that TransformerEngine / Apex are absent: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from verl_ds4.models.ds4.parity import compare, format_table, rows_passed, run_parity
+    from verl_ds4.cpu.verify import compare, format_table, rows_passed, run_parity
 
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout)

@@ -1,21 +1,21 @@
 """CPU model builder for the tiny DS4 proxy, registered with the CPU Megatron engine.
 
-verl's CPU Megatron engine (:mod:`verl_ds4.engine.cpu`) builds models by HF ``model_type``.
+verl's CPU Megatron engine (:mod:`verl_ds4.cpu.engine`) builds models by HF ``model_type``.
 Importing this module registers ``deepseek_v4`` -> the tiny DS4 proxy (a Megatron-Core
 ``GPTModel`` with verl-ds4's pure-PyTorch DS4 attention, :mod:`verl_ds4.models.ds4.proxy`).
 Select it with verl's own per-model import knob::
 
-    model.external_lib=verl_ds4.models.ds4.cpu_builder
+    model.external_lib=verl_ds4.cpu.ds4_builder
 
 The model folder's ``config.json`` is an HF ``DeepseekV4Config`` whose attribute
 ``verl_ds4_proxy`` holds the proxy sizes (written by
-``verl_ds4.testing.cpu_sft_data.ds4_proxy_hf_config``). A full DeepSeek-V4 checkpoint has no
+``verl_ds4.cpu.sft_data.ds4_proxy_hf_config``). A full DeepSeek-V4 checkpoint has no
 such entry and is rejected with an error: it needs Megatron-LM dev and GPUs.
 """
 
 from __future__ import annotations
 
-from verl_ds4.engine.cpu import CPUModelBuilder, register_cpu_model_builder
+from verl_ds4.cpu.engine import CPUModelBuilder, register_cpu_model_builder
 
 __all__ = ["DS4_PROXY_CONFIG_ATTRIBUTE", "DS4_PROXY_CPU_BUILDER"]
 
@@ -32,7 +32,7 @@ def _ds4_proxy_sizes(hf_config) -> dict:
         raise ValueError(
             f"This deepseek_v4 config has no '{DS4_PROXY_CONFIG_ATTRIBUTE}' entry: on CPU only the tiny DS4 proxy can be "
             "built (a full DeepSeek-V4 needs Megatron-LM dev and GPUs). Write the model folder with "
-            "verl_ds4.testing.cpu_sft_data.ds4_proxy_hf_config()."
+            "verl_ds4.cpu.sft_data.ds4_proxy_hf_config()."
         )
     return load_proxy_config(sizes)
 
