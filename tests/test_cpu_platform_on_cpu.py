@@ -85,7 +85,7 @@ def test_cpu_process_group_initialiser_uses_gloo():
 
 
 def test_cuda_literals_redirected_only_inside_the_scope():
-    from verl_ds4.cpu.engine import cuda_literals_on_cpu
+    from verl_ds4.cpu.cuda_shim import cuda_literals_on_cpu
 
     current_device = torch.cuda.current_device
     with cuda_literals_on_cpu(report_cuda_types=True):
@@ -102,7 +102,7 @@ def test_cuda_literals_redirected_only_inside_the_scope():
 
 
 def test_cpu_rng_tracker_forks_and_round_trips():
-    from verl_ds4.cpu.engine import CPURNGStatesTracker
+    from verl_ds4.cpu.rng import CPURNGStatesTracker
 
     tracker = CPURNGStatesTracker()
     tracker.add("model-parallel-rng", 1234)
@@ -124,7 +124,7 @@ def test_cpu_rng_tracker_forks_and_round_trips():
 
 
 def test_adam_step_counters_restored_from_loaded_param_groups():
-    from verl_ds4.cpu.engine import _restore_adam_step_counters
+    from verl_ds4.cpu.optimizer_state import restore_adam_step_counters as _restore_adam_step_counters
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     inner = torch.optim.AdamW(params, lr=0.1)
@@ -147,7 +147,7 @@ def test_adam_step_counters_restored_from_loaded_param_groups():
 
 
 def test_cpu_transformer_overrides_reject_contradicting_user_values():
-    from verl_ds4.cpu.engine import cpu_transformer_overrides
+    from verl_ds4.cpu.builders import cpu_transformer_overrides
 
     merged = cpu_transformer_overrides({"recompute_granularity": None})
     assert merged["use_cpu_initialization"] is True and merged["gradient_accumulation_fusion"] is False

@@ -15,7 +15,7 @@ such entry and is rejected with an error: it needs Megatron-LM dev and GPUs.
 
 from __future__ import annotations
 
-from verl_ds4.cpu.engine import CPUModelBuilder, register_cpu_model_builder
+from verl_ds4.cpu.builders import CPUModelBuilder, register_cpu_model_builder
 
 __all__ = ["DS4_PROXY_CONFIG_ATTRIBUTE", "DS4_PROXY_CPU_BUILDER"]
 

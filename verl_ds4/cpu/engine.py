@@ -49,25 +49,31 @@ What each override does, and why:
   (Megatron's non-TE/Apex load path shares one tensor between all parameters and
   overwrites it with the pre-load placeholder).
 
+Where each piece lives: :mod:`.engine_config` (fp32 config), :mod:`.cuda_shim`
+(:func:`cuda_literals_on_cpu`), :mod:`.rng` (the CPU RNG tracker), :mod:`.builders` (the model
+builder registry and CPU settings), :mod:`.optimizer_state` (the Adam step-state repair),
+:mod:`.progress` (the progress line); this module holds the engine mixin, the two engines and
+their registration.
+
 Not supported on CPU (raises): LoRA/PEFT, HF-format model save/load (needs a bridge), fused
 kernels, Megatron FSDP, pipeline/virtual-pipeline parallelism, ``param_offload``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
-
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-from verl_ds4.engine.config import DS4McoreEngineConfig
+from verl_ds4.cpu.builders import CPU_MODEL_BUILDERS, CPUModelBuilder, cpu_transformer_overrides, register_cpu_model_builder
+from verl_ds4.cpu.cuda_shim import cuda_literals_on_cpu
+from verl_ds4.cpu.engine_config import CPUMcoreEngineConfig
+from verl_ds4.cpu.optimizer_state import create_empty_optimizer_state, restore_adam_step_counters
+from verl_ds4.cpu.progress import global_step_of, progress_line
+from verl_ds4.cpu.rng import CPURNGStatesTracker, install_cpu_rng_tracker
 from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead
 
 logger = logging.getLogger(__name__)
@@ -83,238 +89,6 @@ __all__ = [
     "register_cpu_engines",
     "register_cpu_model_builder",
 ]
-
-
-# ---------------------------------------------------------------------------------------
-# Engine config: verl's, plus full fp32 parameters
-# ---------------------------------------------------------------------------------------
-
-_FP32_NAMES = ("float32", "fp32")
-
-
-@dataclass
-class CPUMcoreEngineConfig(DS4McoreEngineConfig):
-    """verl-ds4's engine config (verl's ``McoreEngineConfig`` + ``cp_balance``) that also accepts
-    ``dtype: float32`` (CPU engine only).
-
-    verl 0.9.1's Megatron engine config admits only ``bfloat16``/``float16`` parameters, the
-    right choice on GPUs. On a CPU, fp32 parameters and compute are what make runs at
-    different CP sizes comparable to fp32 tolerance (bf16 rounds differently when the same
-    tokens are summed on one rank or two), and fp32 matmuls are no slower there. Select it
-    with ``engine._target_=verl_ds4.cpu.engine.CPUMcoreEngineConfig engine.dtype=float32``;
-    every other field and check is verl's. The DS4 GPU engines refuse an fp32 config
-    (:meth:`verl_ds4.engine.megatron.DS4MegatronEngineWithLMHead`), so it cannot reach them
-    unnoticed.
-    """
-
-    _mutable_fields = DS4McoreEngineConfig._mutable_fields | {"dtype"}
-
-    def __post_init__(self) -> None:
-        requested = self.dtype
-        if requested not in _FP32_NAMES:
-            super().__post_init__()
-            return
-        # verl's own checks, run on a half-precision stand-in, then the requested value back.
-        self.dtype = "bfloat16"
-        try:
-            super().__post_init__()
-        finally:
-            self.dtype = "float32"
-
-
-# ---------------------------------------------------------------------------------------
-# CUDA literals inside Megatron-Core, redirected to the CPU for the duration of a call
-# ---------------------------------------------------------------------------------------
-
-
-def _is_accelerator_device(device: Any) -> bool:
-    if device is None:
-        return False
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # a bare index means "cuda:<index>" to torch factory functions
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return False
-
-
-_CUDA_TYPE_NAMES = {
-    "torch.FloatTensor": "torch.cuda.FloatTensor",
-    "torch.HalfTensor": "torch.cuda.HalfTensor",
-    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-}
-
-
-class _CudaLiteralsToCPU(TorchFunctionMode):
-    """Torch-function mode: ``device="cuda"``/index arguments become ``"cpu"``.
-
-    Also makes ``tensor.cuda()`` return the CPU tensor itself and, with
-    ``report_cuda_types``, ``tensor.type()`` name a CPU float tensor by its CUDA type
-    (Megatron's optimizers assert ``param.type() == 'torch.cuda.FloatTensor'``).
-    """
-
-    def __init__(self, report_cuda_types: bool):
-        super().__init__()
-        self.report_cuda_types = report_cuda_types
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_accelerator_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda and args and args[0].device.type == "cpu":
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_accelerator_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        if self.report_cuda_types and func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return _CUDA_TYPE_NAMES.get(name, name)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def cuda_literals_on_cpu(report_cuda_types: bool = False):
-    """Run Megatron-Core code that hard-codes CUDA on the CPU.
-
-    Inside the block: tensors requested on ``"cuda"`` (or a device index) are created on the
-    CPU, ``torch.cuda.current_device()`` returns 0 (then mapped to the CPU),
-    ``torch.cuda.synchronize()`` does nothing. Only the CPU engines use it, around the
-    Megatron calls listed in this module's docstring; it is a no-op for code that does not
-    name CUDA.
-    """
-    saved = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize")}
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda *a, **k: None
-    try:
-        with _CudaLiteralsToCPU(report_cuda_types):
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.cuda, name, fn)
-
-
-# ---------------------------------------------------------------------------------------
-# Megatron's model-parallel RNG tracker on the CPU generator
-# ---------------------------------------------------------------------------------------
-
-
-class CPURNGStatesTracker:
-    """Megatron ``CudaRNGStatesTracker`` interface over torch's CPU generator.
-
-    ``add(name, seed)`` records a generator state seeded with ``seed``; ``fork(name)`` swaps
-    it into torch's default CPU generator for the block and stores it back afterwards;
-    ``get_states``/``set_states`` carry the states through checkpoints.
-    """
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self._is_initialized = False
-        self.states_: dict[str, torch.Tensor] = {}
-        self.seeds_: set[int] = set()
-
-    def is_initialized(self) -> bool:
-        return self._is_initialized
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return dict(self.states_)
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self._is_initialized = True
-        self.states_ = dict(states)
-
-    def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds_:
-            raise ValueError(f"RNG seed {seed} is already tracked")
-        if name in self.states_:
-            raise ValueError(f"RNG state {name!r} already exists")
-        self._is_initialized = True
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng"):
-        if name not in self.states_:
-            raise KeyError(f"RNG state {name!r} was never added to the CPU RNG tracker")
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outer)
-
-
-def install_cpu_rng_tracker(seed: int) -> CPURNGStatesTracker:
-    """Replace Megatron's CUDA RNG tracker with a seeded :class:`CPURNGStatesTracker`.
-
-    Seeds follow Megatron's ``model_parallel_cuda_manual_seed`` scheme (an offset per TP
-    rank for the model-parallel stream, per EP/ETP rank for the expert stream) so every
-    rank draws what it would draw on a GPU mesh of the same shape.
-    """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import random as mrandom
-
-    tracker = CPURNGStatesTracker()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    ep_rank = mpu.get_expert_model_parallel_rank()
-    etp_rank = mpu.get_expert_tensor_parallel_rank()
-    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep_rank + etp_rank + 1)
-    mrandom._CUDA_RNG_STATE_TRACKER = tracker
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    return tracker
-
-
-# ---------------------------------------------------------------------------------------
-# CPU model builders (by HF model_type)
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CPUModelBuilder:
-    """How to build a CPU-runnable Megatron model for one HF ``model_type``.
-
-    ``transformer_config(hf_config, dtype, overrides) -> TransformerConfig``;
-    ``build(tf_config, hf_config, *, pre_process, post_process, share_embeddings) -> GPTModel``.
-    """
-
-    transformer_config: Callable[..., Any]
-    build: Callable[..., Any]
-
-
-CPU_MODEL_BUILDERS: dict[str, CPUModelBuilder] = {}
-
-
-def register_cpu_model_builder(model_type: str, builder: CPUModelBuilder) -> None:
-    """Register (or replace) the CPU model builder for an HF ``model_type``."""
-    CPU_MODEL_BUILDERS[model_type] = builder
-
-
-# Settings a CPU build needs: (value, reason). A user override that differs is an error.
-_CPU_TRANSFORMER_SETTINGS: dict[str, tuple[Any, str]] = {
-    "use_cpu_initialization": (True, "Megatron would allocate parameters on CUDA"),
-    "gradient_accumulation_fusion": (False, "needs the CUDA fused weight-gradient kernel"),
-    "apply_rope_fusion": (False, "needs TransformerEngine/apex kernels"),
-    "masked_softmax_fusion": (False, "needs a CUDA kernel"),
-    "persist_layer_norm": (False, "needs apex"),
-    "attention_dropout": (0.0, "the pure-PyTorch CPU attention has no dropout"),
-}
-
-
-def cpu_transformer_overrides(user_overrides: dict[str, Any]) -> dict[str, Any]:
-    """``user_overrides`` plus the CPU settings; raises if the user set one differently."""
-    merged = dict(user_overrides)
-    for key, (value, reason) in _CPU_TRANSFORMER_SETTINGS.items():
-        if key in merged and merged[key] != value:
-            raise ValueError(
-                f"engine.override_transformer_config.{key}={merged[key]!r} cannot run on CPU ({reason}); "
-                f"remove the override or set it to {value!r}."
-            )
-        merged[key] = value
-    return merged
 
 
 class _ValueHead(torch.nn.Linear):
@@ -459,7 +233,7 @@ class _CPUMegatronEngineMixin:
             return super().forward_backward_batch(*args, **kwargs)
 
     def train_batch(self, data, loss_function):
-        """verl's training step, plus one progress line on the logging rank (see :func:`_progress_line`)."""
+        """verl's training step, plus one progress line on the logging rank (see :func:`verl_ds4.cpu.progress.progress_line`)."""
         start = time.perf_counter()
         outputs = super().train_batch(data, loss_function)
         self._report_progress(data, outputs, time.perf_counter() - start)
@@ -486,7 +260,7 @@ class _CPUMegatronEngineMixin:
 
             # tqdm.write keeps the line above verl's progress bar instead of appending to it.
             tqdm.write(
-                _progress_line(
+                progress_line(
                     self._progress_step, loss.item(), tokens, step_seconds, time.perf_counter() - self._progress_started
                 )
             )
@@ -501,85 +275,18 @@ class _CPUMegatronEngineMixin:
             return super().save_checkpoint(*args, **kwargs)
 
     def load_checkpoint(self, local_path, *args, **kwargs):
-        step = _global_step_of(local_path)
+        step = global_step_of(local_path)
         if step is not None:
             self._progress_step = step
         if self.optimizer is not None:
-            _create_empty_optimizer_state(self.optimizer)
+            create_empty_optimizer_state(self.optimizer)
         # no_grad: Megatron's distributed optimizer copies loaded values into its fp32 main
         # parameters in place (views of leaves that require grad) without disabling autograd.
         with torch.no_grad(), cuda_literals_on_cpu():
             result = super().load_checkpoint(local_path, *args, **kwargs)
         if self.optimizer is not None:
-            _restore_adam_step_counters(self.optimizer)
+            restore_adam_step_counters(self.optimizer)
         return result
-
-
-def _progress_line(step: int, loss: float, tokens: int, step_seconds: float, elapsed: float) -> str:
-    """``[verl-ds4] step 12 | loss 2.3412 | 1840 tok/s | elapsed 35.2s`` (tokens of the global batch)."""
-    rate = tokens / step_seconds if step_seconds > 0 else float("nan")
-    return f"[verl-ds4] step {step} | loss {loss:.4f} | {rate:.0f} tok/s | elapsed {elapsed:.1f}s"
-
-
-def _global_step_of(path) -> int | None:
-    """N for a verl checkpoint folder ``.../global_step_N``, else None."""
-    name = os.path.basename(os.path.normpath(str(path))) if path else ""
-    prefix = "global_step_"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return int(name[len(prefix) :])
-    return None
-
-
-def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [inner for opt in chained for inner in _inner_torch_optimizers(opt)]
-    inner = getattr(optimizer, "optimizer", None)
-    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
-
-
-def _create_empty_optimizer_state(optimizer) -> None:
-    """Give every Adam parameter a zero state (``step=0``, zero moments) if it has none.
-
-    Megatron's distributed optimizer reads ``state['step']`` while building the state dict
-    that a checkpoint is loaded into; torch's Adam only creates it on the first step. The
-    loaded checkpoint overwrites these values. Parameters are not touched.
-    """
-    for inner in _inner_torch_optimizers(optimizer):
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
-                    state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
-                    if group.get("amsgrad"):
-                        state.setdefault("max_exp_avg_sq", torch.zeros_like(param))
-
-
-def _restore_adam_step_counters(optimizer) -> None:
-    """Give every parameter its own Adam ``step`` tensor, set to the checkpoint's step.
-
-    Without TransformerEngine/Apex, Megatron-Core 0.16's ``DistributedOptimizer`` stores the
-    Adam step in each checkpointed param group (``param_group["step"]``) and on load assigns
-    *one* tensor object to every parameter's ``state["step"]``; the per-parameter state copy
-    that follows then writes the pre-load placeholder into that shared tensor, and torch's
-    Adam would increment it in place once per parameter. Both would change every bias
-    correction after a resume. The loaded param groups keep the true value.
-    """
-    for inner in _inner_torch_optimizers(optimizer):
-        for group in inner.param_groups:
-            if "step" not in group:
-                continue
-            if group["step"] is None:
-                continue
-            step = float(group["step"])
-            for param in group["params"]:
-                state = inner.state.get(param)
-                if state is not None and "step" in state:
-                    state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 # The CPU mixin sits *between* verl-ds4's DS4 engine and verl's engine in the MRO, so the DS4

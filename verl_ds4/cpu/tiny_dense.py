@@ -257,7 +257,7 @@ def register_tiny_dense_cpu_builder() -> None:
 
     Runs on import, so ``model.external_lib=verl_ds4.cpu.tiny_dense`` selects it in verl.
     """
-    from verl_ds4.cpu.engine import CPUModelBuilder, register_cpu_model_builder
+    from verl_ds4.cpu.builders import CPUModelBuilder, register_cpu_model_builder
 
     register_cpu_model_builder("llama", CPUModelBuilder(_dense_transformer_config, _dense_build))
 

@@ -60,7 +60,7 @@ class MegatronCPUPolicy:
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, share_embeddings: bool | None = None):
         import importlib
 
-        from verl_ds4.cpu.engine import CPU_MODEL_BUILDERS, cpu_transformer_overrides
+        from verl_ds4.cpu.builders import CPU_MODEL_BUILDERS, cpu_transformer_overrides
         from verl_ds4.cpu.sft_data import MODEL_EXTERNAL_LIBS
 
         model_type = getattr(hf_config, "model_type", None)
