@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from .cost import TokenCostModel, get_cost_model
-from .plan import PlanOptions
+from .options import PlanOptions
 from .types import CPLayout
 
 __all__ = [
