@@ -23,6 +23,7 @@ sequence's first token (it is masked by the loss mask), never to the next sequen
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -34,7 +35,10 @@ from .tables import RankRows, _arange, _RankTables, build_tables, host_to_device
 from .tables import rank_rows as rank_rows_of
 from .types import CPLayout
 
-__all__ = ["PlanOptions", "RankRows", "THDPlan", "build_plan", "plan_from_offsets", "plan_from_padded_lengths"]
+__all__ = [
+    "PlanOptions", "RankRows", "THDPlan", "build_plan", "check_order_agreement", "order_digest", "plan_from_offsets",
+    "plan_from_padded_lengths",
+]
 
 
 class THDPlan:
@@ -287,6 +291,7 @@ def build_plan(
     options: PlanOptions,
     order: torch.Tensor | Sequence[int] | None = None,
     token_offsets: torch.Tensor | None = None,
+    cp_group=None,
 ) -> THDPlan:
     """Plan one micro-batch from its sequence lengths.
 
@@ -297,6 +302,12 @@ def build_plan(
             contiguous layout reorders sequences; outputs still come back in original order).
         token_offsets: optional ``[B + 1]`` offsets the lengths came from (a jagged tensor's
             ``offsets()``), kept as the plan's ``token_offsets`` instead of a copy.
+        cp_group: optional ``torch.distributed`` CP process group (``cp_size`` ranks). When the
+            order comes from ``options.balance`` (no explicit ``order``, ``cp_size > 1``), every
+            rank computed it on its own host: the ranks then check that they agree
+            (:func:`check_order_agreement`: one all-reduce of a 2-element int64 tensor per plan,
+            plus reading it back on the host) and raise a ``RuntimeError`` when they do not.
+            ``None``, balance off or an explicit order: nothing is checked, no collective.
     """
     if not isinstance(seqlens, torch.Tensor):
         seqlens = torch.as_tensor(list(seqlens), dtype=torch.long)
@@ -322,15 +333,52 @@ def build_plan(
         raise ValueError(f"sequence lengths must be non-negative, got a minimum of {host_seqlens.min()}.")
     if order is None and options.balance is not None and options.cp_size > 1:
         host_order = balanced_host_order(host_seqlens, options)  # on the host, from the same lengths
+        if cp_group is not None:
+            check_order_agreement(host_order, cp_group, options.cp_size, device)
         order = host_to_device(host_order.copy(), device)
     return _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets)
 
 
-def plan_from_offsets(offsets: torch.Tensor, options: PlanOptions) -> THDPlan:
+def order_digest(host_order: np.ndarray) -> int:
+    """A non-negative int64 digest of an order: the CRC-32 of its int64 little-endian bytes, the
+    length in the bits above. Equal orders give equal digests on every host."""
+    return zlib.crc32(np.ascontiguousarray(host_order, dtype="<i8").tobytes()) ^ (host_order.shape[0] << 32)
+
+
+def check_order_agreement(host_order: np.ndarray, group, cp_size: int, device: torch.device) -> None:
+    """Check that every rank of the CP ``group`` holds the same ``host_order``.
+
+    One ``all_reduce(MAX)`` of ``[digest, -digest]`` (int64; on the CPU for gloo, on the CUDA
+    device of ``device``, or the current one, for NCCL): every rank sees the largest and the
+    smallest digest and all raise together when they differ.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world != cp_size:
+        raise ValueError(f"cp_group has {world} ranks but the plan is for cp_size={cp_size}; pass the CP group.")
+    digest = order_digest(host_order)
+    on = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        on = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=on)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = int(both[0]), -int(both[1])  # the host read
+    if high != low:
+        raise RuntimeError(
+            f"CP ranks computed different balanced orders for this micro-batch (order digests range "
+            f"{low}..{high}; this rank: {digest}, rank {dist.get_rank(group)} of the CP group). The order "
+            "is computed on every rank from float64 host arithmetic: run identical NumPy builds on "
+            "every rank (same package and CPU kind), or set cp_balance=null (PlanOptions.balance=None)."
+        )
+
+
+def plan_from_offsets(offsets: torch.Tensor, options: PlanOptions, cp_group=None) -> THDPlan:
     """Plan a micro-batch from a jagged tensor's ``offsets()`` ``[B + 1]`` (one transfer, no
-    device-side work); the plan keeps ``offsets`` as its ``token_offsets``."""
+    device-side work); the plan keeps ``offsets`` as its ``token_offsets``. ``cp_group``: see
+    :func:`build_plan` (used only when the order is balanced)."""
     if options.balance is not None and options.cp_size > 1:
-        return build_plan(offsets.diff(), options, token_offsets=offsets)
+        return build_plan(offsets.diff(), options, token_offsets=offsets, cp_group=cp_group)
     if offsets.dim() != 1 or offsets.shape[0] < 2 or offsets.dtype.is_floating_point:
         raise ValueError(f"offsets must be a 1-D integer tensor [B + 1] with B >= 1, got shape {tuple(offsets.shape)}.")
     host_offsets = _host_int64(offsets)  # the plan's single device-to-host transfer
