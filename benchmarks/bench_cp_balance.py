@@ -2,9 +2,10 @@
 
 Straggler ratio = largest per-rank cost / mean per-rank cost of one micro-batch (1.00 = every CP
 rank finishes together). "plain" keeps the batch order in the packed buffer (what verl does);
-"balanced" uses ``verl_ds4.layout.balance.balance_order``. Both keep DS4's contract (equal
-contiguous slices, padding at sequence tails). "bound" is a lower bound on what any order can
-reach (``straggler_lower_bound``): where it is above 1.02 the 1.02 target is unreachable.
+"balanced" uses ``verl_ds4.layout.balance.balance_order`` (what ``build_plan`` does with
+``PlanOptions.balance``). Both keep DS4's contract (equal contiguous slices, padding at sequence
+tails). "bound" is a lower bound on what any order can reach (``straggler_lower_bound`` in
+``benchmarks/balance_lab.py``): where it is above 1.02 the 1.02 target is unreachable.
 
 Length distributions (seeded, several micro-batches each):
   sft      1024 chat samples, log-normal around 700 tokens, clipped to [32, 16K]
@@ -24,13 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-from verl_ds4.layout.balance import BalanceProblem, balance_order, straggler_lower_bound, straggler_ratio
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # balance_lab, next to this file
+
+from balance_lab import straggler_lower_bound  # noqa: E402
+
+from verl_ds4.layout.balance import BalanceProblem, balance_order, straggler_ratio  # noqa: E402
 
 
 def lengths(dist: str, seed: int) -> torch.Tensor:
@@ -147,8 +153,6 @@ def main(argv=None) -> int:
         "unreachable; open:N = not proven, but a search with 64 restarts does not reach 1.02 either (<= 64 sequences);\n"
         "miss:N = target not met; WORSE:N = balanced worse than plain (never expected)"
     )
-    import os
-
     print(f"machine load average while measuring: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if sft_ms:
         print(f"planning CPU time for 1024 sequences (best of 20 per batch): max {max(sft_ms):.3f} ms over batches, cp and cost model")

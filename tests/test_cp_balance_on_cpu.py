@@ -125,26 +125,27 @@ def test_rank_costs_match_row_by_row_reference_on_real_plan(model_name):
         torch.testing.assert_close(prob.costs(order), _reference_rank_costs(plan, model), rtol=1e-10, atol=1e-6)
 
 
-def test_incremental_move_evaluation_matches_full_evaluation():
+def test_batched_moves_match_list_swaps_and_moves():
+    """The local search builds every candidate order at once; each must be the swap (or the move:
+    remove at slot i, insert at slot j) done on a Python list."""
     gen = torch.Generator().manual_seed(2)
     for trial in range(40):
         b = int(torch.randint(2, 25, (1,), generator=gen))
-        cp = [2, 3, 4, 8][trial % 4]
-        lens = _random_lengths(gen, b, 4000)
-        if trial % 4 == 0:
-            lens[0] = 30000  # spans several ranks
-        prob = bal.BalanceProblem.contiguous(
-            lens, cp_size=cp, cost_model=["ds4", "dense"][trial % 2], min_local_rows=[None, 9000][trial % 2]
-        )
         order = torch.randperm(b, generator=gen).numpy()
-        i = torch.randint(0, b, (30,), generator=gen)
-        j = torch.randint(0, b, (30,), generator=gen)
+        i = torch.randint(0, b, (30,), generator=gen).numpy()
+        j = torch.randint(0, b, (30,), generator=gen).numpy()
         keep = i != j
-        i, j = i[keep].numpy(), j[keep].numpy()
+        i, j = i[keep], j[keep]
         swap = (torch.rand(i.size, generator=gen) < 0.5).numpy()
-        got = torch.from_numpy(bal._eval_moves(prob, bal._Current(prob, order), i, j, swap))
-        ref = torch.stack([prob.costs(bal._apply_move(order, int(a), int(c), bool(s))) for a, c, s in zip(i, j, swap)])
-        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-6)
+        got = order[bal._moved_index(b, i, j, swap)]
+        for k, (a, c, sw) in enumerate(zip(i.tolist(), j.tolist(), swap.tolist())):
+            ref = order.tolist()
+            if sw:
+                ref[a], ref[c] = ref[c], ref[a]
+            else:
+                ref.insert(c, ref.pop(a))
+            assert got[k].tolist() == ref, (a, c, sw)
+            assert bal._apply_move(order, a, c, sw).tolist() == ref
 
 
 # ---------------------------------------------------------------------------------- balancer
@@ -345,15 +346,30 @@ def test_over_budget_ranks_take_the_cheapest_filler_until_covered():
     assert sorted(np.flatnonzero(bin_of == 0).tolist()) == sorted(cheapest[:5].tolist()) and left[0] == 0
 
 
+def _balance_lab():
+    """``benchmarks/balance_lab.py`` (exploratory heuristics and the lower bound; not product code)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "balance_lab.py"
+    spec = importlib.util.spec_from_file_location("balance_lab", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("balance_lab", module)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules["balance_lab"])
+    return module
+
+
 def test_lower_bound_is_below_what_any_order_reaches():
+    lab = _balance_lab()
     gen = torch.Generator().manual_seed(7)
     for trial in range(6):
         lens = _random_lengths(gen, 6, [4000, 60000][trial % 2])
         prob = bal.BalanceProblem.contiguous(lens, cp_size=[2, 4][trial % 2], cost_model=["ds4", "dense"][trial % 2])
-        assert bal.straggler_lower_bound(prob) <= _brute_force_best(prob) / (prob.total_cost / prob.cp_size) + 1e-9
+        assert lab.straggler_lower_bound(prob) <= _brute_force_best(prob) / (prob.total_cost / prob.cp_size) + 1e-9
     # one long sequence alone: nothing can be reordered; the bound proves 1.02 unreachable
     prob = bal.BalanceProblem.contiguous([131072], cp_size=16, cost_model="dense")
-    bound = bal.straggler_lower_bound(prob)
+    bound = lab.straggler_lower_bound(prob)
     assert 1.5 < bound <= bal.straggler_ratio(prob.costs(torch.arange(1)))
 
 
@@ -456,3 +472,74 @@ def test_ds4_proxy_cp_parity_holds_with_balance_on(monkeypatch, tmp_path):
         assert rows_passed(rows), format_table(rows, f"CP={cp} balanced")
         assert max(r.max_rel for r in rows) <= 1e-10
     assert marker.read_text() == "used"
+
+
+# ------------------------------------------------------------------ CP ranks agree on the order
+
+
+def _plan_on_rank(rank, world_size, lens, disagree, with_group, cp_size):
+    """Plan with balance on; rank 1 optionally computes a different (reversed) order."""
+    import torch.distributed as dist
+
+    import verl_ds4.layout.plan as plan_module
+
+    if disagree and rank == 1:
+        real = plan_module.balanced_host_order
+        plan_module.balanced_host_order = lambda host, options: real(host, options)[::-1].copy()
+    opts = PlanOptions(layout="contiguous", cp_size=cp_size, min_local_rows=128, balance="dense")
+    group = dist.group.WORLD if with_group else None
+    try:
+        if rank % 2:
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+            plan = plan_module.plan_from_offsets(offsets, opts, cp_group=group)
+        else:
+            plan = build_plan(lens, opts, cp_group=group)
+    except (RuntimeError, ValueError) as err:
+        return [type(err).__name__, str(err)]
+    return ["ok", plan.order.tolist(), plan.cu_seqlens_padded.tolist()]
+
+
+def test_cp_ranks_agree_on_the_balanced_order_over_gloo():
+    lens = torch.tensor(MEGATRON_CP_LENGTHS + [3000, 7])
+    agreed = run_distributed(_plan_on_rank, world_size=2, args=(lens, False, True, 2))
+    assert [r[0] for r in agreed] == ["ok", "ok"] and agreed[0] == agreed[1]  # identical plans
+    assert agreed[0][1] != list(range(lens.numel()))  # really reordered
+    # one rank computes another order: every rank raises, naming what disagrees and the fix
+    split = run_distributed(_plan_on_rank, world_size=2, args=(lens, True, True, 2))
+    for kind, message in split:
+        assert kind == "RuntimeError" and "different balanced orders" in message and "cp_balance=null" in message
+    # negative control: without cp_group nothing is checked, the ranks silently disagree
+    unchecked = run_distributed(_plan_on_rank, world_size=2, args=(lens, True, False, 2))
+    assert [r[0] for r in unchecked] == ["ok", "ok"] and unchecked[0][1] != unchecked[1][1]
+    # a group that is not the CP group (2 ranks for cp_size=4) is refused
+    wrong = run_distributed(_plan_on_rank, world_size=2, args=(lens, False, True, 4))
+    assert all(kind == "ValueError" and "cp_size=4" in message for kind, message in wrong)
+
+
+def test_order_digest_tells_orders_apart():
+    from verl_ds4.layout.plan import order_digest
+
+    order = np.arange(20)
+    assert order_digest(order) == order_digest(order.copy().astype(np.int32))
+    swapped = order.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert order_digest(swapped) != order_digest(order)
+    assert order_digest(order[:19]) != order_digest(order)
+    assert 0 <= order_digest(order) < 2**62
+
+
+def test_plan_option_balance_takes_a_cost_model_instance():
+    lens = torch.tensor(MEGATRON_CP_LENGTHS + [3000, 7])
+    base = dict(layout="contiguous", cp_size=4, min_local_rows=128)
+    by_name = build_plan(lens, PlanOptions(**base, balance="dense")).order
+    assert torch.equal(build_plan(lens, PlanOptions(**base, balance=dense_causal_cost_model())).order, by_name)
+    # a DS4 shape other than Flash's default changes the costs, and the instance is what is used
+    pro = ds4_cost_model(DS4CostShape(index_topk=1024, window=4096))
+    opts = PlanOptions(**base, balance=pro)
+    assert opts.balance is pro and opts.balance_name == "ds4"
+    order = build_plan(lens, opts).order
+    assert torch.equal(order, bal.balance_order(lens, cp_size=4, cost_model=pro, min_local_rows=128))
+    with pytest.raises(ValueError, match=r"one of \['dense', 'ds4'\].*TokenCostModel"):
+        PlanOptions(**base, balance=3)
+    with pytest.raises(ValueError, match="contiguous layout only"):
+        PlanOptions(layout="zigzag", cp_size=2, balance=pro)

@@ -14,18 +14,7 @@ There is no Python loop over sequences. Per-sequence arithmetic (padding, which 
 sequence a rank holds) runs on the host in vectorised NumPy, on the lengths fetched with the
 plan's single device-to-host transfer; per-row tables are built on the lengths' device from a few
 per-segment values (one host-to-device copy per rank) with a handful of full-width tensor ops.
-
-Padding rules (sizes in rows):
-
-1. each sequence is padded at its tail to a multiple of ``layout.sequence_alignment(tp, cp)``
-   (with FP8 padding: ``lcm(16, that)``);
-2. the last sequence absorbs any extra padding of the whole buffer, so that the total is
-   a. a multiple of ``128 * alignment`` with FP8 padding,
-   b. at least ``cp * min_local_rows`` (DS4 needs ``min_local_rows = csa_window_size`` rows per rank),
-   c. a multiple of ``pad_to_length_bucket``;
-   every extra amount is rounded to the per-sequence alignment so the last sequence stays
-   splittable (verl 0.9.1 aligns the bucket to ``cp`` only, which breaks zigzag; see
-   :mod:`verl_ds4.mcore.thd`).
+Padding rules live with the options (:mod:`.options`); the per-rank row tables in :mod:`.tables`.
 
 Label shift (``shift=True``): the label of position ``p`` of a sequence of length ``n`` is the
 token at position ``(p + 1) % n`` of the *same* sequence. The last token's label wraps to the
@@ -34,169 +23,22 @@ sequence's first token (it is masked by the loss mask), never to the next sequen
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+import zlib
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from .balance import balanced_host_order
+from .options import PlanOptions
+from .tables import RankRows, _arange, _RankTables, build_tables, host_to_device, rank_runs, source_shift, wrap_rows
+from .tables import rank_rows as rank_rows_of
 from .types import CPLayout
 
-_FP8_SEQUENCE_ALIGNMENT = 16  # FP8 block quantisation: each sequence a multiple of 16 rows
-_FP8_TOTAL_FACTOR = 128  # ...and the buffer a multiple of 128 * alignment (TransformerEngine)
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """Everything besides the sequence lengths that decides a plan.
-
-    Attributes:
-        layout: ``"zigzag"`` or ``"contiguous"`` (or a :class:`CPLayout`).
-        tp_size: tensor-parallel size (local rows must split evenly for sequence parallelism).
-        cp_size: context-parallel size (with dynamic CP: the micro-batch's ``local_cp_size``).
-        min_local_rows: pad the buffer so that every rank owns at least this many rows.
-        pad_to_length_bucket: pad the buffer to a multiple of this many rows (fewer distinct shapes).
-        fp8_padding: apply FP8 block-quantisation alignment.
-        balance: contiguous layout only: ``None`` (plain order) or the name of a per-token cost
-            model (``"ds4"`` or ``"dense"``, see :mod:`.cost`); ``build_plan`` then orders the
-            sequences in the buffer to minimise the largest per-rank cost (:mod:`.balance`).
-            Padding and row counts are unchanged; outputs still come back in original order.
-    """
-
-    layout: CPLayout | str = CPLayout.ZIGZAG
-    tp_size: int = 1
-    cp_size: int = 1
-    min_local_rows: int | None = None
-    pad_to_length_bucket: int | None = None
-    fp8_padding: bool = False
-    balance: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layout", CPLayout.parse(self.layout))
-        if self.balance is not None:
-            from .cost import COST_MODELS
-
-            if self.balance not in COST_MODELS:
-                raise ValueError(
-                    f"PlanOptions.balance must be None or one of {sorted(COST_MODELS)} (a cost model name), "
-                    f"got {self.balance!r}."
-                )
-            if self.layout is not CPLayout.CONTIGUOUS:
-                raise ValueError(
-                    f"PlanOptions.balance={self.balance!r} reorders sequences of the contiguous layout only, "
-                    f"but layout='{self.layout}'. Use layout='contiguous' or balance=None."
-                )
-        for name in ("tp_size", "cp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PlanOptions.{name} must be a positive integer, got {value!r}.")
-        if self.min_local_rows is not None and (not isinstance(self.min_local_rows, int) or self.min_local_rows < 0):
-            raise ValueError(
-                f"PlanOptions.min_local_rows must be a non-negative integer or None, got {self.min_local_rows!r}."
-            )
-        if self.pad_to_length_bucket is not None and (
-            not isinstance(self.pad_to_length_bucket, int) or self.pad_to_length_bucket <= 0
-        ):
-            raise ValueError(
-                "pad_to_length_bucket must be a positive integer (rows the packed buffer is padded to a "
-                f"multiple of) or None, got {self.pad_to_length_bucket!r}."
-            )
-
-    @property
-    def sequence_alignment(self) -> int:
-        """Rows every sequence's padded length is a multiple of."""
-        base = self.layout.sequence_alignment(self.tp_size, self.cp_size)
-        return math.lcm(_FP8_SEQUENCE_ALIGNMENT, base) if self.fp8_padding else base
-
-    def padded_total(self, aligned_total: int) -> int:
-        """Total buffer rows once the tail rules (FP8 total, minimum rows, bucket) are applied."""
-        unit = self.sequence_alignment
-        total = aligned_total
-        fp8_total = self.layout.sequence_alignment(self.tp_size, self.cp_size) * _FP8_TOTAL_FACTOR
-        if self.fp8_padding:
-            total = _round_up(total, fp8_total)
-        if self.min_local_rows is not None:
-            total = max(total, _round_up(self.cp_size * self.min_local_rows, unit))
-        if self.pad_to_length_bucket is not None:
-            multiple = math.lcm(self.pad_to_length_bucket, unit)
-            if self.fp8_padding:
-                multiple = math.lcm(multiple, fp8_total)
-            total = _round_up(total, multiple)
-        return total
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class RankRows(NamedTuple):
-    """Per local row of one CP rank (``[local_rows]`` int64 tensors; ``valid`` and
-    ``keep_position`` are bool). A descriptive view for tools and tests; packing does not need it.
-
-    ``slot``: buffer slot of the row's sequence; ``position``: padded position inside it;
-    ``source``: flat token index (meaningful where ``valid``); ``seqlen``: real length of the
-    row's sequence; ``valid``: a real token (not padding); ``keep_position``: zigzag only, rows
-    of the first chunk (verl keeps their running position on padding).
-    """
-
-    slot: torch.Tensor
-    position: torch.Tensor
-    source: torch.Tensor
-    seqlen: torch.Tensor
-    valid: torch.Tensor
-    keep_position: torch.Tensor | None
-
-
-_ARANGE_CACHE: dict[torch.device, torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` int64, a read-only view of a cached, growing buffer (one per device).
-
-    Every rank table adds the row index; computing it is a full pass over the rows. Callers
-    never write to the result.
-    """
-    cached = _ARANGE_CACHE.get(device)
-    if cached is None or cached.shape[0] < n:
-        cached = torch.arange(max(n, 1024, 2 * (0 if cached is None else cached.shape[0])), device=device)
-        _ARANGE_CACHE[device] = cached
-    return cached[:n]
-
-
-# Added to a segment's value where its rows must come out negative (padding sources, zeroed
-# positions): far below any row index, far above int64's minimum.
-_NEGATIVE = -(2**62)
-
-
-class _RankTables:
-    """Row tables of one CP rank, built from per-*segment* values (internal).
-
-    A rank's rows are runs, one per (sequence, chunk) it holds (contiguous: one chunk per
-    sequence, zigzag: two), and each run splits into a segment of real rows followed by a
-    segment of padding rows: segment ``2 * run`` is real, ``2 * run + 1`` padding. Inside a
-    segment the source token and the position grow by one per row, so a row table is a
-    per-segment value gathered by ``seg`` plus the row index. Rows that must not keep a value
-    (padding sources; positions verl zeroes) get :data:`_NEGATIVE` added to their segment's
-    value and are clamped to 0, so the padding mask and the zeroed positions cost no extra
-    gather. The per-run host arrays stay for the tables built on first use (labels,
-    :class:`RankRows`).
-    """
-
-    __slots__ = (
-        "seg", "source", "pad", "seg_position", "zeroed_positions", "runs", "_source_shift", "_wrap", "_rank_rows"
-    )
-
-    def __init__(self, seg, source, pad, seg_position, zeroed_positions, runs):
-        self.seg = seg  # [L] int64: segment of each row
-        self.source = source  # [L] int64: flat source token (0 on padding rows)
-        self.pad = pad  # [L] bool: padding rows, or None when the rank has none
-        self.seg_position = seg_position  # [S] int64: position of row j of a segment is j + this (< 0: zeroed)
-        self.zeroed_positions = zeroed_positions  # whether any row's position is zeroed
-        self.runs = runs  # host (NumPy) per-run arrays: slot, local_start, pos0, real, seqlen, token_start
-        self._source_shift = None
-        self._wrap = None
-        self._rank_rows = None
+__all__ = [
+    "PlanOptions", "RankRows", "THDPlan", "build_plan", "check_order_agreement", "order_digest", "plan_from_offsets",
+    "plan_from_padded_lengths",
+]
 
 
 class THDPlan:
@@ -256,15 +98,8 @@ class THDPlan:
         self._token_rows: torch.Tensor | None = None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array as a tensor on the plan's device (shares memory on the CPU: pass an array
-        nobody else writes, or a copy).
-
-        On CUDA the array goes through pinned memory and is copied with ``non_blocking=True``:
-        asynchronous, with no stream synchronisation (a blocking copy, or one from pageable
-        memory, may synchronise the stream); PyTorch's caching host allocator keeps the pinned
-        block until the copy has run.
-        """
-        return _host_to_device(array, self._device)
+        """A host array as a tensor on the plan's device (see :func:`.tables.host_to_device`)."""
+        return host_to_device(array, self._device)
 
     @property
     def seqlens(self) -> torch.Tensor:
@@ -293,117 +128,34 @@ class THDPlan:
             self._cu_seqlens = self._to_device(cu)
         return self._cu_seqlens
 
-    # ------------------------------------------------------------------ per-rank row maps
     def _check_rank(self, cp_rank: int) -> None:
         if not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {cp_rank}.")
 
     def _runs(self, cp_rank: int) -> dict[str, np.ndarray]:
-        """Host per-run arrays of ``cp_rank``: which rows of which sequence it holds."""
-        rows = self.local_rows
-        starts, ends = self._h_cu_padded[:-1], self._h_cu_padded[1:]
-        if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1:
-            # one run per slot overlapping the window [w0, w0 + rows): the slots lo .. hi - 1
-            w0 = cp_rank * rows
-            lo = int(np.searchsorted(ends, w0, side="right"))
-            hi = max(lo, int(np.searchsorted(starts, w0 + rows, side="left")))
-            starts, ends = starts[lo:hi], ends[lo:hi]
-            first = np.maximum(starts, w0)
-            count = np.minimum(ends, w0 + rows) - first
-            runs = dict(slot=np.arange(lo, hi), local_start=first - w0, pos0=first - starts,
-                        seqlen=self._h_seqlens[lo:hi], token_start=self._h_token_starts[lo:hi])
-        else:
-            # run 2s + c = chunk c of sequence s (c = 0: chunk cp_rank, c = 1: chunk 2cp-1-cp_rank),
-            # at local rows [starts/cp + c*half, + half)
-            cp = self.cp_size
-            half = self._h_padded // (2 * cp)
-            base = starts // cp
-            count = np.repeat(half, 2)
-            runs = dict(
-                slot=np.repeat(np.arange(self.batch_size), 2),
-                local_start=np.stack([base, base + half], 1).ravel(),
-                pos0=np.stack([cp_rank * half, (2 * cp - 1 - cp_rank) * half], 1).ravel(),
-                seqlen=np.repeat(self._h_seqlens, 2),
-                token_start=np.repeat(self._h_token_starts, 2),
-            )
-        runs["count"] = count
-        runs["real"] = np.minimum(np.maximum(runs["seqlen"] - runs["pos0"], 0), count)
-        return runs
+        """Host per-run arrays of ``cp_rank``: which rows of which sequence it holds (:func:`.tables.rank_runs`)."""
+        return rank_runs(self.layout, self.cp_size, cp_rank, self.local_rows, self._h_cu_padded, self._h_padded,
+                         self._h_seqlens, self._h_token_starts)
 
     def _tables(self, cp_rank: int) -> _RankTables:
-        """The row tables of ``cp_rank`` (cached per rank); see :class:`_RankTables`."""
+        """The row tables of ``cp_rank`` (cached per rank); see :class:`.tables._RankTables`."""
         self._check_rank(cp_rank)
         tables = self._tables_cache.get(cp_rank)
-        if tables is not None:
-            return tables
-        runs = self._runs(cp_rank)
-        local_start, pos0, real = runs["local_start"], runs["pos0"], runs["real"]
-        segment = np.empty((3, 2 * real.shape[0]), dtype=np.int64)
-        segment[0, 0::2], segment[0, 1::2] = real, runs["count"] - real  # rows per segment
-        # source of row j: token_start + pos0 + (j - local_start) on real rows, negative on padding
-        segment[1, 0::2] = runs["token_start"] + pos0 - local_start
-        segment[1, 1::2] = _NEGATIVE
-        # position of row j: pos0 + (j - local_start); on padding 0, except that verl 0.9.1 keeps
-        # the running position on the padding rows of a zigzag rank's first chunk
-        segment[2, 0::2] = segment[2, 1::2] = pos0 - local_start
-        # zeroed: every padding segment (contiguous), the second chunk's (zigzag, segment 4s + 3)
-        zeroed = np.s_[1::2] if self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1 else np.s_[3::4]
-        segment[2, zeroed] += _NEGATIVE
-        # ranks without padding rows (common with zigzag) skip the masks: decided on the host
-        has_padding = bool(segment[0, 1::2].any())
-        zeroed_positions = bool(segment[0, zeroed].any())
-        segment = self._to_device(segment)  # the rank's one host-to-device copy
-        rows = self.local_rows
-        seg = torch.repeat_interleave(segment[0], output_size=rows)
-        source = segment[1].index_select(0, seg).add_(_arange(rows, self._device))
-        pad = None
-        if has_padding:
-            pad = source < 0
-            source.clamp_(min=0)
-        tables = _RankTables(seg, source, pad, segment[2], zeroed_positions, runs)
-        self._tables_cache[cp_rank] = tables
+        if tables is None:
+            tables = build_tables(self._runs(cp_rank), self.layout, self.cp_size, self.local_rows, self._device)
+            self._tables_cache[cp_rank] = tables
         return tables
 
     def _wrap(self, tables: _RankTables) -> torch.Tensor:
-        """``[2, R]``: row of each run's sequence's last real token (``local_rows`` where the run
-        does not hold it) and that sequence's first token (the last token's label)."""
-        if tables._wrap is None:
-            runs = tables.runs
-            last = runs["seqlen"] - 1 - runs["pos0"]  # relative to the run's first row
-            on = (last >= 0) & (last < runs["real"])
-            wrap = np.stack([np.where(on, runs["local_start"] + last, self.local_rows), runs["token_start"]])
-            tables._wrap = self._to_device(wrap)
-        return tables._wrap
+        return wrap_rows(tables, self.local_rows, self._device)
 
     def _source_shift(self, tables: _RankTables) -> torch.Tensor:
-        """``[L]`` int64: source of each row's label (next token; the last token wraps to the first)."""
-        if tables._source_shift is None:
-            buffer = torch.empty(self.local_rows + 1, dtype=torch.long, device=self._device)
-            shifted = buffer[: self.local_rows]
-            torch.add(tables.source, 1, out=shifted)
-            if self.num_tokens < 2:  # padding rows read token 1
-                shifted.clamp_(max=max(self.num_tokens - 1, 0))
-            wrap = self._wrap(tables)
-            buffer.index_copy_(0, wrap[0], wrap[1])  # the extra row absorbs runs without a last token
-            tables._source_shift = shifted
-        return tables._source_shift
+        return source_shift(tables, self.local_rows, self.num_tokens, self._device)
 
     def rank_rows(self, cp_rank: int) -> RankRows:
         """What each of ``cp_rank``'s local rows holds (cached per rank)."""
-        tables = self._tables(cp_rank)
-        if tables._rank_rows is None:
-            seg, runs = tables.seg, tables.runs
-            slot = self._to_device(np.repeat(runs["slot"], 2)).index_select(0, seg)
-            position = self._to_device(np.repeat(runs["pos0"] - runs["local_start"], 2)).index_select(0, seg)
-            position.add_(_arange(self.local_rows, self._device))
-            source = position + self._to_device(self._h_token_starts).index_select(0, slot)
-            seqlen = self._to_device(self._h_seqlens).index_select(0, slot)
-            keep = None
-            if not (self.layout is CPLayout.CONTIGUOUS or self.cp_size == 1):
-                keep = self._to_device(np.arange(4 * self.batch_size) % 4 < 2).index_select(0, seg)  # chunk 0
-            valid = torch.ones_like(seg, dtype=torch.bool) if tables.pad is None else ~tables.pad
-            tables._rank_rows = RankRows(slot, position, source, seqlen, valid, keep)
-        return tables._rank_rows
+        return rank_rows_of(self._tables(cp_rank), self.layout, self.cp_size, self.local_rows, self._h_seqlens,
+                            self._h_token_starts, self._device)
 
     def gather_index(self, cp_rank: int, shift: bool = False) -> torch.Tensor:
         """``[local_rows]`` int64: flat source token of each local row (``-1`` on padding rows).
@@ -528,15 +280,6 @@ class THDPlan:
             f"local_rows={self.local_rows})"
         )
 
-
-def _host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """:meth:`THDPlan._to_device` for a given device."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
-
-
 def _host_int64(tensor: torch.Tensor) -> np.ndarray:
     """A host NumPy int64 copy of an integer tensor (the caller's tensor is never shared)."""
     host = tensor.detach().to("cpu", torch.long).numpy()
@@ -548,6 +291,7 @@ def build_plan(
     options: PlanOptions,
     order: torch.Tensor | Sequence[int] | None = None,
     token_offsets: torch.Tensor | None = None,
+    cp_group=None,
 ) -> THDPlan:
     """Plan one micro-batch from its sequence lengths.
 
@@ -558,6 +302,12 @@ def build_plan(
             contiguous layout reorders sequences; outputs still come back in original order).
         token_offsets: optional ``[B + 1]`` offsets the lengths came from (a jagged tensor's
             ``offsets()``), kept as the plan's ``token_offsets`` instead of a copy.
+        cp_group: optional ``torch.distributed`` CP process group (``cp_size`` ranks). When the
+            order comes from ``options.balance`` (no explicit ``order``, ``cp_size > 1``), every
+            rank computed it on its own host: the ranks then check that they agree
+            (:func:`check_order_agreement`: one all-reduce of a 2-element int64 tensor per plan,
+            plus reading it back on the host) and raise a ``RuntimeError`` when they do not.
+            ``None``, balance off or an explicit order: nothing is checked, no collective.
     """
     if not isinstance(seqlens, torch.Tensor):
         seqlens = torch.as_tensor(list(seqlens), dtype=torch.long)
@@ -582,18 +332,53 @@ def build_plan(
     if host_seqlens.min() < 0:
         raise ValueError(f"sequence lengths must be non-negative, got a minimum of {host_seqlens.min()}.")
     if order is None and options.balance is not None and options.cp_size > 1:
-        from .balance import balanced_host_order
-
         host_order = balanced_host_order(host_seqlens, options)  # on the host, from the same lengths
-        order = _host_to_device(host_order.copy(), device)
+        if cp_group is not None:
+            check_order_agreement(host_order, cp_group, options.cp_size, device)
+        order = host_to_device(host_order.copy(), device)
     return _plan_on_host(options, device, host_seqlens, host_order, seqlens, order, token_offsets)
 
 
-def plan_from_offsets(offsets: torch.Tensor, options: PlanOptions) -> THDPlan:
+def order_digest(host_order: np.ndarray) -> int:
+    """A non-negative int64 digest of an order: the CRC-32 of its int64 little-endian bytes, the
+    length in the bits above. Equal orders give equal digests on every host."""
+    return zlib.crc32(np.ascontiguousarray(host_order, dtype="<i8").tobytes()) ^ (host_order.shape[0] << 32)
+
+
+def check_order_agreement(host_order: np.ndarray, group, cp_size: int, device: torch.device) -> None:
+    """Check that every rank of the CP ``group`` holds the same ``host_order``.
+
+    One ``all_reduce(MAX)`` of ``[digest, -digest]`` (int64; on the CPU for gloo, on the CUDA
+    device of ``device``, or the current one, for NCCL): every rank sees the largest and the
+    smallest digest and all raise together when they differ.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world != cp_size:
+        raise ValueError(f"cp_group has {world} ranks but the plan is for cp_size={cp_size}; pass the CP group.")
+    digest = order_digest(host_order)
+    on = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        on = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=on)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = int(both[0]), -int(both[1])  # the host read
+    if high != low:
+        raise RuntimeError(
+            f"CP ranks computed different balanced orders for this micro-batch (order digests range "
+            f"{low}..{high}; this rank: {digest}, rank {dist.get_rank(group)} of the CP group). The order "
+            "is computed on every rank from float64 host arithmetic: run identical NumPy builds on "
+            "every rank (same package and CPU kind), or set cp_balance=null (PlanOptions.balance=None)."
+        )
+
+
+def plan_from_offsets(offsets: torch.Tensor, options: PlanOptions, cp_group=None) -> THDPlan:
     """Plan a micro-batch from a jagged tensor's ``offsets()`` ``[B + 1]`` (one transfer, no
-    device-side work); the plan keeps ``offsets`` as its ``token_offsets``."""
+    device-side work); the plan keeps ``offsets`` as its ``token_offsets``. ``cp_group``: see
+    :func:`build_plan` (used only when the order is balanced)."""
     if options.balance is not None and options.cp_size > 1:
-        return build_plan(offsets.diff(), options, token_offsets=offsets)
+        return build_plan(offsets.diff(), options, token_offsets=offsets, cp_group=cp_group)
     if offsets.dim() != 1 or offsets.shape[0] < 2 or offsets.dtype.is_floating_point:
         raise ValueError(f"offsets must be a 1-D integer tensor [B + 1] with B >= 1, got shape {tuple(offsets.shape)}.")
     host_offsets = _host_int64(offsets)  # the plan's single device-to-host transfer
