@@ -267,14 +267,6 @@ def test_unpack_with_an_explicit_dynamic_cp_group():
     run_distributed(_gloo_unpack, 4, args=([20, 3, 41], "contiguous", True))
 
 
-def test_ds4_window_rows_is_the_one_d_window_rule():
-    """D_window = max(window, 2*m) for CSA (m=4), max(window, m) otherwise (shared doc, section 1)."""
-    from verl_ds4.ds4_facts import window_rows as ds4_window_rows
-
-    assert ds4_window_rows(128, 0) == 128 and ds4_window_rows(128, 4) == 128 and ds4_window_rows(128, 128) == 128
-    assert ds4_window_rows(2, 4) == 8 and ds4_window_rows(2, 0) == 2 and ds4_window_rows(32, 128) == 128
-
-
 def test_flat_values_is_values_without_the_dispatch():
     from verl_ds4.mcore.thd import flat_values
 

@@ -20,9 +20,10 @@ from typing import Optional
 
 from verl.workers.config import McoreEngineConfig
 
-from verl_ds4.layout.cost import COST_MODELS
+from verl_ds4 import ds4_facts
+from verl_ds4.layout.cost import COST_MODELS, DS4CostShape, TokenCostModel, ds4_cost_model, get_cost_model
 
-__all__ = ["CP_BALANCE_CHOICES", "DS4McoreEngineConfig", "cp_balance_of"]
+__all__ = ["CP_BALANCE_CHOICES", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
 
 CP_BALANCE_CHOICES = tuple(COST_MODELS)  # the cost models PlanOptions.balance accepts
 
@@ -52,3 +53,42 @@ class DS4McoreEngineConfig(McoreEngineConfig):
 def cp_balance_of(engine_config) -> Optional[str]:
     """The ``cp_balance`` of any engine config (verl's own has none: ``None``), checked."""
     return _check_cp_balance(getattr(engine_config, "cp_balance", None))
+
+
+def ds4_cost_shape(hf_config) -> DS4CostShape:
+    """The DS4 cost model's shape from a model's own Hugging Face config (DS4-Flash where a
+    field is absent): layer ratios with the MTP layers, sizes, window and indexer."""
+    flash = DS4CostShape()
+    text = getattr(hf_config, "text_config", None) or hf_config
+
+    def get(name, default):
+        value = getattr(text, name, None)
+        return default if value is None else int(value)
+
+    experts = get("num_experts_per_tok", flash.moe_active_experts - 1) + get("n_shared_experts", 1)
+    ratios = ds4_facts.with_mtp(ds4_facts.layer_compress_ratios(text), ds4_facts.mtp_layers(text))
+    return DS4CostShape(
+        hidden_size=get("hidden_size", flash.hidden_size),
+        num_heads=get("num_attention_heads", flash.num_heads),
+        head_dim=get("head_dim", flash.head_dim),
+        q_lora_rank=get("q_lora_rank", flash.q_lora_rank),
+        o_groups=get("o_groups", flash.o_groups),
+        o_lora_rank=get("o_lora_rank", flash.o_lora_rank),
+        moe_active_experts=experts,
+        moe_intermediate_size=get("moe_intermediate_size", flash.moe_intermediate_size),
+        window=ds4_facts.window_size(text),
+        index_topk=get("index_topk", flash.index_topk),
+        index_n_heads=get("index_n_heads", flash.index_n_heads),
+        index_head_dim=get("index_head_dim", flash.index_head_dim),
+        layer_ratios=ratios,
+    )
+
+
+def cp_balance_cost_model(cp_balance: Optional[str], hf_config) -> "TokenCostModel | None":
+    """The cost model ``cp_balance`` names, for this model: ``ds4`` is built from the model's own
+    config (so DS4-Pro is balanced with Pro's layers, not Flash's); ``dense`` needs no shape."""
+    if cp_balance is None:
+        return None
+    if cp_balance == "ds4" and getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE:
+        return ds4_cost_model(ds4_cost_shape(hf_config))
+    return get_cost_model(cp_balance)

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verl_ds4 import ds4_facts
+
 __all__ = [
     "DS4CostShape",
     "DS4_FLASH_LAYER_RATIOS",
@@ -73,9 +75,9 @@ __all__ = [
     "COST_MODELS",
 ]
 
-# Compression ratio per layer (0 = window only, 4 = CSA, 128 = HCA), shared doc section 2.
-DS4_FLASH_LAYER_RATIOS: tuple[int, ...] = (0, 0, 4) + (128, 4) * 20 + (0,)
-DS4_PRO_LAYER_RATIOS: tuple[int, ...] = (128, 128, 4) + (128, 4) * 29 + (0,)
+# Compression ratio per layer, MTP layer included (0 = window only, 4 = CSA, 128 = HCA).
+DS4_FLASH_LAYER_RATIOS: tuple[int, ...] = ds4_facts.with_mtp(ds4_facts.FLASH_LAYER_RATIOS, 1)
+DS4_PRO_LAYER_RATIOS: tuple[int, ...] = ds4_facts.with_mtp(ds4_facts.PRO_LAYER_RATIOS, 1)
 
 
 @dataclass(frozen=True)
@@ -212,9 +214,7 @@ class DS4CostShape:
         """Raw per-token MACs summed over layers, by term (the single source of every DS4 number)."""
         h, nh, d = self.hidden_size, self.num_heads, self.head_dim
         ratios = self.layer_ratios
-        bad = sorted({m for m in ratios if m not in (0, 4, 128)})
-        if bad:
-            raise ValueError(f"DS4 layer ratios must be 0, 4 or 128, got {bad}")
+        ds4_facts.check_compress_ratios(ratios)
         n_layers, n_csa, n_hca = len(ratios), ratios.count(4), ratios.count(128)
         linear_per_layer = (
             h * self.q_lora_rank  # W_DQ
