@@ -25,7 +25,8 @@ class DistributedRunError(RuntimeError):
     """A rank of :func:`run_distributed` failed or timed out."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (rendezvous of gloo groups and torchrun)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -62,7 +63,7 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {}, queue), daemon=True)
         for rank in range(world_size)

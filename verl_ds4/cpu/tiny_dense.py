@@ -34,35 +34,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from verl_ds4.models.ds4.cp_comm import all_gather_rows
+
 __all__ = [
     "TorchTHDCausalAttention",
     "register_tiny_dense_cpu_builder",
     "build_tiny_dense_gpt",
     "tiny_dense_layer_spec",
 ]
-
-
-class _AllGatherRows(torch.autograd.Function):
-    """Concatenate each CP rank's rows in rank order; backward returns this rank's rows.
-
-    Forward: ``all_gather`` (gloo and nccl). Backward: the gathered gradient is summed over
-    the group with ``all_reduce`` (each rank's queries contribute to every key row) and
-    this rank's slice is returned. All-reduce instead of reduce-scatter keeps it gloo-safe.
-    """
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group, rank: int, world: int) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.rows = group, rank, local.shape[0]
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        start = ctx.rank * ctx.rows
-        return grad[start : start + ctx.rows], None, None, None
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -171,8 +150,9 @@ class TorchTHDCausalAttention(MegatronModule):
         pos_k = rows_k - cu_padded[seq_k]
 
         if cp_size > 1:
-            key = _AllGatherRows.apply(key, group, cp_rank, cp_size)
-            value = _AllGatherRows.apply(value, group, cp_rank, cp_size)
+            counts = [key.shape[0]] * cp_size  # contiguous CP: every rank holds the same rows
+            key = all_gather_rows(key, counts, group)
+            value = all_gather_rows(value, counts, group)
 
         query = _rope(query, pos_q, self.rope_theta)
         key = _rope(key, pos_k, self.rope_theta)

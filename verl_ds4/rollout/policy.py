@@ -14,7 +14,6 @@ the policy starts a private one-rank gloo group there when none exists (:func:`e
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any, Iterable
 
 import torch
@@ -22,12 +21,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["MegatronCPUPolicy", "ensure_single_rank_megatron"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_single_rank_megatron() -> None:
@@ -38,8 +31,10 @@ def ensure_single_rank_megatron() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    from verl_ds4.cpu.distributed import free_port
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel()
     sizes = {
