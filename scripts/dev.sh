@@ -8,7 +8,8 @@
 # User-adjustable:
 #   PYTHON       interpreter that creates the venv (default: python3; 3.10-3.12)
 #   VENV         venv folder (default: .venv in the repository root)
-#   TORCH_SPEC   torch requirement installed first (default: the CPU build torch==2.13.0)
+#   TORCH_SPEC   torch requirement installed first (default: torch==2.13.0, whichever build pip finds:
+#                the CPU wheel where pip is pointed at one, the CUDA build from the public index on Linux)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

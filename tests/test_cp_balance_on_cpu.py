@@ -77,7 +77,7 @@ def test_ds4_cost_terms_follow_the_attention_math():
 
 @pytest.mark.parametrize("n,cp,expected", [(16384, 4, 1.03), (65536, 16, 1.11), (131072, 16, 1.19)])
 def test_ds4_single_sequence_imbalance_matches_shared_doc_estimate(n, cp, expected):
-    # shared doc section 2: contiguous CP max/mean per-rank compute for DS4-Flash
+    # docs/ds4-context-parallel.md section 2: contiguous CP max/mean per-rank compute for DS4-Flash
     ratio = bal.straggler_ratio(bal.rank_costs([n], cp_size=cp, cost_model="ds4"))
     assert round(ratio, 2) == expected
     # dense causal attention is far worse for the same layout (doc: 1.5-1.9)

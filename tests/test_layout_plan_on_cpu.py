@@ -1,5 +1,5 @@
 """Properties of the layout core (verl_ds4.layout) and one test per layout failure mode that
-others shipped (shared doc, section 5). Ranks are simulated in-process where only the plan is
+others shipped (docs/ds4-context-parallel.md, section 5). Ranks are simulated in-process where only the plan is
 under test; the all-gather paths run on real gloo processes."""
 
 from __future__ import annotations

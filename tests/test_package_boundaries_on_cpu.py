@@ -328,3 +328,29 @@ def test_checker_ignores_messages_and_delegation():
         "        raise ValueError(\"DS4 needs cp_partition_mode='contiguous'\")\n"
     )
     assert not layout_decisions_from_model_names(snippet)
+
+
+_CITATION = re.compile(r"docs/[\w.-]+\.md")
+
+
+def missing_citations(root: Path) -> list[str]:
+    """``path: docs/x.md`` for each cited ``docs/*.md`` that the repository does not have."""
+    missing = []
+    for folder in ("verl_ds4", "tests", "benchmarks", "scripts", "configs", "recipes", "docker"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.name == Path(__file__).name:  # this checker names made-up documents
+                continue
+            if path.is_file() and path.suffix in (".py", ".sh", ".yaml", ".md", ".sbatch", "") and "__pycache__" not in path.parts:
+                text = path.read_text(errors="replace")
+                missing += [f"{path.relative_to(root)}: {c}" for c in _CITATION.findall(text) if not (root / c).is_file()]
+                if "shared doc" in text:
+                    missing.append(f"{path.relative_to(root)}: cites the 'shared doc' (outside the repository)")
+    return missing
+
+
+def test_every_cited_document_is_in_the_repository(tmp_path):
+    assert not missing_citations(ROOT)
+    # negative control: a citation of a document the tree does not have is found
+    (tmp_path / "verl_ds4").mkdir()
+    (tmp_path / "verl_ds4" / "m.py").write_text('"""See docs/nowhere.md section 2."""\n')
+    assert missing_citations(tmp_path) == ["verl_ds4/m.py: docs/nowhere.md"]

@@ -10,7 +10,7 @@ Two models live here:
   ``m = 4`` (CSA): ``min(floor((p+1)/4), k)`` selected compressed keys plus the indexer scoring
   ``floor((p+1)/4)`` candidates; ``m = 128`` (HCA): ``floor((p+1)/128)`` compressed keys;
   ``m = 0``: the window only. Only the indexer and HCA terms grow without bound.
-  (shared doc ``ds4-context-parallel.md`` section 2.)
+  (``docs/ds4-context-parallel.md`` section 2.)
 * :func:`dense_causal_cost_model` - dense causal attention: ``p + 1`` keys per token, optionally
   plus a position-independent part.
 
@@ -24,9 +24,9 @@ Padding rows cost :attr:`TokenCostModel.pad_row_cost` each (their linear layers 
 attention skips them).
 
 All DS4 coefficients are derived in one place, :class:`DS4CostShape`, from the model shape
-(defaults: DS4-Flash as published in ``transformers``' ``DeepseekV4Config`` and the shared doc).
+(defaults: DS4-Flash as published in ``transformers``' ``DeepseekV4Config`` and ``docs/ds4-context-parallel.md``).
 With those defaults one sequence filling a contiguous CP buffer gives the per-rank max/mean the
-shared doc estimates (1.03 at 16K/CP4, 1.11 at 64K/CP16, 1.19 at 128K/CP16); a test pins this.
+``docs/ds4-context-parallel.md`` estimates (1.03 at 16K/CP4, 1.11 at 64K/CP16, 1.19 at 128K/CP16); a test pins this.
 
 Dynamic CP (verl ``dynamic_context_parallel``): why there is no drop-in cost hook
 ---------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ class TokenCostModel:
 class DS4CostShape:
     """The DS4 shape numbers the cost model is derived from (defaults: DS4-Flash).
 
-    Sources: shared doc section 2 (window 128, top-k 512 Flash / 1024 Pro, head dim 512, rope 64,
+    Sources: ``docs/ds4-context-parallel.md`` section 2 (window 128, top-k 512 Flash / 1024 Pro, head dim 512, rope 64,
     layer ratios) and ``transformers``' ``DeepseekV4Config`` defaults (hidden 4096, 64 heads,
     q LoRA 1024, 8 output groups of LoRA rank 1024, 6 routed + 1 shared experts of width 2048,
     indexer 64 heads x 128). Multiply-accumulates per token, forward pass.
@@ -261,7 +261,7 @@ def dense_causal_cost_model(linear_per_token: float = 0.0) -> TokenCostModel:
     """Dense causal attention: token ``p`` attends ``p + 1`` keys (cost unit: one key).
 
     ``linear_per_token`` adds a position-independent part in the same unit (0 by default, i.e.
-    attention only, which is where the shared doc's 1.5-1.9 contiguous imbalance comes from).
+    attention only, which is where the documented 1.5-1.9 contiguous imbalance comes from).
     """
     if linear_per_token < 0:
         raise ValueError(f"linear_per_token must be >= 0, got {linear_per_token}")

@@ -7,7 +7,8 @@ are collected and raised together as one :class:`RecipeValidationError`; warning
 but are printed with the plan. Nothing here changes the config: a user's explicit setting is
 reported, never rewritten.
 
-Rules (DS4 facts: shared doc ds4-context-parallel.md sections 1, 3, 4):
+Rules (the DS4 rules are verl_ds4.ds4_facts' check_* functions, which the engine raises too; the
+contract behind them: docs/ds4-context-parallel.md sections 1, 3, 4):
 
 - world size (nnodes x GPUs per node) divisible by TP x PP x CP (so DP is an integer) and by
   PP x ETP x EP (expert data parallelism);
