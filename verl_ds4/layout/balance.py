@@ -6,12 +6,10 @@ which sequences land on which rank and where rank boundaries cut them. :func:`ba
 picks the order minimising the largest per-rank cost under a :mod:`.cost` model.
 
 Contract:
-  * ``order`` is a permutation of ``range(B)``: buffer slot ``k`` holds sequence ``order[k]``.
-    Padded lengths and the total row count do not depend on it (the plan restores the original
-    order on unpack).
-  * Deterministic: a pure function of the lengths and options (stable sorts, no clocks, one
-    seeded generator, float64 host arithmetic). ``build_plan(..., cp_group=...)`` checks that the
-    CP ranks agree.
+  * ``order`` is a permutation of ``range(B)``: buffer slot ``k`` holds sequence ``order[k]``. Padded
+    lengths and the total row count do not depend on it (the plan restores the original order).
+  * Deterministic: a pure function of the lengths and options (stable sorts, no clocks, one seeded
+    generator, float64 host arithmetic). ``build_plan(..., cp_group=...)`` checks the CP ranks agree.
   * Never worse than the plain order under the cost model (the identity is always a candidate and
     a move is only accepted when it lowers the objective: max rank cost, then sum of squares).
 
@@ -19,16 +17,17 @@ Cost of a rank: ``c(position inside its sequence)`` per real row, ``pad_row_cost
 evaluated with the model's closed-form prefix sums at the ``cp - 1`` rank boundaries.
 
 Algorithm ("excess" of a sequence: its cost minus the mean cost per row times its rows):
-  1. Starts: the plain order and, with many sequences (``B >= 4 cp``), the rank bins
-     (:func:`_rank_bins_order`), else the excess merge (above- and below-mean sequences
-     interleaved so the cumulative cost tracks the mean line). When the rank bins are not good
-     enough and no sequence's excess is over a quarter of a mean rank, the merge is tried too.
-     Small batches (``B <= _SMALL``) add longest- and shortest-first. Large batches keep the best.
+  1. Starts: the plain order and the excess merge (above- and below-mean sequences interleaved so
+     the cumulative cost tracks the mean line), or, with many sequences (``B >= 4 cp``) one of
+     which has an excess over ``_BINS_FIRST`` of a mean rank, the rank bins (:func:`_rank_bins_order`).
+     With many sequences the other of the two follows when the best start is not good enough
+     (the merge only while no excess is over a quarter of a mean rank). Small batches
+     (``B <= _SMALL``) add longest- and shortest-first; large batches keep the best start.
   2. Small batches: best-improvement swaps and moves around the most loaded rank from the two best
      starts, then seeded restarts from perturbed copies (``B <= 64``); ``B <= _EXHAUSTIVE_MAX``:
      every order is tried.
-Speed: 1024 sequences plan in under a millisecond of host CPU time (NumPy; Python loops run over
-the costly sequences of the rank bins and the few giants only; ``benchmarks/bench_cp_balance.py``).
+Speed: 1024 sequences plan in under a millisecond of host CPU time (NumPy; Python loops only over
+the costly sequences of the rank bins and the giants; ``benchmarks/bench_cp_balance.py``).
 Exploratory constructions and a lower bound live in ``benchmarks/balance_lab.py``.
 """
 
@@ -122,10 +121,9 @@ class BalanceProblem:
         k, b = orders.shape
         if self.cp_size == 1:
             return np.full((k, 1), self.total_cost)
-        cum_rows = np.zeros((k, b + 1), dtype=np.int64)
-        np.cumsum(self.rows[orders], axis=1, out=cum_rows[:, 1:])
-        cum_cost = np.zeros((k, b + 1))
-        np.cumsum(self.cost[orders], axis=1, out=cum_cost[:, 1:])
+        zero = np.zeros((k, 1))
+        cum_rows = np.concatenate([zero.astype(np.int64), np.cumsum(self.rows[orders], axis=1)], 1)
+        cum_cost = np.concatenate([zero, np.cumsum(self.cost[orders], axis=1)], 1)
         # one binary search for all K orders: row k of cum_rows is shifted by k * (total_rows + 1)
         base = np.arange(k, dtype=np.int64)[:, None]
         x = self.bounds[None, :]
@@ -136,8 +134,7 @@ class BalanceProblem:
         off = x - cum_rows.ravel()[at]
         pad = self.cost_model.pad_row_cost
         g = np.where(idx >= b, cum_cost[:, -1:] + pad * off, cum_cost.ravel()[at] + self.partial(self.real[seq], off))
-        ones = np.ones((k, 1))
-        return np.diff(np.concatenate([0 * ones, g, self.total_cost * ones], 1), axis=1)
+        return np.diff(np.concatenate([zero, g, zero + self.total_cost], 1), axis=1)
 
     def partial(self, real: np.ndarray, off: np.ndarray) -> np.ndarray:
         """Cost of the first ``off`` rows of sequences with ``real`` tokens (then padding rows)."""
@@ -180,24 +177,19 @@ def _excess_merge_order(excess: np.ndarray) -> np.ndarray:
 def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.002, reach: int = 8) -> np.ndarray:
     """Fill the ``cp`` ranks as bins (rows and cost), then concatenate them: for many sequences.
 
-    Filler: the sequences costing at most ``big`` of a mean rank, ``rho`` their cost per row. A
-    rank's room is its budget left once its free rows hold filler at ``rho``; a sequence takes
-    ``cost - rho * rows`` of it. Giants (over ``giant`` of an empty rank's room, at most ``cp - 1``)
-    straddle evenly spread boundaries, cut where their two ranks have the same room left (or, when
-    the next boundary cuts a giant too, where their left rank is full); the ``2 reach`` shortest
-    filler go next to each giant, alternately before and after it; the other non-filler go,
-    costliest first, to the rank with the most room (a heap); the filler, in excess-merge order,
-    fills the remaining rows; inside a rank the shortest sit at both edges; finally each giant
-    moves to its best cut among its neighbours (:func:`_slide_giants`)."""
+    Filler: the sequences costing at most ``big`` of a mean rank, ``rho`` their cost per row. A rank's
+    room is its budget left once its free rows hold filler at ``rho``; a sequence takes ``cost - rho *
+    rows`` of it. Giants (over ``giant`` of an empty rank's room, at most ``cp - 1``) straddle evenly
+    spread boundaries, cut where their two ranks have the same room left (where the left one is full
+    when the next boundary cuts a giant too); the other non-filler go, costliest first, to the rank with
+    the most room (a heap); the filler, in excess-merge order, fill the remaining rows; inside a rank the
+    shortest sit at both edges; each giant then slides among its ``2 reach`` neighbours (:func:`_slide_giants`)."""
     cp, L, rows, cost = prob.cp_size, prob.local_rows, prob.rows, prob.cost
     tau = prob.total_cost / cp
-    left = np.full(cp, float(L))  # rows left per rank
-    left[-1] -= prob.tail_rows
-    budget = np.full(cp, tau)
-    budget[-1] -= prob.tail_rows * prob.cost_model.pad_row_cost
+    tail = (np.arange(cp) == cp - 1) * prob.tail_rows  # the last rank holds the tail padding
+    left, budget = L - tail.astype(float), tau - tail * prob.cost_model.pad_row_cost  # rows and cost left
     is_filler = cost <= big * tau
-    desc = np.flatnonzero(~is_filler)
-    desc = desc[_desc(cost[desc])]  # the non-filler, most costly first
+    desc = _desc(np.where(is_filler, -np.inf, cost))[: int((~is_filler).sum())]  # non-filler, costliest first
     rho = float(cost[is_filler].sum()) / max(float(rows[is_filler].sum()), 1.0)
     takes = cost - rho * rows  # room a sequence takes
     top = desc[: cp - 1]
@@ -212,16 +204,7 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
         t, head_cost = _giant_cut(prob, i, rho, share)
         left[b : b + 2] -= (t, rows[i] - t)
         budget[b : b + 2] -= (head_cost, cost[i] - head_cost)
-    free = np.flatnonzero(is_filler)
-    near = free[np.argsort(rows[free], kind="stable")[: 2 * reach * len(cut_at)]]
-    before = {b: near[2 * reach * k : 2 * reach * (k + 1) : 2] for k, b in enumerate(cut_at)}
-    after = {b + 1: near[2 * reach * k + 1 : 2 * reach * (k + 1) : 2] for k, b in enumerate(cut_at)}
-    for b in cut_at:
-        left[b : b + 2] -= (rows[before[b]].sum(), rows[after[b + 1]].sum())
-        budget[b : b + 2] -= (cost[before[b]].sum(), cost[after[b + 1]].sum())
-    placed = np.zeros(rows.shape[0], dtype=bool)
-    placed[top], placed[near] = True, True
-    bigs = desc[~placed[desc]]
+    bigs = desc[~np.isin(desc, top)]
     room = [(-float(budget[b] - left[b] * rho), b) for b in range(cp)]  # heap: most room first, then lower rank
     heapq.heapify(room)
     left, to, big_rows = left.tolist(), [], rows[bigs]
@@ -236,21 +219,18 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
         to.append(b)
     bin_of = np.full(rows.shape[0], -1, dtype=np.int64)
     bin_of[bigs] = to
-    filler = np.flatnonzero(is_filler & ~placed)
+    filler = np.flatnonzero(is_filler)
     if filler.size:
-        sub = cost[filler]
-        filler = filler[_excess_merge_order(sub - float(sub.sum()) / max(float(rows[filler].sum()), 1.0) * rows[filler])]
+        sub, sub_rows = cost[filler], rows[filler]
+        filler = filler[_excess_merge_order(sub - float(sub.sum()) / max(float(sub_rows.sum()), 1.0) * sub_rows)]
         mid = np.cumsum(rows[filler]) - rows[filler] / 2
         bin_of[filler] = np.minimum(np.searchsorted(np.cumsum(np.maximum(left, 0.0)), mid, side="right"), cp - 1)
     members = np.flatnonzero(bin_of >= 0)
     members = members[np.lexsort((rows[members], bin_of[members]))]  # by bin, rows, index
     bins = np.split(members, np.cumsum(np.bincount(bin_of[members], minlength=cp))[:-1])
-    parts, slots, none = [], [], np.zeros(0, dtype=np.int64)
-    for b, m in enumerate(bins):  # a giant's near filler just before and after it
-        parts += [after.get(b, none), m[0::2], m[1::2][::-1]]
-        if head[b] >= 0:
-            parts += [before[b], head[b : b + 1]]
-            slots.append(sum(p.size for p in parts) - 1)
+    ends = [head[b : b + 1] if head[b] >= 0 else m[:0] for b, m in enumerate(bins)]  # a giant ends its left rank
+    parts = [np.concatenate([m[0::2], m[1::2][::-1], e]) for m, e in zip(bins, ends)]
+    slots = (np.cumsum([p.size for p in parts]) - 1)[head >= 0].tolist()
     order = np.concatenate(parts)
     return _slide_giants(prob, order, cut_at, slots, reach) if cut_at else order
 
@@ -260,9 +240,8 @@ def _giant_cut(prob: BalanceProblem, i: int, rho: float, share: float) -> tuple[
     ``h(t) = F(t) - rho t - share`` nearest 0 (``h`` is convex: a coarse grid, then row by row)."""
     p, real = int(prob.rows[i]), prob.real[i : i + 1]
     grid = 1 + np.arange(65) * (p - 2) // 64  # 1 .. p - 1, non-decreasing
-    h = prob.partial(real, grid) - rho * grid - share
-    k = int(np.searchsorted(h >= 0, True)) if bool((h >= 0).any()) else grid.size - 1  # first grid point past 0
-    t = np.arange(grid[max(k - 1, 0)], grid[k] + 1, dtype=np.int64)
+    k = min(int(np.searchsorted(prob.partial(real, grid) - rho * grid >= share, True)), grid.size - 1)
+    t = np.arange(grid[max(k - 1, 0)], grid[k] + 1, dtype=np.int64)  # from the grid point before h >= 0
     head_cost = prob.partial(real, t)
     best = int(np.argmin(np.abs(head_cost - rho * t - share)))
     return int(t[best]), float(head_cost[best])
@@ -272,11 +251,7 @@ def _take_with_rows(room: list, left: list, r: int, x: float, low: int) -> int:
     """The rank with the most room among those with ``r`` rows left (else the most rows left); the
     heap ``room`` of ``(-room, rank)`` is rebuilt from the ranks with ``low`` rows left."""
     fit = [e for e in room if left[e[1]] >= r]
-    if fit:
-        k, b = min(fit)
-    else:
-        b = max(range(len(left)), key=left.__getitem__)
-        k = next((e[0] for e in room if e[1] == b), 0.0)
+    k, b = min(fit) if fit else (0.0, max(range(len(left)), key=left.__getitem__))  # (then b is full: k unused)
     room[:] = [e for e in room if e[1] != b and left[e[1]] >= low] + ([(k + x, b)] if left[b] - r >= low else [])
     heapq.heapify(room)
     return b
@@ -325,27 +300,17 @@ def _moved_index(b: int, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.n
 
 def _spread(lo: int, hi: int, count: int) -> np.ndarray:
     """Up to ``count`` evenly spread integers in ``[lo, hi]`` (all of them when few)."""
-    if hi - lo + 1 <= count:
-        return np.arange(lo, hi + 1)
-    return np.unique(np.round(np.linspace(lo, hi, count)).astype(np.int64))
+    return np.unique(np.round(np.linspace(lo, hi, max(count, 2))).astype(np.int64))
 
 
 def _neighbourhood(prob: BalanceProblem, order: np.ndarray, costs: np.ndarray, max_moves: int):
-    """(i, j, swap) of candidate moves: sources on the most loaded rank (its edge sequences and its
-    costliest always), targets next to every rank boundary and spread over the buffer; each pair
-    as a swap and as a move either way."""
-    b, cp, L = prob.num_seqs, prob.cp_size, prob.local_rows
-    cum = np.concatenate([[0], np.cumsum(prob.rows[order])])
-    first = np.minimum(np.searchsorted(cum, np.arange(cp) * L, side="right") - 1, b - 1)
-    worst = int(costs.argmax())
-    f = int(first[worst])
-    l_ = int(min(np.searchsorted(cum, (worst + 1) * L - 1, side="right") - 1, b - 1))
-    n_src = max(4, int(math.sqrt(max_moves / 3)))
-    heavy = f + _desc(prob.cost[order[f : l_ + 1]])[: max(1, n_src // 3)]
-    src = np.unique(np.concatenate([[f, l_], heavy, _spread(f, l_, n_src)]))
-    n_dst = max(4, max_moves // (3 * src.size))
-    near = np.clip((first[1:, None] + np.arange(-1, 2)[None, :]).ravel(), 0, b - 1)[: n_dst // 2]
-    dst = np.unique(np.concatenate([near, _spread(0, b - 1, max(2, n_dst - near.size))]))
+    """(i, j, swap) of candidate moves: sources spread over the slots of the most loaded rank,
+    targets spread over the buffer; each pair as a swap and as a move either way."""
+    b, L, worst = prob.num_seqs, prob.local_rows, int(costs.argmax())
+    cum = np.cumsum(prob.rows[order])
+    first, last = np.minimum(np.searchsorted(cum, [worst * L, (worst + 1) * L - 1], side="right"), b - 1).tolist()
+    src = _spread(first, last, max(4, int(math.sqrt(max_moves / 3))))
+    dst = _spread(0, b - 1, max(4, max_moves // (3 * src.size)))
     ii, jj = np.repeat(src, dst.size), np.tile(dst, src.size)
     ii, jj = ii[ii != jj], jj[ii != jj]
     return np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii]), np.arange(3 * ii.size) < ii.size
@@ -358,8 +323,6 @@ def _local_search(prob, order, costs, rounds: int, max_moves: int, good_enough: 
         if float(costs.max()) <= mean * good_enough:
             break
         i, j, swap = _neighbourhood(prob, order, costs, max_moves)
-        if i.size == 0:
-            break
         cands = order[_moved_index(order.size, i, j, swap)]
         cand_costs = prob.costs_np(cands)
         k = _pick_best(cand_costs)
@@ -384,8 +347,7 @@ def _balance(prob: BalanceProblem, rounds=None, max_moves=None, good_enough=_GOO
     bins_first = many and top > _BINS_FIRST * mean  # the merge rarely cuts such a sequence well
     cands = [np.arange(b), _rank_bins_order(prob) if bins_first else _excess_merge_order(excess)]
     if small:
-        longest = _desc(prob.rows)
-        cands += [longest, longest[::-1].copy()]
+        cands += [_desc(prob.rows), _desc(prob.rows)[::-1].copy()]
     cand_costs = prob.costs_np(np.stack(cands))
     if many and float(cand_costs.max(1).min()) > mean * good_enough and (not bins_first or top <= 0.25 * mean):
         cands.append(_excess_merge_order(excess) if bins_first else _rank_bins_order(prob))  # the other start
