@@ -210,21 +210,17 @@ def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.00
     left, to, big_rows = left.tolist(), [], rows[bigs]
     fewest = np.minimum.accumulate(big_rows[::-1])[::-1].tolist()  # fewest rows of any big still to come
     for r, x, low in zip(big_rows.tolist(), takes[bigs].tolist(), fewest):
-        if room and left[room[0][1]] >= r:
-            b = room[0][1]
-            heapq.heapreplace(room, (room[0][0] + x, b))
-        else:
-            b = _take_with_rows(room, left, r, x, low)
+        fits = room and left[room[0][1]] >= r  # the rank with the most room has the rows (heapreplace: its old entry)
+        b = heapq.heapreplace(room, (room[0][0] + x, room[0][1]))[1] if fits else _take_with_rows(room, left, r, x, low)
         left[b] -= r
         to.append(b)
     bin_of = np.full(rows.shape[0], -1, dtype=np.int64)
     bin_of[bigs] = to
     filler = np.flatnonzero(is_filler)
-    if filler.size:
-        sub, sub_rows = cost[filler], rows[filler]
-        filler = filler[_excess_merge_order(sub - float(sub.sum()) / max(float(sub_rows.sum()), 1.0) * sub_rows)]
-        mid = np.cumsum(rows[filler]) - rows[filler] / 2
-        bin_of[filler] = np.minimum(np.searchsorted(np.cumsum(np.maximum(left, 0.0)), mid, side="right"), cp - 1)
+    sub, sub_rows = cost[filler], rows[filler]
+    filler = filler[_excess_merge_order(sub - float(sub.sum()) / max(float(sub_rows.sum()), 1.0) * sub_rows)]
+    mid = np.cumsum(rows[filler]) - rows[filler] / 2
+    bin_of[filler] = np.minimum(np.searchsorted(np.cumsum(np.maximum(left, 0.0)), mid, side="right"), cp - 1)
     members = np.flatnonzero(bin_of >= 0)
     members = members[np.lexsort((rows[members], bin_of[members]))]  # by bin, rows, index
     bins = np.split(members, np.cumsum(np.bincount(bin_of[members], minlength=cp))[:-1])
@@ -276,9 +272,8 @@ def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: list, slots: 
         pre_cost = np.concatenate([[0.0], np.cumsum(prob.cost[window])])
         t = (b + 1) * L - int(cum_rows[lo]) - pre_rows  # giant rows on the left rank after j neighbours
         f = prob.partial(prob.real[g : g + 1], np.clip(t, 0, p))  # F(t): the giant's head
-        j_now = s - lo
-        lhs = rank[b] - float(pre_cost[j_now] + f[j_now]) + pre_cost + f
-        rhs = rank[b + 1] + float(pre_cost[j_now] + f[j_now]) - pre_cost - f
+        shift = pre_cost + f - (pre_cost[s - lo] + f[s - lo])  # cost moving from the right rank to the left
+        lhs, rhs = rank[b] + shift, rank[b + 1] - shift
         worse = np.where((t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
         j = int(worse.argmin())
         if worse[j] < max(rank[b], rank[b + 1]) * (1 - _REL_TOL):
@@ -298,32 +293,22 @@ def _moved_index(b: int, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.n
     return np.where(swap & (p == i), j, out)
 
 
-def _spread(lo: int, hi: int, count: int) -> np.ndarray:
-    """Up to ``count`` evenly spread integers in ``[lo, hi]`` (all of them when few)."""
-    return np.unique(np.round(np.linspace(lo, hi, max(count, 2))).astype(np.int64))
-
-
-def _neighbourhood(prob: BalanceProblem, order: np.ndarray, costs: np.ndarray, max_moves: int):
-    """(i, j, swap) of candidate moves: sources spread over the slots of the most loaded rank,
-    targets spread over the buffer; each pair as a swap and as a move either way."""
-    b, L, worst = prob.num_seqs, prob.local_rows, int(costs.argmax())
-    cum = np.cumsum(prob.rows[order])
-    first, last = np.minimum(np.searchsorted(cum, [worst * L, (worst + 1) * L - 1], side="right"), b - 1).tolist()
-    src = _spread(first, last, max(4, int(math.sqrt(max_moves / 3))))
-    dst = _spread(0, b - 1, max(4, max_moves // (3 * src.size)))
-    ii, jj = np.repeat(src, dst.size), np.tile(dst, src.size)
-    ii, jj = ii[ii != jj], jj[ii != jj]
-    return np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii]), np.arange(3 * ii.size) < ii.size
-
-
 def _local_search(prob, order, costs, rounds: int, max_moves: int, good_enough: float):
-    """Best-improvement rounds over :func:`_neighbourhood`, each candidate evaluated in full."""
-    mean = prob.total_cost / prob.cp_size
+    """Best-improvement rounds over swaps and moves (either way) between sources evenly spread over
+    the slots of the most loaded rank (all when few) and targets spread over the buffer, each
+    candidate evaluated in full."""
+    b, L, mean = prob.num_seqs, prob.local_rows, prob.total_cost / prob.cp_size
     for _ in range(rounds):
         if float(costs.max()) <= mean * good_enough:
             break
-        i, j, swap = _neighbourhood(prob, order, costs, max_moves)
-        cands = order[_moved_index(order.size, i, j, swap)]
+        worst, cum = int(costs.argmax()), np.cumsum(prob.rows[order])
+        first, last = np.minimum(np.searchsorted(cum, [worst * L, (worst + 1) * L - 1], side="right"), b - 1).tolist()
+        src = np.unique(np.linspace(first, last, max(4, int(math.sqrt(max_moves / 3)))).round().astype(np.int64))
+        dst = np.unique(np.linspace(0, b - 1, max(4, max_moves // (3 * src.size))).round().astype(np.int64))
+        ii, jj = np.repeat(src, dst.size), np.tile(dst, src.size)
+        ii, jj = ii[ii != jj], jj[ii != jj]
+        i, j = np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii])
+        cands = order[_moved_index(b, i, j, np.arange(i.size) < ii.size)]
         cand_costs = prob.costs_np(cands)
         k = _pick_best(cand_costs)
         if not _better(cand_costs[k], costs):
@@ -358,26 +343,22 @@ def _balance(prob: BalanceProblem, rounds=None, max_moves=None, good_enough=_GOO
     rounds = max(4, min(48, 4096 // b)) if rounds is None else rounds
     max_moves = max(192, min(3072, (1 << 17) // b)) if max_moves is None else max_moves
     kicks = (0 if b > 64 else min(32, 512 // b)) if kicks is None else kicks
-    # local search from the two best starts (a better start can end in a worse optimum)
-    order, costs = cands[ranked[0]], cand_costs[ranked[0]]
-    for k in ranked[:2]:
-        o, c = _local_search(prob, cands[k], cand_costs[k], rounds, max_moves, good_enough)
-        if k == ranked[0] or _better(c, costs):
-            order, costs = o, c
-    # iterated local search: two seeded random moves, search again, keep an improvement
     rng = np.random.Generator(np.random.PCG64(0x5EED))
-    for _ in range(kicks):
-        if float(costs.max()) <= mean * good_enough:
+    order, costs = cands[ranked[0]], cand_costs[ranked[0]]
+    # local search from the two best starts (a better start can end in a worse optimum), then from the
+    # best order perturbed by two seeded random moves (iterated local search)
+    for k in range(2 + kicks):
+        if k >= 2 and float(costs.max()) <= mean * good_enough:
             break
-        kicked = order
-        for _ in range(2):
+        start = cands[ranked[k]] if k < 2 else order
+        for _ in range(2 if k >= 2 else 0):
             i, j = rng.integers(0, b, 2).tolist()
             if i != j:
-                kicked = kicked[_moved_index(b, np.array([i]), np.array([j]), np.array([rng.random() < 0.5]))[0]]
-        kicked, kicked_costs = _local_search(prob, kicked, prob.costs_np(kicked[None, :])[0], min(rounds, 16),
-                                             max_moves, good_enough)
-        if _better(kicked_costs, costs):
-            order, costs = kicked, kicked_costs
+                start = start[_moved_index(b, np.array([i]), np.array([j]), np.array([rng.random() < 0.5]))[0]]
+        o, c = _local_search(prob, start, prob.costs_np(start[None, :])[0], rounds if k < 2 else min(rounds, 16),
+                             max_moves, good_enough)
+        if _better(c, costs):
+            order, costs = o, c
     return order
 
 
