@@ -145,7 +145,6 @@ def test_batched_moves_match_list_swaps_and_moves():
             else:
                 ref.insert(c, ref.pop(a))
             assert got[k].tolist() == ref, (a, c, sw)
-            assert bal._apply_move(order, a, c, sw).tolist() == ref
 
 
 # ---------------------------------------------------------------------------------- balancer
@@ -284,9 +283,7 @@ def test_adjacent_giants_fill_their_ranks_left_to_right():
 def test_giant_slides_to_the_best_cut_among_its_neighbours():
     """Take a rank-bins order, put the giant's 16 neighbours in order of length and displace the
     giant: the slide finds the best order of its family (the giant at any place among the
-    neighbours; optionally the last neighbour before it swapped for one after it, or one before
-    it swapped for the first after it), checked by evaluating every such order in full, and the
-    swaps reach better cuts than moving the giant alone."""
+    neighbours), checked by evaluating every such order in full."""
     prob = bal.BalanceProblem.contiguous(_sft_lengths(14), cp_size=16, cost_model="dense")
     start = bal._rank_bins_order(prob, reach=8)
     giant = int(np.argmax(prob.cost))
@@ -300,50 +297,24 @@ def test_giant_slides_to_the_best_cut_among_its_neighbours():
         displaced = start.copy()
         displaced[slot - 8 : slot + 9] = np.concatenate([near[: 8 + shift], [giant], near[8 + shift :]])
         at = slot + shift
-        slid = bal._slide_giants(prob, displaced.copy(), np.array([boundary]), np.array([at]), 8)
+        slid = bal._slide_giants(prob, displaced.copy(), [boundary], [at], 8)
         window = np.concatenate([displaced[at - 8 : at], displaced[at + 1 : at + 9]])
-        family, moves_only = [], []
+        family = []
         for j in range(17):
-            for a in range(-1, j):
-                for c in [None] if a < 0 else range(j, 16) if a == j - 1 else [j] if j < 16 else []:
-                    in_s = np.arange(16) < j
-                    if a >= 0:
-                        in_s[a], in_s[c] = False, True
-                    o = displaced.copy()
-                    o[at - 8 : at + 9] = np.concatenate([window[in_s], [giant], window[~in_s]])
-                    if _cut_by(prob, o, giant, boundary):
-                        family.append(o)
-                        if a < 0:
-                            moves_only.append(o)
+            o = displaced.copy()
+            o[at - 8 : at + 9] = np.concatenate([window[:j], [giant], window[j:]])
+            if _cut_by(prob, o, giant, boundary):
+                family.append(o)
         assert _cut_by(prob, slid, giant, boundary) and _is_permutation(torch.from_numpy(slid), prob.num_seqs)
         best = min(pair(o) for o in family)
         assert pair(slid) == pytest.approx(best, rel=1e-12)
-        assert pair(slid) < pair(displaced) and best < min(pair(o) for o in moves_only)
+        assert pair(slid) < pair(displaced)
 
 
 def _cut_by(prob, order, giant, boundary) -> bool:
     slot = int(np.flatnonzero(order == giant)[0])
     begin = int(prob.rows[order[:slot]].sum())
     return begin < (boundary + 1) * prob.local_rows < begin + int(prob.rows[giant])
-
-
-def test_over_budget_ranks_take_the_cheapest_filler_until_covered():
-    lens = torch.tensor([100, 20, 40, 60, 80, 30, 50])
-    prob = bal.BalanceProblem.contiguous(lens, cp_size=2, cost_model="dense")
-    filler = np.arange(7)
-    rho = float(prob.cost.sum() / prob.rows.sum())
-    gain = rho * prob.rows - prob.cost  # room a sequence frees when it fills rows instead of the mean
-    cheapest = np.argsort(prob.cost / prob.rows, kind="stable")
-    need = float(gain[cheapest[:2]].sum()) - 1.0  # covered by the two cheapest, not by one
-    left, bin_of = [10_000.0, 10_000.0], np.full(7, -1)
-    rest = bal._cheap_filler_first(prob, filler, np.array([0]), np.array([-need, 0.0]), left, bin_of, rho)
-    assert sorted(np.flatnonzero(bin_of == 0).tolist()) == sorted(cheapest[:2].tolist())
-    assert left[0] == 10_000 - prob.rows[cheapest[:2]].sum()
-    assert sorted(rest.tolist()) == sorted(cheapest[2:].tolist())
-    # a deficit the cheaper-than-mean filler cannot cover: the rank's rows are filled cheapest-first
-    left, bin_of = [float(prob.rows[cheapest[:5]].sum()), 10_000.0], np.full(7, -1)
-    bal._cheap_filler_first(prob, filler, np.array([0]), np.array([-1e12, 0.0]), left, bin_of, rho)
-    assert sorted(np.flatnonzero(bin_of == 0).tolist()) == sorted(cheapest[:5].tolist()) and left[0] == 0
 
 
 def _balance_lab():

@@ -6,12 +6,10 @@ which sequences land on which rank and where rank boundaries cut them. :func:`ba
 picks the order minimising the largest per-rank cost under a :mod:`.cost` model.
 
 Contract:
-  * ``order`` is a permutation of ``range(B)``: buffer slot ``k`` holds sequence ``order[k]``.
-    Padded lengths and the total row count do not depend on it (the plan restores the original
-    order on unpack).
-  * Deterministic: a pure function of the lengths and options (stable sorts, no clocks, one
-    seeded generator, float64 host arithmetic). ``build_plan(..., cp_group=...)`` checks that the
-    CP ranks agree.
+  * ``order`` is a permutation of ``range(B)``: buffer slot ``k`` holds sequence ``order[k]``. Padded
+    lengths and the total row count do not depend on it (the plan restores the original order).
+  * Deterministic: a pure function of the lengths and options (stable sorts, no clocks, one seeded
+    generator, float64 host arithmetic). ``build_plan(..., cp_group=...)`` checks the CP ranks agree.
   * Never worse than the plain order under the cost model (the identity is always a candidate and
     a move is only accepted when it lowers the objective: max rank cost, then sum of squares).
 
@@ -20,20 +18,21 @@ evaluated with the model's closed-form prefix sums at the ``cp - 1`` rank bounda
 
 Algorithm ("excess" of a sequence: its cost minus the mean cost per row times its rows):
   1. Starts: the plain order and the excess merge (above- and below-mean sequences interleaved so
-     the cumulative cost tracks the mean line). With many sequences (``B >= 4 cp``) the rank bins
-     (:func:`_rank_bins_order`) too, where the merge is not good enough or a sequence's excess is
-     over ``_BINS_FIRST`` of a mean rank. Small batches add longest- and shortest-first.
-  2. Local search (``B <= _SMALL``, or a sequence longer than a rank): best-improvement swaps and
-     moves around the most loaded rank, then seeded restarts from perturbed copies (``B <= 64``);
-     ``B <= _EXHAUSTIVE_MAX``: every order is tried.
-Large batches stop after step 1: 1024 sequences plan in about a millisecond of host CPU time
-(``benchmarks/bench_cp_balance.py``; exploratory constructions and a lower bound live in
-``benchmarks/balance_lab.py``).
+     the cumulative cost tracks the mean line), or, with many sequences (``B >= 4 cp``) one of
+     which has an excess over ``_BINS_FIRST`` of a mean rank, the rank bins (:func:`_rank_bins_order`).
+     With many sequences the other of the two follows when the best start is not good enough
+     (the merge only while no excess is over a quarter of a mean rank). Small batches
+     (``B <= _SMALL``) add longest- and shortest-first; large batches keep the best start.
+  2. Small batches: best-improvement swaps and moves around the most loaded rank from the two best
+     starts, then seeded restarts from perturbed copies (``B <= 64``); ``B <= _EXHAUSTIVE_MAX``:
+     every order is tried.
+Speed: 1024 sequences plan in under a millisecond of host CPU time (NumPy; Python loops only over
+the costly sequences of the rank bins and the giants; ``benchmarks/bench_cp_balance.py``).
+Exploratory constructions and a lower bound live in ``benchmarks/balance_lab.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
@@ -122,10 +121,9 @@ class BalanceProblem:
         k, b = orders.shape
         if self.cp_size == 1:
             return np.full((k, 1), self.total_cost)
-        cum_rows = np.zeros((k, b + 1), dtype=np.int64)
-        np.cumsum(self.rows[orders], axis=1, out=cum_rows[:, 1:])
-        cum_cost = np.zeros((k, b + 1))
-        np.cumsum(self.cost[orders], axis=1, out=cum_cost[:, 1:])
+        zero = np.zeros((k, 1))
+        cum_rows = np.concatenate([zero.astype(np.int64), np.cumsum(self.rows[orders], axis=1)], 1)
+        cum_cost = np.concatenate([zero, np.cumsum(self.cost[orders], axis=1)], 1)
         # one binary search for all K orders: row k of cum_rows is shifted by k * (total_rows + 1)
         base = np.arange(k, dtype=np.int64)[:, None]
         x = self.bounds[None, :]
@@ -136,17 +134,12 @@ class BalanceProblem:
         off = x - cum_rows.ravel()[at]
         pad = self.cost_model.pad_row_cost
         g = np.where(idx >= b, cum_cost[:, -1:] + pad * off, cum_cost.ravel()[at] + self.partial(self.real[seq], off))
-        return _rank_diff(g, self.total_cost)
+        return np.diff(np.concatenate([zero, g, zero + self.total_cost], 1), axis=1)
 
     def partial(self, real: np.ndarray, off: np.ndarray) -> np.ndarray:
         """Cost of the first ``off`` rows of sequences with ``real`` tokens (then padding rows)."""
         r = np.minimum(off, real)
         return self.cost_model.prefix_cost(r) + self.cost_model.pad_row_cost * (off - r)
-
-
-def _rank_diff(g: np.ndarray, total: float) -> np.ndarray:
-    """Per-rank costs from the cumulative cost ``g [K, cp-1]`` at the inner rank boundaries."""
-    return np.diff(np.concatenate([np.zeros((g.shape[0], 1)), g, np.full((g.shape[0], 1), total)], 1), axis=1)
 
 
 def _pick_best(costs: np.ndarray) -> int:
@@ -181,128 +174,61 @@ def _excess_merge_order(excess: np.ndarray) -> np.ndarray:
     return out
 
 
-def _merge_of(prob: BalanceProblem, ids: np.ndarray) -> np.ndarray:
-    """:func:`_excess_merge_order` of the subset ``ids`` around its own mean (positions into ``ids``)."""
-    sub = prob.cost[ids]
-    return _excess_merge_order(sub - float(sub.sum()) / max(float(prob.rows[ids].sum()), 1.0) * prob.rows[ids])
-
-
-# ---------------------------------------------------------------- rank bins (many sequences)
-
-
 def _rank_bins_order(prob: BalanceProblem, giant: float = 0.9, big: float = 0.002, reach: int = 8) -> np.ndarray:
     """Fill the ``cp`` ranks as bins (rows and cost), then concatenate them: for many sequences.
 
-    Filler: the sequences costing at most ``big`` of a mean rank, ``rho`` their cost per row. A
-    rank's room is its budget left once its free rows hold filler at ``rho``; a sequence takes
-    ``cost - rho * rows`` of it. Giants (over ``giant`` of an empty rank's room, at most ``cp - 1``)
-    straddle evenly spread boundaries, cut where their two ranks have the same room left; the other
-    non-filler go, costliest first, to the rank with the most room (a heap); the filler, in
-    merge order, fills the remaining rows; inside a rank the shortest sit at both edges; finally
-    each giant is re-cut among its ``2 reach`` shortest neighbours (:func:`_slide_giants`)."""
-    cp, L = prob.cp_size, prob.local_rows
-    rows, cost = prob.rows, prob.cost
+    Filler: the sequences costing at most ``big`` of a mean rank, ``rho`` their cost per row. A rank's
+    room is its budget left once its free rows hold filler at ``rho``; a sequence takes ``cost - rho *
+    rows`` of it. Giants (over ``giant`` of an empty rank's room, at most ``cp - 1``) straddle evenly
+    spread boundaries, cut where their two ranks have the same room left (where the left one is full
+    when the next boundary cuts a giant too); the other non-filler go, costliest first, to the rank with
+    the most room (a heap); the filler, in excess-merge order, fill the remaining rows; inside a rank the
+    shortest sit at both edges; each giant then slides among its ``2 reach`` neighbours (:func:`_slide_giants`)."""
+    cp, L, rows, cost = prob.cp_size, prob.local_rows, prob.rows, prob.cost
     tau = prob.total_cost / cp
-    rows_left = np.full(cp, float(L))
-    rows_left[-1] -= prob.tail_rows
-    budget = np.full(cp, tau)
-    budget[-1] -= prob.tail_rows * prob.cost_model.pad_row_cost
+    tail = (np.arange(cp) == cp - 1) * prob.tail_rows  # the last rank holds the tail padding
+    left, budget = L - tail.astype(float), tau - tail * prob.cost_model.pad_row_cost  # rows and cost left
     is_filler = cost <= big * tau
-    desc = np.flatnonzero(~is_filler)
-    desc = desc[_desc(cost[desc])]  # the non-filler, most costly first
+    desc = _desc(np.where(is_filler, -np.inf, cost))[: int((~is_filler).sum())]  # non-filler, costliest first
     rho = float(cost[is_filler].sum()) / max(float(rows[is_filler].sum()), 1.0)
     takes = cost - rho * rows  # room a sequence takes
-
-    head = np.full(cp, -1, dtype=np.int64)  # giant cut by the boundary after rank b
-    empty_room = tau - L * rho
     top = desc[: cp - 1]
-    top = top[(takes[top] > giant * empty_room) & (rows[top] > 1) & (rows[top] <= L)]
-    for k, i in enumerate(top.tolist()):
-        head[int((k + 0.5) * (cp - 1) / top.size)] = i  # distinct, evenly spread boundaries
-    for b in np.flatnonzero(head >= 0).tolist():  # left to right: a rank may hold a giant's tail already
+    top = top[(takes[top] > giant * (tau - L * rho)) & (rows[top] > 1) & (rows[top] <= L)]
+    head = np.full(cp, -1, dtype=np.int64)  # giant cut by the boundary after rank b
+    head[((np.arange(top.size) + 0.5) * (cp - 1) / max(top.size, 1)).astype(np.int64)] = top  # distinct
+    cut_at = np.flatnonzero(head >= 0).tolist()
+    for b in cut_at:  # left to right: a rank may hold a giant's tail already
         i = int(head[b])
-        room_b, room_next = budget[b : b + 2] - rows_left[b : b + 2] * rho
-        # the next boundary cuts a giant too: fill this rank (the rest goes right); else both equal
+        room_b, room_next = budget[b : b + 2] - left[b : b + 2] * rho
         share = room_b if head[b + 1] >= 0 else (takes[i] + room_b - room_next) / 2
         t, head_cost = _giant_cut(prob, i, rho, share)
-        rows_left[b] -= t
-        budget[b] -= head_cost
-        rows_left[b + 1] -= rows[i] - t
-        budget[b + 1] -= cost[i] - head_cost
-    placed = np.zeros(rows.shape[0], dtype=bool)
-    placed[head[head >= 0]] = True
-    # the shortest filler sits next to each giant, ``reach`` sequences on either side: the giant
-    # is re-cut among them at the end (the bins only approximate their rows)
-    cut_at = np.flatnonzero(head >= 0)
-    before_giant: dict[int, np.ndarray] = {}  # by the rank the giant starts on
-    after_giant: dict[int, np.ndarray] = {}
-    if cut_at.size:
-        free = np.flatnonzero(is_filler & ~placed)
-        shortest = free[np.argsort(rows[free], kind="stable")[: 2 * reach * cut_at.size]]
-        for k, b in enumerate(cut_at.tolist()):
-            chunk = shortest[2 * reach * k : 2 * reach * (k + 1)]
-            before_giant[b], after_giant[b] = chunk[0::2], chunk[1::2]
-            for side, r in ((chunk[0::2], b), (chunk[1::2], b + 1)):
-                rows_left[r] -= rows[side].sum()
-                budget[r] -= cost[side].sum()
-        placed[shortest] = True
-    bigs = desc[~placed[desc]]
-    bin_of = np.full(rows.shape[0], -1, dtype=np.int64)
-    room = [(-float(budget[b] - rows_left[b] * rho), b) for b in range(cp)]  # heap: most room first, then lower rank
+        left[b : b + 2] -= (t, rows[i] - t)
+        budget[b : b + 2] -= (head_cost, cost[i] - head_cost)
+    bigs = desc[~np.isin(desc, top)]
+    room = [(-float(budget[b] - left[b] * rho), b) for b in range(cp)]  # heap: most room first, then lower rank
     heapq.heapify(room)
-    left = rows_left.tolist()
-    to: list[int] = []
-    big_rows = rows[bigs]
+    left, to, big_rows = left.tolist(), [], rows[bigs]
     fewest = np.minimum.accumulate(big_rows[::-1])[::-1].tolist()  # fewest rows of any big still to come
-    replace, take = heapq.heapreplace, to.append  # (local names: this loop runs once per sequence)
     for r, x, low in zip(big_rows.tolist(), takes[bigs].tolist(), fewest):
-        if room and left[room[0][1]] >= r:
-            k, b = room[0]
-            replace(room, (k + x, b))
-        else:
-            b = _take_with_rows(room, left, r, x, low)
+        fits = room and left[room[0][1]] >= r  # the rank with the most room has the rows (heapreplace: its old entry)
+        b = heapq.heapreplace(room, (room[0][0] + x, room[0][1]))[1] if fits else _take_with_rows(room, left, r, x, low)
         left[b] -= r
-        take(b)
+        to.append(b)
+    bin_of = np.full(rows.shape[0], -1, dtype=np.int64)
     bin_of[bigs] = to
-    filler = np.flatnonzero(is_filler & ~placed)
-    taken = np.bincount(np.asarray(to, dtype=np.int64), weights=takes[bigs], minlength=cp)
-    room_left = budget - rows_left * rho - taken
-    needy = np.flatnonzero(room_left < -1e-3 * tau)
-    if filler.size and needy.size:
-        filler = _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho)
-    if filler.size:
-        filler = filler[_merge_of(prob, filler)]
-        ends = np.cumsum(np.maximum(left, 0.0))
-        mid = np.cumsum(rows[filler]) - rows[filler] / 2
-        bin_of[filler] = np.minimum(np.searchsorted(ends, mid, side="right"), cp - 1)
-    # concatenate the bins; inside each, shortest at both edges (ties in index order); a giant's
-    # near filler sits just before and after it. Every sequence's slot is computed directly.
+    filler = np.flatnonzero(is_filler)
+    sub, sub_rows = cost[filler], rows[filler]
+    filler = filler[_excess_merge_order(sub - float(sub.sum()) / max(float(sub_rows.sum()), 1.0) * sub_rows)]
+    mid = np.cumsum(rows[filler]) - rows[filler] / 2
+    bin_of[filler] = np.minimum(np.searchsorted(np.cumsum(np.maximum(left, 0.0)), mid, side="right"), cp - 1)
     members = np.flatnonzero(bin_of >= 0)
-    mb = bin_of[members]
-    members = members[np.argsort(mb * (int(rows.max()) + 1) + rows[members], kind="stable")]  # by bin, rows, index
-    mb = bin_of[members]
-    counts = np.bincount(mb, minlength=cp)
-    r = np.arange(members.size) - (np.cumsum(counts) - counts)[mb]  # rank inside its bin by rows
-    place = np.where(r % 2 == 0, r // 2, counts[mb] - 1 - r // 2)
-    lead = np.zeros(cp, dtype=np.int64)  # slots before a bin's members: the filler after the previous giant
-    trail = np.zeros(cp, dtype=np.int64)  # slots after them: the filler before its giant, and the giant
-    for b in cut_at.tolist():
-        trail[b] = before_giant[b].size + 1
-        lead[b + 1] = after_giant[b].size
-    start = np.cumsum(lead + counts + trail) - (lead + counts + trail)
-    order = np.empty(members.size + int((lead + trail).sum()), dtype=np.int64)
-    order[start[mb] + lead[mb] + place] = members
-    giant_slot = []
-    for b in cut_at.tolist():
-        before, after = before_giant[b], after_giant[b]
-        at = start[b] + lead[b] + counts[b]
-        order[at : at + before.size] = before
-        order[at + before.size] = head[b]
-        giant_slot.append(at + before.size)
-        order[start[b + 1] : start[b + 1] + after.size] = after
-    if not cut_at.size:
-        return order
-    return _slide_giants(prob, order, cut_at, np.asarray(giant_slot, dtype=np.int64), reach)
+    members = members[np.lexsort((rows[members], bin_of[members]))]  # by bin, rows, index
+    bins = np.split(members, np.cumsum(np.bincount(bin_of[members], minlength=cp))[:-1])
+    ends = [head[b : b + 1] if head[b] >= 0 else m[:0] for b, m in enumerate(bins)]  # a giant ends its left rank
+    parts = [np.concatenate([m[0::2], m[1::2][::-1], e]) for m, e in zip(bins, ends)]
+    slots = (np.cumsum([p.size for p in parts]) - 1)[head >= 0].tolist()
+    order = np.concatenate(parts)
+    return _slide_giants(prob, order, cut_at, slots, reach) if cut_at else order
 
 
 def _giant_cut(prob: BalanceProblem, i: int, rho: float, share: float) -> tuple[int, float]:
@@ -310,200 +236,85 @@ def _giant_cut(prob: BalanceProblem, i: int, rho: float, share: float) -> tuple[
     ``h(t) = F(t) - rho t - share`` nearest 0 (``h`` is convex: a coarse grid, then row by row)."""
     p, real = int(prob.rows[i]), prob.real[i : i + 1]
     grid = 1 + np.arange(65) * (p - 2) // 64  # 1 .. p - 1, non-decreasing
-    h = prob.partial(real, grid) - rho * grid - share
-    k = int(np.searchsorted(h >= 0, True)) if bool((h >= 0).any()) else grid.size - 1  # first grid point past 0
-    t = np.arange(grid[max(k - 1, 0)], grid[k] + 1, dtype=np.int64)
+    k = min(int(np.searchsorted(prob.partial(real, grid) - rho * grid >= share, True)), grid.size - 1)
+    t = np.arange(grid[max(k - 1, 0)], grid[k] + 1, dtype=np.int64)  # from the grid point before h >= 0
     head_cost = prob.partial(real, t)
     best = int(np.argmin(np.abs(head_cost - rho * t - share)))
     return int(t[best]), float(head_cost[best])
-
-
-def _cheap_filler_first(prob, filler, needy, room_left, left, bin_of, rho) -> np.ndarray:
-    """Give each rank over budget (``needy``) the cheapest filler per row until its deficit is
-    covered (or its rows are full); returns the filler left. Updates ``left`` and ``bin_of``."""
-    rows, cost = prob.rows, prob.cost
-    cheap = filler[np.argsort(cost[filler] / np.maximum(rows[filler], 1), kind="stable")]
-    gain = np.cumsum(rho * rows[cheap] - cost[cheap])  # room freed; increases while below rho
-    cum_rows = np.cumsum(rows[cheap])
-    below = int((cost[cheap] < rho * rows[cheap]).sum())  # the cheaper-than-rho ones come first
-    pos, n = 0, cheap.size
-    for b in needy.tolist():
-        if pos >= n:
-            break
-        g0 = gain[pos - 1] if pos else 0.0
-        r0 = cum_rows[pos - 1] if pos else 0
-        fits = pos + int(np.searchsorted(cum_rows[pos:] - r0, left[b], side="right"))
-        if pos < below and gain[below - 1] - g0 >= -room_left[b]:
-            fits = min(fits, pos + int(np.searchsorted(gain[pos:below] - g0, -room_left[b], side="left")) + 1)
-        bin_of[cheap[pos:fits]] = b
-        left[b] -= int(rows[cheap[pos:fits]].sum())
-        pos = fits
-    return cheap[pos:]
-
-
-def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: np.ndarray, slot: np.ndarray, reach: int):
-    """Re-cut each giant (at ``slot[k]``, cut after rank ``bounds[k]``) by choosing which of its
-    ``2 reach`` neighbours stand before it, minimising the larger of its two ranks' costs: the giant
-    at every place in the window, and each prefix with its last neighbour swapped for a later one
-    or one of it swapped for the next (finer steps than the neighbours' lengths). Giants go last
-    first so windows do not overlap; a window reaching a third rank is skipped."""
-    n, L = prob.num_seqs, prob.local_rows
-    cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
-    cum_cost = np.concatenate([[0.0], np.cumsum(prob.cost[order])])
-    rank = np.diff(_cum_cost_at(prob, order, cum_rows, cum_cost, np.arange(prob.cp_size + 1) * L)).tolist()
-    window_end = n  # a window must end where the window processed before it begins
-    for k in np.argsort(-slot, kind="stable").tolist():  # last giant first: earlier slots keep their rows
-        s, g, b = int(slot[k]), int(order[slot[k]]), int(bounds[k])
-        lo, hi = max(s - reach, 0), min(s + reach + 1, n)
-        p, t_now = int(prob.rows[g]), int((b + 1) * L - cum_rows[s])  # giant rows on the left rank
-        if not 0 < t_now < p or cum_rows[lo] < b * L or cum_rows[hi] > (b + 2) * L or hi > window_end:
-            continue  # not cut by its boundary, or the window reaches a third rank or another window
-        window_end = lo
-        window = np.concatenate([order[lo:s], order[s + 1 : hi]])
-        w_rows, w_cost = prob.rows[window], prob.cost[window]
-        m, before = window.size, s - lo
-        # S = the first j neighbours (j = 0..m; j = before: as it stands); or that with its last
-        # one (a = j - 1) swapped for any later one (c >= j), or any of it swapped for the next one
-        j, a, c = _slide_family(m)
-        swap = a >= 0
-        pre_rows = np.concatenate([[0], np.cumsum(w_rows)])
-        pre_cost = np.concatenate([[0.0], np.cumsum(w_cost)])
-        s_rows = pre_rows[j] + np.where(swap, w_rows[c] - w_rows[a], 0)
-        s_cost = pre_cost[j] + np.where(swap, w_cost[c] - w_cost[a], 0.0)
-        t = (b + 1) * L - int(cum_rows[lo]) - s_rows
-        f = prob.partial(prob.real[g : g + 1], np.minimum(np.maximum(t, 0), p))  # F(t): the giant's head
-        f_now = float(f[before])  # the no-swap entries come first, one per j
-        left, right = rank[b], rank[b + 1]
-        fixed_left = left - float(pre_cost[before]) - f_now
-        fixed_right = right - float(pre_cost[-1] - pre_cost[before]) - (float(prob.cost[g]) - f_now)
-        lhs = fixed_left + s_cost + f
-        rhs = fixed_right + (pre_cost[-1] - s_cost) + (float(prob.cost[g]) - f)
-        worse = np.where((t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
-        best = int(worse.argmin())
-        if worse[best] < max(left, right) * (1 - _REL_TOL):
-            in_s = np.arange(m) < j[best]
-            if swap[best]:
-                in_s[a[best]], in_s[c[best]] = False, True
-            order = order.copy()
-            order[lo:hi] = np.concatenate([window[in_s], [g], window[~in_s]])
-            rank[b], rank[b + 1] = float(lhs[best]), float(rhs[best])  # adjacent giants share a rank
-    return order
-
-
-@functools.lru_cache(maxsize=None)
-def _slide_family(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(j, a, c) of the slide's candidates for ``m`` neighbours: the first ``j`` before the giant,
-    with ``a`` swapped for ``c`` (``a = c = -1``: no swap)."""
-    jj, cc = np.meshgrid(np.arange(m + 1), np.arange(m), indexing="ij")
-    last_out = (jj >= 1) & (cc >= jj)  # a = j - 1 swapped for c >= j
-    jb, ab = np.meshgrid(np.arange(m + 1), np.arange(m), indexing="ij")
-    next_in = (jb < m) & (ab < jb) & (ab != jb - 1)  # a < j - 1 swapped for c = j (a = j - 1: above)
-    none = -np.ones(m + 1, dtype=np.int64)
-    j = np.concatenate([np.arange(m + 1), jj[last_out], jb[next_in]])
-    a = np.concatenate([none, jj[last_out] - 1, ab[next_in]])
-    c = np.concatenate([none, cc[last_out], jb[next_in]])
-    for arr in (j, a, c):
-        arr.setflags(write=False)
-    return j, a, c
-
-
-def _cum_cost_at(prob: BalanceProblem, order: np.ndarray, cum_rows, cum_cost, x: np.ndarray) -> np.ndarray:
-    """Cost of buffer rows ``[0, x)`` of one order (``cum_rows`` / ``cum_cost``: its prefix sums)."""
-    n = order.size
-    idx = np.searchsorted(cum_rows, x, side="right") - 1
-    off = x - cum_rows[idx]
-    inside = cum_cost[np.minimum(idx, n)] + prob.partial(prob.real[order[np.minimum(idx, n - 1)]], off)
-    return np.where(idx >= n, cum_cost[n] + prob.cost_model.pad_row_cost * off, inside)
 
 
 def _take_with_rows(room: list, left: list, r: int, x: float, low: int) -> int:
     """The rank with the most room among those with ``r`` rows left (else the most rows left); the
     heap ``room`` of ``(-room, rank)`` is rebuilt from the ranks with ``low`` rows left."""
     fit = [e for e in room if left[e[1]] >= r]
-    if fit:
-        k, b = min(fit)
-    else:
-        b = max(range(len(left)), key=left.__getitem__)
-        k = next((e[0] for e in room if e[1] == b), 0.0)
-    rest = [e for e in room if e[1] != b and left[e[1]] >= low]
-    room[:] = rest + ([(k + x, b)] if left[b] - r >= low else [])
+    k, b = min(fit) if fit else (0.0, max(range(len(left)), key=left.__getitem__))  # (then b is full: k unused)
+    room[:] = [e for e in room if e[1] != b and left[e[1]] >= low] + ([(k + x, b)] if left[b] - r >= low else [])
     heapq.heapify(room)
     return b
 
 
-# ---------------------------------------------------------------- local search (small batches)
-
-
-def _apply_move(order: np.ndarray, i: int, j: int, swap: bool) -> np.ndarray:
-    """``order`` with slots ``i`` and ``j`` swapped, or the sequence of slot ``i`` moved to slot ``j``."""
-    return order[_moved_index(order.size, np.array([i]), np.array([j]), np.array([swap]))[0]]
+def _slide_giants(prob: BalanceProblem, order: np.ndarray, bounds: list, slots: list, reach: int) -> np.ndarray:
+    """Re-cut each giant (at ``slots[k]``, cut after rank ``bounds[k]``) by moving it to the place
+    among its ``2 reach`` neighbours that minimises the larger of its two ranks' costs. Giants go
+    last first so windows do not overlap; a window reaching a third rank is skipped."""
+    n, L = prob.num_seqs, prob.local_rows
+    cum_rows = np.concatenate([[0], np.cumsum(prob.rows[order])])
+    rank = prob.costs_np(order[None, :])[0].tolist()
+    window_end = n  # a window must end where the window processed before it begins
+    for s, b in sorted(zip(slots, bounds), reverse=True):  # last giant first: earlier slots keep their rows
+        g, lo, hi = int(order[s]), max(s - reach, 0), min(s + reach + 1, n)
+        p, t_now = int(prob.rows[g]), int((b + 1) * L - cum_rows[s])  # giant rows on the left rank
+        if not 0 < t_now < p or cum_rows[lo] < b * L or cum_rows[hi] > (b + 2) * L or hi > window_end:
+            continue  # not cut by its boundary, or the window reaches a third rank or another window
+        window_end = lo
+        window = np.concatenate([order[lo:s], order[s + 1 : hi]])
+        pre_rows = np.concatenate([[0], np.cumsum(prob.rows[window])])
+        pre_cost = np.concatenate([[0.0], np.cumsum(prob.cost[window])])
+        t = (b + 1) * L - int(cum_rows[lo]) - pre_rows  # giant rows on the left rank after j neighbours
+        f = prob.partial(prob.real[g : g + 1], np.clip(t, 0, p))  # F(t): the giant's head
+        shift = pre_cost + f - (pre_cost[s - lo] + f[s - lo])  # cost moving from the right rank to the left
+        lhs, rhs = rank[b] + shift, rank[b + 1] - shift
+        worse = np.where((t > 0) & (t < p), np.maximum(lhs, rhs), np.inf)
+        j = int(worse.argmin())
+        if worse[j] < max(rank[b], rank[b + 1]) * (1 - _REL_TOL):
+            order = order.copy()
+            order[lo:hi] = np.concatenate([window[:j], [g], window[j:]])
+            rank[b], rank[b + 1] = float(lhs[j]), float(rhs[j])  # adjacent giants share a rank
+    return order
 
 
 def _moved_index(b: int, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
-    """``[K, B]``: slot ``p`` of candidate ``k`` takes the sequence of old slot ``out[k, p]``."""
+    """``[K, B]``: slot ``p`` of candidate ``k`` takes the sequence of old slot ``out[k, p]`` (slots
+    ``i`` and ``j`` swapped, or the sequence of slot ``i`` moved to slot ``j``)."""
     p, i, j, swap = np.arange(b)[None, :], i[:, None], j[:, None], swap[:, None]
     lo, hi = np.minimum(i, j), np.maximum(i, j)
     shift = np.where((p >= lo) & (p <= hi), np.where(i < j, 1, -1), 0)  # a move shifts the slots between
-    out = np.where(swap, p, p + shift)
-    out = np.where(p == j, i, out)
+    out = np.where(p == j, i, np.where(swap, p, p + shift))
     return np.where(swap & (p == i), j, out)
 
 
-def _spread(lo: int, hi: int, count: int) -> np.ndarray:
-    """Up to ``count`` evenly spread integers in ``[lo, hi]`` (all of them when few)."""
-    if hi - lo + 1 <= count:
-        return np.arange(lo, hi + 1)
-    return np.unique(np.round(np.linspace(lo, hi, count)).astype(np.int64))
-
-
-def _neighbourhood(prob: BalanceProblem, order: np.ndarray, costs: np.ndarray, max_moves: int):
-    """(i, j, swap) of candidate moves: sources on the most loaded rank (its edge sequences and its
-    costliest always), targets next to every rank boundary and spread over the buffer; each pair
-    as a swap and as a move either way. A heavy sequence (over a quarter of a mean rank) of a
-    small batch is tried at every slot."""
-    b, cp, L = prob.num_seqs, prob.cp_size, prob.local_rows
-    cum = np.concatenate([[0], np.cumsum(prob.rows[order])])
-    first = np.minimum(np.searchsorted(cum, np.arange(cp) * L, side="right") - 1, b - 1)
-    worst = int(costs.argmax())
-    f = int(first[worst])
-    l_ = int(min(np.searchsorted(cum, (worst + 1) * L - 1, side="right") - 1, b - 1))
-    n_src = max(4, int(math.sqrt(max_moves / 3)))
-    heavy = f + _desc(prob.cost[order[f : l_ + 1]])[: max(1, n_src // 3)]
-    src = np.unique(np.concatenate([[f, l_], heavy, _spread(f, l_, n_src)]))
-    n_dst = max(4, max_moves // (3 * src.size))
-    near = np.clip((first[1:, None] + np.arange(-1, 2)[None, :]).ravel(), 0, b - 1)[: n_dst // 2]
-    dst = np.unique(np.concatenate([near, _spread(0, b - 1, max(2, n_dst - near.size))]))
-    ii, jj = np.repeat(src, dst.size), np.tile(dst, src.size)
-    ii, jj = ii[ii != jj], jj[ii != jj]
-    i, j = np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii])
-    swap = np.arange(i.size) < ii.size
-    top = int(heavy[0])
-    if b <= _SMALL and float(prob.cost[order[top]]) > 0.25 * prob.total_cost / cp:
-        rest = np.delete(np.arange(b), top)
-        i, j = np.concatenate([i, np.full_like(rest, top)]), np.concatenate([j, rest])
-        swap = np.concatenate([swap, np.zeros(rest.size, dtype=bool)])
-    return i, j, swap
-
-
 def _local_search(prob, order, costs, rounds: int, max_moves: int, good_enough: float):
-    """Best-improvement rounds over :func:`_neighbourhood`, each candidate evaluated in full."""
-    mean = prob.total_cost / prob.cp_size
+    """Best-improvement rounds over swaps and moves (either way) between sources evenly spread over
+    the slots of the most loaded rank (all when few) and targets spread over the buffer, each
+    candidate evaluated in full."""
+    b, L, mean = prob.num_seqs, prob.local_rows, prob.total_cost / prob.cp_size
     for _ in range(rounds):
         if float(costs.max()) <= mean * good_enough:
             break
-        i, j, swap = _neighbourhood(prob, order, costs, max_moves)
-        if i.size == 0:
-            break
-        cands = order[_moved_index(order.size, i, j, swap)]
+        worst, cum = int(costs.argmax()), np.cumsum(prob.rows[order])
+        first, last = np.minimum(np.searchsorted(cum, [worst * L, (worst + 1) * L - 1], side="right"), b - 1).tolist()
+        src = np.unique(np.linspace(first, last, max(4, int(math.sqrt(max_moves / 3)))).round().astype(np.int64))
+        dst = np.unique(np.linspace(0, b - 1, max(4, max_moves // (3 * src.size))).round().astype(np.int64))
+        ii, jj = np.repeat(src, dst.size), np.tile(dst, src.size)
+        ii, jj = ii[ii != jj], jj[ii != jj]
+        i, j = np.concatenate([ii, ii, jj]), np.concatenate([jj, jj, ii])
+        cands = order[_moved_index(b, i, j, np.arange(i.size) < ii.size)]
         cand_costs = prob.costs_np(cands)
         k = _pick_best(cand_costs)
         if not _better(cand_costs[k], costs):
             break
         order, costs = cands[k], cand_costs[k]
     return order, costs
-
-
-# ---------------------------------------------------------------- driver and public API
 
 
 def _balance(prob: BalanceProblem, rounds=None, max_moves=None, good_enough=_GOOD_ENOUGH, kicks=None,
@@ -521,40 +332,33 @@ def _balance(prob: BalanceProblem, rounds=None, max_moves=None, good_enough=_GOO
     bins_first = many and top > _BINS_FIRST * mean  # the merge rarely cuts such a sequence well
     cands = [np.arange(b), _rank_bins_order(prob) if bins_first else _excess_merge_order(excess)]
     if small:
-        longest = _desc(prob.rows)
-        cands += [longest, longest[::-1].copy()]
+        cands += [_desc(prob.rows), _desc(prob.rows)[::-1].copy()]
     cand_costs = prob.costs_np(np.stack(cands))
-    best = float(cand_costs.max(1).min())
-    if many and best > mean * good_enough and (not bins_first or top <= 0.25 * mean):  # the other start
-        cands.append(_excess_merge_order(excess) if bins_first else _rank_bins_order(prob))
+    if many and float(cand_costs.max(1).min()) > mean * good_enough and (not bins_first or top <= 0.25 * mean):
+        cands.append(_excess_merge_order(excess) if bins_first else _rank_bins_order(prob))  # the other start
         cand_costs = np.concatenate([cand_costs, prob.costs_np(cands[-1][None, :])])
-        best = float(cand_costs.max(1).min())
-    # large batches stop here unless a sequence spans more than a rank (the rank bins cannot place it)
-    search = small or (int(prob.rows.max()) > prob.local_rows and best > mean * good_enough)
-    rounds = (max(4, min(48, 4096 // b)) if search else 0) if rounds is None else rounds
+    ranked = sorted(range(len(cands)), key=lambda k: (float(cand_costs[k].max()), k))
+    if not small:  # large batches keep the best start
+        return cands[ranked[0]]
+    rounds = max(4, min(48, 4096 // b)) if rounds is None else rounds
     max_moves = max(192, min(3072, (1 << 17) // b)) if max_moves is None else max_moves
     kicks = (0 if b > 64 else min(32, 512 // b)) if kicks is None else kicks
-    # local search from the two best starts (a better start can end in a worse optimum)
-    ranked = sorted(range(len(cands)), key=lambda k: (float(cand_costs[k].max()), k))[: 2 if search else 1]
-    order, costs = cands[ranked[0]], cand_costs[ranked[0]]
-    for k in ranked:
-        o, c = _local_search(prob, cands[k], cand_costs[k], rounds, max_moves, good_enough)
-        if k == ranked[0] or _better(c, costs):
-            order, costs = o, c
-    # iterated local search: two seeded random moves, search again, keep an improvement
     rng = np.random.Generator(np.random.PCG64(0x5EED))
-    for _ in range(kicks):
-        if float(costs.max()) <= mean * good_enough:
+    order, costs = cands[ranked[0]], cand_costs[ranked[0]]
+    # local search from the two best starts (a better start can end in a worse optimum), then from the
+    # best order perturbed by two seeded random moves (iterated local search)
+    for k in range(2 + kicks):
+        if k >= 2 and float(costs.max()) <= mean * good_enough:
             break
-        kicked = order
-        for _ in range(2):
+        start = cands[ranked[k]] if k < 2 else order
+        for _ in range(2 if k >= 2 else 0):
             i, j = rng.integers(0, b, 2).tolist()
             if i != j:
-                kicked = _apply_move(kicked, i, j, swap=bool(rng.random() < 0.5))
-        kicked, kicked_costs = _local_search(prob, kicked, prob.costs_np(kicked[None, :])[0], min(rounds, 16),
-                                             max_moves, good_enough)
-        if _better(kicked_costs, costs):
-            order, costs = kicked, kicked_costs
+                start = start[_moved_index(b, np.array([i]), np.array([j]), np.array([rng.random() < 0.5]))[0]]
+        o, c = _local_search(prob, start, prob.costs_np(start[None, :])[0], rounds if k < 2 else min(rounds, 16),
+                             max_moves, good_enough)
+        if _better(c, costs):
+            order, costs = o, c
     return order
 
 
