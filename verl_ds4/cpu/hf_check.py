@@ -77,6 +77,11 @@ def run_on_cp_ranks(build: Callable[[int], torch.nn.Module], sequences, cp: int,
 
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}.")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError(
+            "run_on_cp_ranks / hf_logits fork fresh gloo ranks and must be called from a process that has not "
+            "initialised torch.distributed (a fork after gloo started can hang). Call it from a plain process."
+        )
     results = run_distributed(_rank_main, world_size=cp, args=(build, list(sequences), hash_ids_shift), timeout=timeout)
     return [torch.tensor(rows, dtype=dtype) for rows in results[0]]
 
