@@ -8,7 +8,12 @@ DS4 attention rejects zigzag rows, and that with that guard bypassed the log-pro
 
 Prints a table (quantity, max abs diff, max rel diff, pass/fail); exits 1 on any failure.
 
-Example:  verl-ds4 verify --cp 8
+With ``--hf-checkpoint DIR`` it instead compares our Megatron DS4 loaded from an HF DeepSeek-V4
+folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.cpu.verify_hf`) and
+prints the max relative errors of logits and per-token log-probs.
+
+Examples:  verl-ds4 verify --cp 8
+           verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cp", type=int, required=True, metavar="N", help="context-parallel size to compare with CP=1 (e.g. 2, 4, 8)")
+    parser.add_argument("--cp", type=int, default=None, metavar="N", help="context-parallel size to compare with CP=1 (e.g. 2, 4, 8); with --hf-checkpoint the CP size of our model (default 1)")
+    parser.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="compare our Megatron DS4 loaded from this HF DeepSeek-V4 folder with transformers at fp64")
+    parser.add_argument("--allow-mtp-skip", action="store_true", help="with --hf-checkpoint: drop MTP layers/tensors (not implemented) instead of refusing")
     parser.add_argument(
         "--dtype", nargs="+", default=["fp64", "fp32"], choices=["fp64", "fp32"],
         help="precisions to run (default: fp64 fp32)",
@@ -34,7 +41,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank is killed (default 600)")
 
 
+def _run_hf(args: argparse.Namespace) -> int:
+    from verl_ds4.cpu.verify_hf import compare_with_transformers
+
+    cp = args.cp or 1
+    result = compare_with_transformers(args.hf_checkpoint, cp=cp, seed=args.seed, allow_mtp_skip=args.allow_mtp_skip)
+    ok = result["logits"] <= args.fp64_rtol and result["log_probs"] <= args.fp64_rtol
+    print(f"DS4 {args.hf_checkpoint}: our Megatron model at CP={cp} vs transformers (fp64), lengths {result['lengths']}")
+    print(f"  logits     max rel error {result['logits']:.3e}  (tol {args.fp64_rtol:g})")
+    print(f"  log-probs  max rel error {result['log_probs']:.3e}  (tol {args.fp64_rtol:g})")
+    print(f"{'PASSED' if ok else 'FAILED'} in {result['seconds']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cp": cp, "passed": ok, **result}, f, indent=2)
+    return 0 if ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.hf_checkpoint is not None:
+        if args.cp is not None and args.cp < 1:
+            print(f"verify: --cp must be >= 1, got {args.cp}", file=sys.stderr)
+            return 2
+        return _run_hf(args)
+    if args.cp is None:
+        print("verify: give --cp N (CP parity of the proxy) or --hf-checkpoint DIR", file=sys.stderr)
+        return 2
     if args.cp < 1:
         print(f"verify: --cp must be >= 1, got {args.cp}", file=sys.stderr)
         return 2

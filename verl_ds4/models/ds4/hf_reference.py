@@ -17,12 +17,21 @@ Inherent differences to know about when comparing the two:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PromoteFloat32ToFloat64", "hf_attention_forward", "hf_indexer_scores", "unambiguous_topk_queries"]
+__all__ = [
+    "PromoteFloat32ToFloat64",
+    "StableTopK",
+    "fp64_reference",
+    "hf_attention_forward",
+    "hf_indexer_scores",
+    "hf_model_logits",
+    "unambiguous_topk_queries",
+]
 
 
 class PromoteFloat32ToFloat64(TorchFunctionMode):
@@ -88,3 +97,48 @@ def unambiguous_topk_queries(scores: torch.Tensor, k: int) -> torch.Tensor:
         return torch.ones(scores.shape[0], dtype=torch.bool)
     kth, next_ = ordered[:, k - 1], ordered[:, k]
     return (n_visible <= k) | (kth != next_)
+
+
+class StableTopK(TorchFunctionMode):
+    """Inside this mode ``torch.topk`` / ``Tensor.topk`` take equal values in index order (lowest index
+    first), as ``torch.sort(..., stable=True)`` orders them: the DS4 tie rule of our indexer and router
+    (:mod:`.moe`), applied to the reference in tests. ``largest=False`` sorts ascending, also stably."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.topk or func is torch.Tensor.topk:
+            names = ("input", "k", "dim", "largest", "sorted")
+            bound = dict(zip(names, args))
+            bound.update(kwargs)
+            dim, largest = bound.get("dim", -1), bound.get("largest", True)
+            order = torch.sort(bound["input"], dim=dim, descending=largest, stable=True)
+            index = torch.arange(bound["k"], device=order.indices.device)
+            values, indices = order.values.index_select(dim, index), order.indices.index_select(dim, index)
+            return torch.return_types.topk((values, indices))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fp64_reference(stable_topk: bool = True):
+    """fp64 default dtype + :class:`PromoteFloat32ToFloat64` (+ :class:`StableTopK`): transformers' DS4
+    as a true fp64 computation with our top-k tie rule."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(PromoteFloat32ToFloat64())
+            if stable_topk:
+                stack.enter_context(StableTopK())
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def hf_model_logits(hf_model: Any, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-sequence logits ``[L_i, vocab]`` of a transformers ``DeepseekV4ForCausalLM`` (one sequence per
+    forward, no cache). Run it inside :func:`fp64_reference` for an fp64 reference."""
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            out.append(hf_model(input_ids=ids.view(1, -1), use_cache=False).logits[0])
+    return out
