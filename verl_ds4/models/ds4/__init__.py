@@ -1,18 +1,28 @@
-"""DeepSeek-V4 pieces that run on CPU: a pure-PyTorch DS4 hybrid attention and the tiny DS4 proxy.
+"""DeepSeek-V4 model pieces that run on CPU, inside Megatron-Core (``docs/ds4-model.md``).
 
-* :mod:`.attention`: :class:`DS4HybridAttention` (sliding window, CSA with indexer top-k, HCA,
-  sink, partial interleaved RoPE, grouped output projection) on packed THD rows, with DS4's
-  contiguous context-parallel contract (:mod:`.cp_comm`: left-halo exchange and all-gather of
-  compressed KV / indexer keys, both with their backward). Declares ``cp_layout = "contiguous"``
-  and ``min_local_rows()`` for the engine's layout resolver.
+The full DS4 (equal to transformers' ``DeepseekV4ForCausalLM`` at fp64, at any CP size):
+
+* :mod:`.model`: ``DS4Model`` (a Megatron-Core ``GPTModel`` whose decoder is :mod:`.block`'s
+  ``DS4TransformerBlock``) and ``build_ds4_model(hf_config, ...)``; :mod:`.model_config`:
+  ``DS4TransformerConfig`` from an HF config, refusing values the CPU model does not implement.
+* :mod:`.hyper_connection`: mHC (pre / post / res mixing with Sinkhorn, the HC head).
+* :mod:`.moe`: routers (top-k over sqrt-softplus / sigmoid / softmax scores, hash routing by
+  ``tid2eid``), clamped SwiGLU experts, shared experts, and ``stable_topk`` (the one tie rule).
+* :mod:`.hf_names`, :mod:`.hf_checkpoint`: HF folder load / save (``save_pretrained`` names and
+  DeepSeek's native names), with errors naming any missing, unexpected or mis-shaped tensor.
+
+DS4's attention and its CP contract:
+
+* :mod:`.attention`: ``DS4HybridAttention`` (sliding window, CSA with indexer top-k, HCA, sink,
+  partial interleaved RoPE, grouped output projection) on packed THD rows; :mod:`.cp_comm`: the
+  left-halo exchange and the all-gather of compressed KV / indexer keys, with their backward.
 * :mod:`.rope`: DS4's RoPE / YaRN conventions.
-* :mod:`.mcore_attention`: the Megatron-Core layer-spec module and ``DS4ProxyTransformerConfig``.
-* :mod:`.proxy` + ``configs/tiny_proxy.json``: a real Megatron-Core ``GPTModel`` with DS4 attention
-  (LM head or value head), fp32 / fp64.
-* :mod:`.hf_mapping`, :mod:`.hf_reference`: weight mapping to / from transformers'
-  ``DeepseekV4Attention`` and helpers to run it as an fp64 reference.
-* :mod:`.parity` + :mod:`.verify_cli`: the CP parity harness behind ``verl-ds4 verify --cp N``.
+* :mod:`.mcore_attention`: the Megatron-Core layer-spec module and ``DS4ProxyTransformerConfig``;
+  :mod:`.proxy` + ``configs/tiny_proxy.json``: the attention-only proxy (DS4 attention in a dense GPT).
+* :mod:`.hf_mapping`, :mod:`.hf_reference`: mapping to / from transformers' modules and helpers to
+  run them as an fp64 reference.
 
-Submodules import Megatron-Core lazily (only :mod:`.mcore_attention`, :mod:`.proxy` and the parity
-harness need it); :mod:`.attention` needs torch only.
+Around the model: :mod:`.chat` and :mod:`.sft_dataset` (DS4 chat encoding, ``DS4ChatSFTDataset``)
+and :mod:`.provider` (the architecture numbers recipes validate against). The CP checks that run
+on gloo processes (``verl-ds4 verify``, ``hf_logits``) live one floor up, in :mod:`verl_ds4.cpu`.
 """
