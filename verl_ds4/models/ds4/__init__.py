@@ -3,8 +3,8 @@
 * :mod:`.attention`: :class:`DS4HybridAttention` (sliding window, CSA with indexer top-k, HCA,
   sink, partial interleaved RoPE, grouped output projection) on packed THD rows, with DS4's
   contiguous context-parallel contract (:mod:`.cp_comm`: left-halo exchange and all-gather of
-  compressed KV / indexer keys, both with their backward). Declares ``cp_layout = "contiguous"``
-  and ``min_local_rows()`` for the engine's layout resolver.
+  compressed KV / indexer keys, both with their backward). Declares
+  ``required_cp_partition_mode = "contiguous"`` and ``min_local_rows`` for the engine's layout resolver.
 * :mod:`.rope`: DS4's RoPE / YaRN conventions.
 * :mod:`.mcore_attention`: the Megatron-Core layer-spec module and ``DS4ProxyTransformerConfig``.
 * :mod:`.proxy` + ``configs/tiny_proxy.json``: a real Megatron-Core ``GPTModel`` with DS4 attention
