@@ -330,7 +330,7 @@ def _engine_config(**overrides):
     return SimpleNamespace(**base)
 
 
-def test_users_scheduler_survives_verls_build_tf_config(monkeypatch):
+def test_users_scheduler_survives_verls_build_tf_config(monkeypatch, restore_verl_hooks):
     """verl 0.9.1's real ``_build_tf_config`` overwrites the scheduler for deepseek_v4; ours keeps it.
 
     Only the bridge is replaced (mbridge is not installed here, and no bridge builds DS4 on CPU /
