@@ -72,6 +72,35 @@ def test_without_verl_platform_cpu_nothing_changes():
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
+def test_cpu_platform_install_is_reversible():
+    """uninstall() gives verl its own process-group initialisers back (the same objects), repeatedly."""
+    result = _python(
+        """
+        import verl
+        import verl.utils.distributed as d
+        import verl_ds4.cpu.platform as cpu
+        assert cpu.installed()  # installed at import (VERL_PLATFORM=cpu)
+        original = cpu._ORIGINALS[("verl.utils.distributed", "initialize_global_process_group")]
+        assert original.__module__ == "verl.utils.distributed" and original is not d.initialize_global_process_group
+        original_ray = cpu._ORIGINALS[("verl.utils.distributed", "initialize_global_process_group_ray")]
+        for _ in range(2):
+            assert cpu.install() and cpu.install()  # idempotent: the originals are kept once
+            assert cpu.uninstall() and not cpu.uninstall()
+            assert d.initialize_global_process_group is original and not cpu.installed()
+            assert d.initialize_global_process_group_ray is original_ray
+            assert cpu.install() and cpu.installed()
+        import verl.workers.engine_workers as w  # binds `from verl.utils.distributed import ...`: ours now
+        assert w.initialize_global_process_group_ray is cpu.initialize_global_process_group_ray_cpu
+        assert cpu.uninstall()
+        assert w.initialize_global_process_group_ray is original_ray  # that binding is restored too
+        print("OK")
+        """,
+        VERL_PLATFORM="cpu",
+        VERL_USE_EXTERNAL_MODULES="verl_ds4.cpu.platform",
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
 def _init_pg_rank(rank, world_size):
     from verl_ds4.cpu.platform import initialize_global_process_group_cpu
 

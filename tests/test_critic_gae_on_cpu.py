@@ -46,20 +46,15 @@ def _critic_values(rank: int, world: int) -> list[torch.Tensor]:
     from verl_ds4.mcore import resolver
     from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
     from verl_ds4.models.ds4.proxy import build_proxy_model
-    from verl_ds4.testing.megatron_compat import emulate_cp_partition_mode_field
 
-    # megatron-core 0.16.1 has no PackedSeqParams.cp_partition_mode (Megatron-LM dev does): test stand-in.
-    emulate_cp_partition_mode_field()
+    # megatron-core 0.16.1 (no PackedSeqParams.cp_partition_mode): the DS4 attention declares its
+    # CP partition mode and reads the split from the rows, so nothing is emulated.
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     try:
         critic = build_proxy_model(dtype=torch.float32, value_head=True, seed=2024)
         critic.eval()
-        # Each DS4 attention layer states its CP contract for the resolver (as the CPU engine's proxy
-        # builder does): contiguous rows and D_window = max(window, compression ratio) rows per rank,
-        # 128 here because of the ratio-128 layer.
-        for module in critic.modules():
-            if hasattr(module, "min_local_rows") and hasattr(module, "cp_layout"):
-                module.cp_layout_requirement = (module.cp_layout, int(module.min_local_rows()))
+        # Each DS4 attention layer declares its CP contract itself: contiguous rows and
+        # D_window = max(window, compression ratio) rows per rank, 128 here because of the ratio-128 layer.
         resolved = resolver.resolved_for(critic)
         assert resolved.cp_size == world and resolved.layout == "contiguous", resolved.describe()
         assert resolved.min_local_rows == critic.config.min_local_rows == 128, resolved.describe()

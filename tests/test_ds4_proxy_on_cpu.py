@@ -23,10 +23,10 @@ def _attention(ratio: int, seed: int = 0) -> DS4HybridAttention:
 
 
 def test_layout_declaration():
-    assert DS4HybridAttention.cp_layout == "contiguous"
-    assert _attention(0).min_local_rows() == 8  # the window
-    assert _attention(4).min_local_rows() == 8  # max(window, 2 * 4)
-    assert _attention(128).min_local_rows() == 128  # max(window, 128)
+    assert DS4HybridAttention.required_cp_partition_mode == "contiguous"
+    assert _attention(0).min_local_rows == 8  # the window
+    assert _attention(4).min_local_rows == 8  # max(window, 2 * 4)
+    assert _attention(128).min_local_rows == 128  # max(window, 128)
 
 
 def test_bad_sizes_fail_at_construction():

@@ -95,7 +95,7 @@ def test_a_failed_registration_is_loud_and_self_check_raises():
 # ------------------------------------------------------------------ hooks answer only inside our engines
 
 
-def test_hooks_route_verls_rule_only_while_an_engine_is_active():
+def test_hooks_route_verls_rule_only_while_an_engine_is_active(restore_verl_hooks):
     import verl.models.mcore as verl_mcore
     import verl.utils.megatron.router_replay_utils as router_replay_utils
     from verl.models.mcore.model_forward import gptmodel_forward_model_engine as verls_forward
@@ -124,7 +124,7 @@ def test_hooks_route_verls_rule_only_while_an_engine_is_active():
 
 
 @pytest.mark.parametrize("model_type", ["language_model", "value_model"])
-def test_register_engines_is_idempotent(model_type):
+def test_register_engines_is_idempotent(model_type, restore_verl_hooks):
     from verl.workers.engine.base import EngineRegistry
 
     from verl_ds4.engine import plugin
@@ -136,7 +136,7 @@ def test_register_engines_is_idempotent(model_type):
     assert plugin.self_check().error is None
 
 
-def test_dynamic_cp_block_schedules_with_the_resolved_layout(monkeypatch):
+def test_dynamic_cp_block_schedules_with_the_resolved_layout(monkeypatch, restore_verl_hooks):
     """verl's DCP block (transformer_impl.py:882) passes its own rule; the scheduler gets ours."""
     import verl.workers.engine.megatron.transformer_impl as impl
     from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler
@@ -157,3 +157,76 @@ def test_dynamic_cp_block_schedules_with_the_resolved_layout(monkeypatch):
     with active_layout(resolved):
         scheduler.schedule(None, None, **verl_args)
     assert calls[-1] == dict(tp_size=1, cp_layout="contiguous", min_local_rows=128)
+
+
+# ------------------------------------------------------------------ hooks can be taken back
+
+
+def test_uninstall_restores_verls_originals_exactly(restore_verl_hooks):
+    """Negative control for the fixture: while installed the hooks are visible on verl's modules;
+    uninstall puts verl's very objects back; install / uninstall repeat cleanly."""
+    import verl.utils.megatron.router_replay_utils as router_replay_utils
+
+    engines = restore_verl_hooks
+    engines.install_verl_hooks()
+    originals = engines.verl_originals()
+    assert set(originals) == {hook.label for hook in engines.VERL_HOOKS}
+    assert all(engines.hooks_installed().values())
+    for hook in engines.VERL_HOOKS:  # a stale hook is visible until uninstalled
+        assert getattr(hook.module, hook.name) is not originals[hook.label], hook.label
+    assert router_replay_utils._context_parallel_layout.__verl_ds4_hook__
+
+    for _ in range(2):
+        engines.uninstall_verl_hooks()
+        engines.uninstall_verl_hooks()  # idempotent
+        assert not any(engines.hooks_installed().values()), engines.hooks_installed()
+        assert engines.verl_originals() == {}
+        for hook in engines.VERL_HOOKS:
+            assert getattr(hook.module, hook.name) is originals[hook.label], hook.label
+        assert not hasattr(router_replay_utils._context_parallel_layout, "__verl_ds4_hook__")
+        engines.install_verl_hooks()
+        engines.install_verl_hooks()  # idempotent: wraps verl's original once, never our own hook
+        assert all(engines.hooks_installed().values())
+        assert engines.verl_originals() == originals
+        assert router_replay_utils._context_parallel_layout.__wrapped__ is originals[
+            "router_replay_utils._context_parallel_layout"
+        ]
+
+
+def test_uninstall_refuses_to_drop_someone_elses_replacement(restore_verl_hooks, monkeypatch):
+    import verl.models.mcore as verl_mcore
+
+    engines = restore_verl_hooks
+    engines.install_verl_hooks()
+    originals = engines.verl_originals()
+    theirs = lambda hf_config: None  # noqa: E731
+    monkeypatch.setattr(verl_mcore, "get_mcore_engine_forward_fn", theirs)
+    with pytest.raises(RuntimeError, match="get_mcore_engine_forward_fn.*something else replaced them"):
+        engines.uninstall_verl_hooks()
+    assert verl_mcore.get_mcore_engine_forward_fn is theirs  # kept
+    label = "router_replay_utils._context_parallel_layout"
+    assert list(engines.verl_originals()) == ["verl.models.mcore.get_mcore_engine_forward_fn"]  # the rest restored
+    import verl.utils.megatron.router_replay_utils as router_replay_utils
+
+    assert router_replay_utils._context_parallel_layout is originals[label]
+    monkeypatch.undo()  # their replacement ends: our hook is back, and uninstall completes
+    engines.uninstall_verl_hooks()
+    assert verl_mcore.get_mcore_engine_forward_fn is originals["verl.models.mcore.get_mcore_engine_forward_fn"]
+
+
+def test_unregister_engines_gives_verl_its_registry_and_call_sites_back(restore_verl_hooks):
+    from verl.workers.engine.base import EngineRegistry
+
+    from verl_ds4.engine import plugin
+
+    engines = restore_verl_hooks
+    plugin.register_engines()
+    assert EngineRegistry._engines["language_model"]["megatron"][("cuda", "nvidia")].__module__ == engines.__name__
+    removed = plugin.unregister_engines()
+    assert {entry[0] for entry in removed} == {"language_model", "value_model"}
+    for model_type in ("language_model", "value_model"):
+        assert ("cuda", "nvidia") not in EngineRegistry._engines[model_type]["megatron"]
+    assert not any(engines.hooks_installed().values())
+    assert plugin.unregister_engines() == []  # idempotent
+    plugin.register_engines()
+    assert plugin.self_check().error is None and all(engines.hooks_installed().values())

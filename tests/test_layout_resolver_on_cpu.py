@@ -137,7 +137,7 @@ def test_modules_needing_different_layouts_are_rejected_unless_one_converts(para
     mixed = build_tiny_gpt(
         num_layers=3, attention=lambda i: PerTokenAttention("contiguous", 128) if i else PerTokenAttention("zigzag")
     )
-    with pytest.raises(CPLayoutError, match="different CP layouts.*layers.0.*zigzag.*layers.1.*and 1 more.*contiguous"):
+    with pytest.raises(CPLayoutError, match="different CP partition modes.*layers.0.*zigzag.*layers.1.*and 1 more.*contiguous"):
         resolver.resolve_cp_layout(mixed, cp_size=2)
     converting = build_tiny_gpt(
         num_layers=2,
@@ -158,25 +158,134 @@ def test_bad_protocol_values_name_the_module(parallel_state):
         resolver.resolve_cp_layout(model, cp_size=2)
 
 
-def test_protocol_accepts_objects_and_callables(parallel_state):
+class _ClassDeclared(torch.nn.Module):
+    """The protocol as class attribute and property (how product modules declare it)."""
+
+    required_cp_partition_mode = "contiguous"
+
+    @property
+    def min_local_rows(self):
+        return 64
+
+
+def test_protocol_reads_class_attributes_properties_and_instance_values(parallel_state):
     model = build_tiny_gpt()
-    requirement = SimpleNamespace(layout="contiguous", min_local_rows=64)
-    model.decoder.layers[0].self_attention.core_attention.cp_layout_requirement = lambda: requirement
-    model.decoder.layers[1].self_attention.core_attention.cp_layout_requirement = ("contiguous", 32)
+    model.decoder.layers[0].self_attention.core_attention = _ClassDeclared()
+    model.decoder.layers[1].self_attention.core_attention = PerTokenAttention("contiguous", 32)  # instance values
     resolved = resolver.resolve_cp_layout(model, cp_size=2)
     assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 64)
 
 
-def test_resolved_layout_is_attached_to_model_and_config(parallel_state):
+def test_protocol_has_one_spelling(parallel_state):
+    """The old spellings (a ``cp_layout_requirement`` tuple, ``cp_layout`` + ``min_local_rows()``) declare nothing."""
+    model = build_tiny_gpt(attention=lambda i: torch.nn.Identity())
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.cp_layout_requirement = ("contiguous", 32)
+        layer.self_attention.core_attention.cp_layout = "contiguous"
+    with pytest.raises(CPLayoutError, match="layers.0.self_attention.core_attention \\(Identity\\).*declares none"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    method = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous"))
+    for layer in method.decoder.layers:
+        layer.self_attention.core_attention.min_local_rows = lambda: 32
+    with pytest.raises(CPLayoutError, match="min_local_rows is a method.*Make it a property"):
+        resolver.resolve_cp_layout(method, cp_size=2)
+
+
+def test_resolved_layout_is_registered_without_touching_model_or_config(parallel_state):
     model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 16))
     resolved = resolver.resolve_cp_layout(model, cp_size=2)
     wrapper = torch.nn.Module()
     wrapper.module = model
-    resolver.attach([wrapper], resolved, model.config)
-    assert resolver.attached(wrapper) is resolved
-    assert resolver.layout_for_config(model.config) is resolved
+    config_before = dict(vars(model.config))
+    modules_before = set(vars(wrapper)) | set(vars(model))
+    assert resolver.layout_of(wrapper) is None and resolver.layout_of(model.config) is None  # not yet
+    resolver.register_layout([wrapper], resolved, model.config)
+    assert resolver.layout_of(wrapper) is resolved and resolver.layout_of(model) is resolved
+    assert resolver.layout_of(model.config) is resolved
+    assert dict(vars(model.config)) == config_before  # nothing set on Megatron's objects
+    assert set(vars(wrapper)) | set(vars(model)) == modules_before
+    assert resolver.resolved_for(wrapper) is resolved  # found, not resolved again
+    other = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 16))
+    assert resolver.layout_of(other) is None
+    # Entries go with their objects (weak references).
+    before = len(resolver.REGISTRY)
+    del other
+    scratch = build_tiny_gpt(attention=lambda i: PerTokenAttention("zigzag"))
+    resolver.register_layout(scratch, resolver.resolve_cp_layout(scratch, cp_size=1))
+    assert len(resolver.REGISTRY) == before + 2  # the model and its config
+    del scratch
+    import gc
+
+    gc.collect()
+    assert len(resolver.REGISTRY) == before
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.layout = "zigzag"
+
+
+def test_known_attention_comes_from_the_table_not_a_default(parallel_state, monkeypatch):
+    model = build_tiny_gpt()  # Megatron's DotProductAttention
+    assert resolver.KNOWN_CP_PARTITION_MODES[("megatron.core", "DotProductAttention")] == "zigzag"
+    assert resolver.resolve_cp_layout(model, cp_size=2).layout == "zigzag"
+    # Negative control: without its table entry the same module is an undeclared attention.
+    from verl_ds4.mcore import requirements
+
+    table = {k: v for k, v in requirements.KNOWN_CP_PARTITION_MODES.items() if k[1] != "DotProductAttention"}
+    monkeypatch.setattr(requirements, "KNOWN_CP_PARTITION_MODES", table)
+    with pytest.raises(CPLayoutError, match="decoder.layers.0.self_attention.core_attention \\(DotProductAttention\\)"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    assert resolver.resolve_cp_layout(model, cp_size=1).layout == "zigzag"  # CP=1: nothing is required
+
+
+def test_undeclared_attention_and_missing_attention_fail_under_cp_only(parallel_state):
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous") if i else torch.nn.Identity())
+    with pytest.raises(CPLayoutError, match="layers.0.self_attention.core_attention \\(Identity\\) declares none"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    with pytest.raises(CPLayoutError, match="declares none"):
+        resolver.resolve_cp_layout(model, cp_size=1, dynamic_cp=True)
+    assert resolver.resolve_cp_layout(model, cp_size=1).layout == "contiguous"
+    empty = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(CPLayoutError, match="found none"):
+        resolver.resolve_cp_layout(empty, cp_size=2)
+    assert resolver.resolve_cp_layout(empty, cp_size=1).layout == "zigzag"
+
+
+def test_a_declaring_module_speaks_for_its_submodules(parallel_state):
+    class Converting(torch.nn.Module):
+        required_cp_partition_mode = "contiguous"
+        min_local_rows = None
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner  # a zigzag DotProductAttention it feeds after converting the rows
+
+    model = build_tiny_gpt()
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention = Converting(layer.self_attention.core_attention)
+    assert resolver.resolve_cp_layout(model, cp_size=2).layout == "contiguous"
+
+
+def test_an_undetermined_mode_is_not_picked_silently(parallel_state):
+    model = build_tiny_gpt(
+        attention=lambda i: PerTokenAttention("zigzag", accepts=("contiguous",))
+        if i
+        else PerTokenAttention("contiguous", accepts=("zigzag",))
+    )
+    with pytest.raises(CPLayoutError, match="can all consume contiguous and zigzag.*Set override_transformer_config"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    chosen = resolver.resolve_cp_layout(model, cp_size=2, user_overrides={"cp_partition_mode": "zigzag"})
+    assert chosen.layout == "zigzag"
+
+
+def test_ds4_config_with_declaring_modules_must_agree(parallel_state):
+    model = build_tiny_gpt(attention=lambda i: PerTokenAttention("zigzag"))
+    model.config.experimental_attention_variant = "dsv4_hybrid"
+    with pytest.raises(CPLayoutError, match="different CP partition modes.*experimental_attention_variant.*contiguous"):
+        resolver.resolve_cp_layout(model, cp_size=2)
+    agreeing = build_tiny_gpt(attention=lambda i: PerTokenAttention("contiguous", 16))
+    agreeing.config.experimental_attention_variant = "dsv4_hybrid"
+    agreeing.config.csa_window_size = 32
+    resolved = resolver.resolve_cp_layout(agreeing, cp_size=2)  # megatron-core 0.16.1: the modules read the rows
+    assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 32)
 
 
 # ------------------------------------------------------------------ filling the user's overrides
@@ -221,7 +330,7 @@ def _engine_config(**overrides):
     return SimpleNamespace(**base)
 
 
-def test_users_scheduler_survives_verls_build_tf_config(monkeypatch):
+def test_users_scheduler_survives_verls_build_tf_config(monkeypatch, restore_verl_hooks):
     """verl 0.9.1's real ``_build_tf_config`` overwrites the scheduler for deepseek_v4; ours keeps it.
 
     Only the bridge is replaced (mbridge is not installed here, and no bridge builds DS4 on CPU /
@@ -330,7 +439,7 @@ def test_engine_layout_method_and_active_context(parallel_state):
         engine._get_context_parallel_layout(model)
     resolved = engine._resolve_cp_layout([model])
     assert engine._get_context_parallel_layout(model) == "contiguous"
-    assert resolver.attached(model) is resolved
+    assert resolver.layout_of(model) is resolved
     assert current_layout() is None
     with active_layout(resolved):
         assert current_layout() is resolved

@@ -11,8 +11,11 @@ with the field into both modules: a stand-in for the newer Megatron-Core the GPU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,7 +93,7 @@ def _compare_config(tp: int, cp: int, seed: int, stats: dict) -> None:
         )
         where = f"tp={tp} cp={cp} rank={cp_rank} case={case} lengths={lengths} {kwargs} trailing={trailing}"
         rows, params, positions = ours.preprocess_thd_engine(x, **kwargs)
-        plan = params.verl_ds4_plan
+        plan = params.plan
         unit = plan.options.sequence_alignment
         # Our result is always a valid layout: every rank owns total/cp rows, sequences aligned.
         padded = params.cu_seqlens_q_padded.diff()
@@ -200,7 +203,11 @@ def _old_megatron_world(rank: int, world_size: int) -> str:
             ours.preprocess_thd_engine(x, cp_layout="contiguous")
         assert not calls, "the layout check must run before any packing work"
         rows, params, _ = ours.preprocess_thd_engine(x, cp_layout="zigzag")
-        assert params.cp_partition_mode == "zigzag"  # recorded as an attribute for our modules
+        assert params.cp_partition_mode == "zigzag"  # recorded in the declared field for our modules
+        assert isinstance(params, ours.PlannedPackedSeqParams) and "cp_partition_mode" in {
+            f.name for f in dataclasses.fields(params)
+        }
+        assert "cp_partition_mode" not in params.__dict__.keys() - {f.name for f in dataclasses.fields(params)}
         plan = ours.make_plan(x, ours.PlanOptions(layout="contiguous", cp_size=2))
         params = ours.packed_seq_params_for(plan, layout_consumer_checked=True)
         assert params.cp_partition_mode == "contiguous"
@@ -228,17 +235,48 @@ def test_bucket_verl_crashes_on_is_aligned_here():
             assert plan.layout is CPLayout.ZIGZAG
 
 
-def test_postprocess_refuses_to_rebuild_a_reordered_plan():
-    """A balanced (reordered) buffer cannot be recovered from cu_seqlens: refuse, never misalign."""
+def test_postprocess_uses_the_carried_plan_and_refuses_another_batch():
+    """A balanced (reordered) buffer cannot be recovered from cu_seqlens: the plan travels with the
+    params, a copy of the micro-batch works, and a different micro-batch is refused, never misaligned."""
     from verl_ds4.layout import PlanOptions, build_plan
     from verl_ds4.mcore import thd
 
     gen = torch.Generator().manual_seed(3)
     x = _nested([30, 5, 200, 7], (), gen)
     plan = build_plan(x.offsets().diff(), PlanOptions("contiguous", cp_size=2), order=[2, 0, 3, 1])
-    plan.source_offsets = x.offsets()
     params = thd.packed_seq_params_for(plan, layout_consumer_checked=True)
+    assert params.plan is plan and not hasattr(plan, "source_offsets")
     assert thd.plan_of(params, x, CPLayout.CONTIGUOUS, 2) is plan
-    same_lengths = _nested([30, 5, 200, 7], (), gen)
-    with pytest.raises(ValueError, match="reordered"):
-        thd.plan_of(params, same_lengths, CPLayout.CONTIGUOUS, 2)
+    # A copy (new offsets object, e.g. after .to() / TensorDict slicing) is the same micro-batch.
+    copy = torch.nested.nested_tensor_from_jagged(x.values().clone(), offsets=x.offsets().clone())
+    assert thd.plan_of(params, copy, CPLayout.CONTIGUOUS, 2) is plan
+    assert thd.plan_of(dataclasses.replace(params), copy, CPLayout.CONTIGUOUS, 2) is plan  # a replaced params too
+    for other, layout, cp in (
+        (_nested([30, 5, 200], (), gen), CPLayout.CONTIGUOUS, 2),  # another batch size
+        (_nested([30, 5, 201, 7], (), gen), CPLayout.CONTIGUOUS, 2),  # another token count
+        (x, CPLayout.ZIGZAG, 2),  # another layout
+        (x, CPLayout.CONTIGUOUS, 4),  # another CP size
+    ):
+        with pytest.raises(ValueError, match="carries the plan of a micro-batch of 4 sequences / 242 tokens"):
+            thd.plan_of(params, other, layout, cp)
+    # verl's own PackedSeqParams (no plan): rebuilt from cu_seqlens, as before.
+    unordered = build_plan(x.offsets().diff(), PlanOptions("contiguous", cp_size=2))
+    plain = thd.PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=unordered.cu_seqlens_padded)
+    rebuilt = thd.plan_of(plain, x, CPLayout.CONTIGUOUS, 2)
+    assert rebuilt is not unordered and torch.equal(rebuilt.cu_seqlens_padded, unordered.cu_seqlens_padded)
+
+
+def test_mtp_loss_factor_is_a_declared_field_verls_mtp_patch_reads():
+    from verl.models.mcore import mtp_patch
+
+    from verl_ds4.layout import PlanOptions, build_plan
+    from verl_ds4.mcore import thd
+
+    assert thd.MTP_LOSS_NORMALIZATION_FIELD == mtp_patch._MTP_LOSS_NORMALIZATION_FACTOR_ATTR
+    assert thd.MTP_LOSS_NORMALIZATION_FIELD in {f.name for f in dataclasses.fields(thd.PlannedPackedSeqParams)}
+    plan = build_plan([3, 4], PlanOptions("zigzag"))
+    config = SimpleNamespace(calculate_per_token_loss=True, mtp_loss_scaling_factor=0.5)
+    params = thd.packed_seq_params_for(plan, mtp_loss_normalization_factor=4.0)
+    assert mtp_patch._get_mtp_loss_config(config, params).mtp_loss_scaling_factor == 2.0
+    # Negative control: without the factor verl's patch leaves the config alone.
+    assert mtp_patch._get_mtp_loss_config(config, thd.packed_seq_params_for(plan)) is config

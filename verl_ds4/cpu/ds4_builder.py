@@ -54,12 +54,6 @@ def _ds4_proxy_transformer_config(hf_config, dtype, overrides):
             f"engine.override_transformer_config keys {unknown} are not fields of the DS4 proxy's TransformerConfig "
             f"({type(config).__name__}); remove them."
         )
-    if "experimental_attention_variant" not in overrides:
-        # The proxy's attention is verl-ds4's pure-PyTorch DS4 attention, built by the layer spec
-        # itself and declaring its CP layout (see _declare_ds4_proxy_cp_layout); the variant
-        # field names Megatron-LM dev's DS4 attention, which is not in this model, and would
-        # make the layout resolver ask Megatron-Core for PackedSeqParams.cp_partition_mode.
-        overrides = {**overrides, "experimental_attention_variant": None}
     if "hetereogenous_dist_checkpoint" not in overrides and len(set(config.csa_compress_ratios)) > 1:
         # DS4 layers differ by compression ratio (different compressor shapes, none at ratio 0),
         # so Megatron's dist-checkpointing must key each layer separately (field name as spelled
@@ -84,26 +78,7 @@ def _ds4_proxy_build(tf_config, hf_config, *, pre_process, post_process, share_e
         post_process=post_process,
         share_embeddings=share_embeddings,
     )
-    _declare_ds4_proxy_cp_layout(model, tf_config)
     return model
-
-
-def _declare_ds4_proxy_cp_layout(model, tf_config) -> None:
-    """State what the proxy's DS4 attention consumes, in verl-ds4's CP layout protocol.
-
-    ``DS4HybridSelfAttention`` reads the contiguous split from the packed rows (global
-    ``cu_seqlens_padded``, ``cp_rank * local_rows``) and ``packed_seq_params.cp_partition_mode``
-    as a plain attribute, so it runs on a Megatron-Core whose ``PackedSeqParams`` lacks that
-    field; each layer needs its ``D_window`` rows per CP rank (``min_local_rows()``: the window,
-    or the compression ratio of an HCA layer, 128 in DS4). Without the declaration the resolver
-    only sees ``experimental_attention_variant="dsv4_hybrid"`` (Megatron-LM's DS4 attention) and
-    rightly refuses CP > 1 on megatron-core 0.16.1. A declaration the module makes itself is kept.
-    """
-    from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
-
-    for module in model.modules():
-        if isinstance(module, DS4HybridSelfAttention) and not hasattr(module, "cp_layout_requirement"):
-            module.cp_layout_requirement = ("contiguous", int(module.min_local_rows()))
 
 
 #: The tiny DS4 proxy (DS4 hybrid attention in a Megatron-Core GPTModel): HF model_type deepseek_v4.

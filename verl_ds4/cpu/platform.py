@@ -247,25 +247,72 @@ _REPLACEMENTS = {
 _BINDING_MODULES = ("verl.workers.engine_workers",)
 
 
-def install() -> bool:
-    """Make the CPU platform effective in this process if ``VERL_PLATFORM=cpu``.
+#: While installed: (module name, attribute) -> verl's original object there, restored by uninstall().
+_ORIGINALS: dict[tuple[str, str], Any] = {}
 
-    Returns True when installed. Idempotent. With any other platform it does nothing and
-    returns False (the platform stays registered but unselected).
-    """
-    if not cpu_platform_selected():
-        return False
+
+def _binding_sites():
+    """``(module, attribute, replacement)`` of every name :func:`install` replaces in this process."""
     import sys
 
     import verl.utils.distributed as verl_dist
 
     for name, fn in _REPLACEMENTS.items():
-        setattr(verl_dist, name, fn)
+        yield verl_dist, name, fn
         for mod_name in _BINDING_MODULES:
             mod = sys.modules.get(mod_name)
             if mod is not None and hasattr(mod, name):
-                setattr(mod, name, fn)
+                yield mod, name, fn
+
+
+def install() -> bool:
+    """Make the CPU platform effective in this process if ``VERL_PLATFORM=cpu``.
+
+    Returns True when installed. Idempotent (verl's originals are kept once, for :func:`uninstall`).
+    With any other platform it does nothing and returns False (the platform stays registered but
+    unselected).
+    """
+    if not cpu_platform_selected():
+        return False
+    for module, name, fn in _binding_sites():
+        key = (module.__name__, name)
+        current = getattr(module, name)
+        if current is not fn and key not in _ORIGINALS:
+            _ORIGINALS[key] = current
+        setattr(module, name, fn)
     return True
+
+
+def uninstall() -> bool:
+    """Put verl's process-group initialisers back where :func:`install` replaced them (idempotent).
+
+    Returns True when something was restored. A name someone else replaced after :func:`install`
+    is left alone.
+    """
+    import sys
+
+    restored = False
+    verl_originals = {name: _ORIGINALS.get(("verl.utils.distributed", name)) for name in _REPLACEMENTS}
+    for mod_name in _BINDING_MODULES:  # bound `from verl.utils.distributed import ...` after install()
+        for name, original in verl_originals.items():
+            key = (mod_name, name)
+            module = sys.modules.get(mod_name)
+            if original is not None and key not in _ORIGINALS and getattr(module, name, None) is _REPLACEMENTS[name]:
+                _ORIGINALS[key] = original
+    for (mod_name, name), original in list(_ORIGINALS.items()):
+        module = sys.modules.get(mod_name)
+        if module is not None and getattr(module, name, None) is _REPLACEMENTS[name]:
+            setattr(module, name, original)
+            restored = True
+        del _ORIGINALS[(mod_name, name)]
+    return restored
+
+
+def installed() -> bool:
+    """Whether verl's process-group initialisers are the CPU twins now."""
+    import verl.utils.distributed as verl_dist
+
+    return verl_dist.initialize_global_process_group is initialize_global_process_group_cpu
 
 
 def self_check() -> None:

@@ -67,8 +67,9 @@ class TorchTHDCausalAttention(MegatronModule):
     [L, heads*dim].
     """
 
-    #: verl-ds4's CP layout protocol (verl_ds4.mcore.resolver): contiguous rows, no minimum.
-    cp_layout_requirement = ("contiguous", None)
+    #: verl-ds4's CP partition-mode protocol (verl_ds4.mcore.requirements): contiguous rows, no minimum.
+    required_cp_partition_mode = "contiguous"
+    min_local_rows = None
 
     def __init__(
         self,

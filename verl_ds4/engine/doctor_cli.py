@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         print("  NO, missing:")
         for item in missing:
             print(f"    - {item}")
-        print("  (attention modules that declare cp_layout_requirement, e.g. a pure-PyTorch DS4 attention,")
+        print("  (attention modules that declare required_cp_partition_mode, e.g. a pure-PyTorch DS4 attention,")
         print("   can still use the contiguous layout with CP on this stack)")
     else:
         print("  yes")

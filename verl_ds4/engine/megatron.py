@@ -8,8 +8,10 @@
    missing ``cp_partition_mode`` / ``sequence_packing_scheduler`` and rejects settings DS4 cannot
    run with; a user's explicit value is kept (verl 0.9.1 overwrites it for ``deepseek_v4``).
 2. After the model is built, :func:`verl_ds4.mcore.resolver.resolve_cp_layout` decides the layout
-   and padding once; the :class:`~verl_ds4.mcore.resolver.ResolvedCPLayout` is attached to the
-   model chunks and the ``TransformerConfig`` and exposed as ``engine.resolved_cp_layout``.
+   and padding once; the :class:`~verl_ds4.mcore.resolver.ResolvedCPLayout` is exposed as
+   ``engine.resolved_cp_layout``, passed to the forward functions, and registered for the model
+   chunks and the ``TransformerConfig`` (:func:`verl_ds4.mcore.resolver.register_layout`, a registry
+   of weak references: nothing is set on Megatron's objects).
 3. While the engine runs ``forward_backward_batch`` the resolved object is *active*
    (:func:`active_layout`), and verl's own copies of the layout rule read it instead of deciding
    again (:func:`install_verl_hooks`):
@@ -27,16 +29,19 @@
    ==================================================================  ==========================================
 
    Outside an active engine every hook calls verl's original, so verl's stock engines in the same
-   process behave exactly as before.
+   process behave exactly as before. :data:`VERL_HOOKS` lists the call sites; the originals are
+   kept while installed, and :func:`uninstall_verl_hooks` puts them back exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import verl.models.mcore as _verl_mcore
@@ -56,7 +61,9 @@ __all__ = [
     "DS4MegatronEngineWithValueHead",
     "active_layout",
     "current_layout",
+    "hooks_installed",
     "install_verl_hooks",
+    "uninstall_verl_hooks",
 ]
 
 _ACTIVE: contextvars.ContextVar[ResolvedCPLayout | None] = contextvars.ContextVar(
@@ -185,7 +192,7 @@ def _is_vision_config(hf_config) -> bool:
 def _router_layout_rule(original):
     @functools.wraps(original)
     def rule(tf_config) -> str:
-        resolved = current_layout() or resolver.layout_for_config(tf_config)
+        resolved = current_layout() or resolver.layout_of(tf_config)
         return original(tf_config) if resolved is None else resolved.layout
 
     rule.__verl_ds4_hook__ = True
@@ -265,54 +272,117 @@ class ResolvedDynamicCPScheduler(_transformer_impl.DynamicCPScheduler):
         return micro_batches
 
 
-_HOOKS_INSTALLED = False
+@dataclasses.dataclass(frozen=True)
+class VerlHook:
+    """One verl module attribute that verl-ds4 replaces while its hooks are installed."""
+
+    label: str  # the key of :func:`hooks_installed`
+    module: types.ModuleType
+    name: str
+    make: Callable[[Any], Any]  # verl's original -> our replacement
+
+
+#: Every verl call site :func:`install_verl_hooks` replaces (the table in the module docstring).
+VERL_HOOKS: tuple[VerlHook, ...] = (
+    VerlHook(
+        "verl.models.mcore.get_mcore_engine_forward_fn",
+        _verl_mcore,
+        "get_mcore_engine_forward_fn",
+        lambda f: _forward_fn_getter(f, "plain"),
+    ),
+    VerlHook(
+        "verl.models.mcore.get_mcore_forward_fused_model_engine_fn",
+        _verl_mcore,
+        "get_mcore_forward_fused_model_engine_fn",
+        lambda f: _forward_fn_getter(f, "fused"),
+    ),
+    VerlHook(
+        "router_replay_utils._context_parallel_layout", _router_replay_utils, "_context_parallel_layout", _router_layout_rule
+    ),
+    VerlHook("router_replay_utils.preprocess_thd_engine", _router_replay_utils, "preprocess_thd_engine", _router_pack),
+    VerlHook("router_replay_utils.postprocess_thd_engine", _router_replay_utils, "postprocess_thd_engine", _router_unpack),
+    VerlHook(
+        "transformer_impl.DynamicCPScheduler",
+        _transformer_impl,
+        "DynamicCPScheduler",
+        lambda _cls: ResolvedDynamicCPScheduler,
+    ),
+    VerlHook(
+        "megatron_utils.mapping_string_to_attn_backend",
+        _verl_megatron_utils,
+        "mapping_string_to_attn_backend",
+        _guarded_mapping_string_to_attn_backend,
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Installed:
+    original: Any  # verl's object, restored by uninstall_verl_hooks()
+    replacement: Any  # what install_verl_hooks() put there
+
+
+#: While the hooks are installed: hook label -> verl's original and our replacement.
+_INSTALLED: dict[str, _Installed] = {}
 
 
 def install_verl_hooks() -> None:
-    """Route verl 0.9.1's copies of the layout rule through the active resolved layout (idempotent)."""
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
+    """Route verl 0.9.1's copies of the layout rule through the active resolved layout.
+
+    Idempotent; :func:`uninstall_verl_hooks` puts verl's originals back (and a later install
+    replaces them again).
+    """
+    if len(_INSTALLED) == len(VERL_HOOKS):
         return
-
-    def hook(module, name, make):
-        current = getattr(module, name)
+    for hook in VERL_HOOKS:
+        if hook.label in _INSTALLED:
+            continue
+        current = getattr(hook.module, hook.name)
         if getattr(current, "__verl_ds4_hook__", False) or current is ResolvedDynamicCPScheduler:
-            return
-        setattr(module, name, make(current))
+            raise RuntimeError(
+                f"verl's {hook.label} is already a verl-ds4 hook that this registry did not install (was "
+                "verl_ds4.engine.megatron imported twice?); verl's original cannot be recovered. Restart the process."
+            )
+        replacement = hook.make(current)
+        setattr(hook.module, hook.name, replacement)
+        _INSTALLED[hook.label] = _Installed(current, replacement)
 
-    hook(_verl_mcore, "get_mcore_engine_forward_fn", lambda f: _forward_fn_getter(f, "plain"))
-    hook(_verl_mcore, "get_mcore_forward_fused_model_engine_fn", lambda f: _forward_fn_getter(f, "fused"))
-    hook(_router_replay_utils, "_context_parallel_layout", _router_layout_rule)
-    hook(_router_replay_utils, "preprocess_thd_engine", _router_pack)
-    hook(_router_replay_utils, "postprocess_thd_engine", _router_unpack)
-    hook(_transformer_impl, "DynamicCPScheduler", lambda _cls: ResolvedDynamicCPScheduler)
-    hook(_verl_megatron_utils, "mapping_string_to_attn_backend", _guarded_mapping_string_to_attn_backend)
-    _HOOKS_INSTALLED = True
+
+def uninstall_verl_hooks() -> None:
+    """Put verl's original objects back on every hooked call site (idempotent).
+
+    Raises if someone replaced one of our hooks in the meantime (restoring verl's object would
+    silently drop their replacement); the other call sites are restored first.
+    """
+    replaced_by_others = []
+    for hook in VERL_HOOKS:
+        installed = _INSTALLED.get(hook.label)
+        if installed is None:
+            continue
+        if getattr(hook.module, hook.name) is not installed.replacement:
+            replaced_by_others.append(hook.label)
+            continue
+        setattr(hook.module, hook.name, installed.original)
+        del _INSTALLED[hook.label]
+    if replaced_by_others:
+        raise RuntimeError(
+            f"cannot uninstall verl-ds4's hooks on {replaced_by_others}: something else replaced them after "
+            "install_verl_hooks(). Undo that replacement first (e.g. end its monkeypatch), then uninstall."
+        )
+
+
+def verl_originals() -> dict[str, Any]:
+    """verl's original object of each hooked call site that is hooked now (for tests and doctor)."""
+    return {label: installed.original for label, installed in _INSTALLED.items()}
 
 
 def hooks_installed() -> dict[str, bool]:
     """Which verl call sites currently answer through verl-ds4 (for ``verl-ds4 doctor`` and tests)."""
-    return {
-        "verl.models.mcore.get_mcore_engine_forward_fn": getattr(
-            _verl_mcore.get_mcore_engine_forward_fn, "__verl_ds4_hook__", False
-        ),
-        "verl.models.mcore.get_mcore_forward_fused_model_engine_fn": getattr(
-            _verl_mcore.get_mcore_forward_fused_model_engine_fn, "__verl_ds4_hook__", False
-        ),
-        "router_replay_utils._context_parallel_layout": getattr(
-            _router_replay_utils._context_parallel_layout, "__verl_ds4_hook__", False
-        ),
-        "router_replay_utils.preprocess_thd_engine": getattr(
-            _router_replay_utils.preprocess_thd_engine, "__verl_ds4_hook__", False
-        ),
-        "router_replay_utils.postprocess_thd_engine": getattr(
-            _router_replay_utils.postprocess_thd_engine, "__verl_ds4_hook__", False
-        ),
-        "transformer_impl.DynamicCPScheduler": _transformer_impl.DynamicCPScheduler is ResolvedDynamicCPScheduler,
-        "megatron_utils.mapping_string_to_attn_backend": getattr(
-            _verl_megatron_utils.mapping_string_to_attn_backend, "__verl_ds4_hook__", False
-        ),
-    }
+    result = {}
+    for hook in VERL_HOOKS:
+        installed = _INSTALLED.get(hook.label)
+        result[hook.label] = installed is not None and getattr(hook.module, hook.name) is installed.replacement
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,7 +481,7 @@ class _ResolvedLayoutEngine:
             user_overrides=_user_overrides(engine_config),
             balance=cp_balance_of(engine_config),
         )
-        resolver.attach(module, resolved, self.tf_config)
+        resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved
         logger.info("verl-ds4 %s: %s", type(self).__name__, resolved.describe())
         return resolved

@@ -14,6 +14,9 @@ backend="megatron", device="cuda", vendor="nvidia")``. verl looks up ``(device, 
 its built-in ``device`` entry, so on NVIDIA GPUs ``strategy=megatron`` resolves to ours while the
 strategy name, router replay and checkpoint code stay verl's.
 
+Undo: :func:`unregister_engines` removes the registrations and verl-ds4's hooks on verl's call
+sites; :func:`deactivate` also stops waiting for verl's engine module. Both are idempotent.
+
 Environment:
     VERL_DS4_DISABLE_ENGINE=1   load the plugin but register nothing (verl's stock engines stay).
     VERL_DS4_LOG_LEVEL          level of the ``verl_ds4`` loggers (default INFO).
@@ -95,6 +98,42 @@ def register_engines() -> list[tuple]:
     _register(EngineRegistry, "language_model", DS4MegatronEngineWithLMHead, device="cuda", vendor="nvidia")
     _register(EngineRegistry, "value_model", DS4MegatronEngineWithValueHead, device="cuda", vendor="nvidia")
     return list(STATE.registered)
+
+
+def unregister_engines() -> list[tuple]:
+    """Undo :func:`register_engines`: remove our entries from verl's ``EngineRegistry`` and put verl's
+    hooked call sites back (:func:`verl_ds4.engine.megatron.uninstall_verl_hooks`).
+
+    Only entries that still map to our classes are removed (``_register`` never replaced another
+    class, so nothing of verl's is lost). Returns what was removed. A later :func:`register_engines`
+    registers again.
+    """
+    from verl.workers.engine.base import EngineRegistry
+
+    from verl_ds4.engine.megatron import uninstall_verl_hooks
+
+    removed = []
+    for entry in list(STATE.registered):
+        model_type, device, vendor, path = entry
+        key = (device, vendor) if vendor else device
+        by_key = EngineRegistry._engines.get(model_type, {}).get(BACKEND, {})
+        found = by_key.get(key)
+        if found is not None and _class_path(found) == path:
+            del by_key[key]
+            removed.append(entry)
+        STATE.registered.remove(entry)
+    uninstall_verl_hooks()
+    return removed
+
+
+def deactivate() -> None:
+    """Undo :func:`_activate`: stop waiting for verl's engine module and unregister what was registered."""
+    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImportFinder) and f.name == ENGINE_MODULE]:
+        sys.meta_path.remove(finder)
+    if "verl_ds4.engine.megatron" in sys.modules:  # otherwise nothing was registered or hooked
+        unregister_engines()
+    STATE.deferred = STATE.pending = False
+    STATE.loaded = False
 
 
 def _register_now() -> None:

@@ -32,7 +32,13 @@ _MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "v
 class PackedBatch:
     """One micro-batch's plan and CP context: packs and unpacks every per-token tensor alike."""
 
-    def __init__(self, input_ids: torch.Tensor, resolved: ResolvedCPLayout, local_cp_size: int | None = None):
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        resolved: ResolvedCPLayout,
+        local_cp_size: int | None = None,
+        mtp_loss_normalization_factor: float | None = None,
+    ):
         if not getattr(input_ids, "is_nested", False):
             raise ValueError("THD packing needs input_ids as a jagged NestedTensor [B, j].")
         cp_size, cp_rank, group, extra = thd.cp_context(local_cp_size)
@@ -48,9 +54,13 @@ class PackedBatch:
         self.group = group
         self.offsets = input_ids.offsets()
         self.plan: THDPlan = thd.make_plan(input_ids, resolved.plan_options(local_cp_size))
-        # The resolver checked at start-up that every attention consumes this layout.
-        self.packed_seq_params: PackedSeqParams = thd.packed_seq_params_for(
-            self.plan, extra, layout_consumer_checked=True
+        # The resolver checked at start-up that every attention consumes this layout. The params
+        # carry the plan (and verl's MTP factor) as declared fields to every consumer.
+        self.packed_seq_params: thd.PlannedPackedSeqParams = thd.packed_seq_params_for(
+            self.plan,
+            extra,
+            layout_consumer_checked=True,
+            mtp_loss_normalization_factor=mtp_loss_normalization_factor,
         )
 
     def _check_same_batch(self, tensor: torch.Tensor, name: str) -> None:
@@ -184,8 +194,8 @@ def gptmodel_forward_model_engine(
     """Non-fused forward of a Megatron GPT model on a jagged micro-batch (verl 0.9.1's signature).
 
     Returns the jagged per-token outputs: ``{name: [B, j, ...]}`` from ``logits_processor`` on the
-    LM path, or ``[B, j]`` values when ``value_model``. ``resolved`` defaults to the layout attached
-    to ``model`` (resolved once on first use).
+    LM path, or ``[B, j]`` values when ``value_model``. ``resolved`` defaults to the layout registered
+    for ``model`` (:func:`verl_ds4.mcore.resolver.resolved_for`: resolved once on first use).
     """
     if data_format not in ("thd", "bshd"):
         raise ValueError(f"data_format must be 'thd' or 'bshd', got {data_format!r}")
@@ -201,10 +211,8 @@ def gptmodel_forward_model_engine(
 
     unwrapped = _unwrap(model)
     pre_process, post_process = unwrapped.pre_process, unwrapped.post_process
-    batch = PackedBatch(input_ids, resolved, local_cp_size)
+    batch = PackedBatch(input_ids, resolved, local_cp_size, mtp_loss_normalization_factor)
     params = batch.packed_seq_params
-    if mtp_loss_normalization_factor is not None:
-        params._verl_mtp_loss_normalization_factor = mtp_loss_normalization_factor  # read by verl's MTP patch
 
     model_kwargs = _model_kwargs(multi_modal_inputs, input_ids.device)
     if pre_process or (post_process and mtp_enable_train):

@@ -18,42 +18,32 @@ Two decisions, both made once per engine and never per forward:
 
 Who consumes which layout
 -------------------------
-* ``TransformerConfig.experimental_attention_variant == "dsv4_hybrid"`` (DeepSeek-V4 on
-  Megatron-LM dev): ``contiguous`` with at least ``csa_window_size`` rows per CP rank, TP = 1.
-* TransformerEngine / Megatron-Core ``DotProductAttention``: ``zigzag``.
-* Any module that declares the **CP layout protocol** (below), for example the project's
-  pure-PyTorch DS4 attention: whatever it declares.
-* ``cp_partition_mode`` on the config, where the installed Megatron-Core has that field: the
-  user's explicit value is honoured if the attention modules can consume it.
+Each attention module says it (:mod:`verl_ds4.mcore.requirements`, the CP partition-mode protocol:
+``required_cp_partition_mode``, ``min_local_rows``, optionally ``accepted_cp_partition_modes``), or
+is listed in the one table of modules known without a declaration,
+:data:`~verl_ds4.mcore.requirements.KNOWN_CP_PARTITION_MODES` (Megatron-Core's and
+TransformerEngine's ``DotProductAttention``: ``zigzag``). On top of that:
 
-CP layout protocol (duck-typed; implementers need not import this module)
---------------------------------------------------------------------------
-An ``nn.Module`` anywhere inside the model declares what it consumes with an attribute (or a
-property, or a zero-argument method) named ``cp_layout_requirement``. Its value is either
+* ``TransformerConfig.experimental_attention_variant == "dsv4_hybrid"`` (DeepSeek-V4):
+  ``contiguous`` with at least D_window rows per CP rank, TP = 1. When the model's attention
+  modules declare the protocol (the project's pure-PyTorch DS4 attention) they must agree, and they
+  read the split from the rows, on any Megatron-Core. When none declares, the attention is
+  Megatron-LM dev's, which must be told through ``PackedSeqParams.cp_partition_mode``.
+* ``cp_partition_mode`` on the config, where the installed Megatron-Core has that field, and the
+  user's explicit ``override_transformer_config.cp_partition_mode``: honoured if the attention
+  modules can consume it, an error otherwise.
 
-* a tuple ``(layout, min_local_rows)`` or ``(layout, min_local_rows, accepts)``, or
-* an object with attributes ``layout``, ``min_local_rows`` and optionally ``accepts``,
+Under CP > 1 (or dynamic CP) nothing is assumed: an attention module that declares nothing and is
+not in the table, a model without any attention module, and modules whose requirements conflict
+are start-up errors naming the modules. At CP = 1 nothing is split, so nothing is required.
 
-where ``layout`` is ``"contiguous"`` or ``"zigzag"`` (the layout the module consumes natively),
-``min_local_rows`` is ``None`` or a positive int (the fewest rows every CP rank must hold; the
-batch is padded up to ``cp * min_local_rows``), and ``accepts`` is an optional iterable of further
-layouts the module can consume because it converts them itself (a module without a converter
-leaves it out). Example, on the DS4 attention::
-
-    @property
-    def cp_layout_requirement(self):
-        return ("contiguous", self.config.csa_window_size)
-
-A second spelling is accepted too: a string attribute ``cp_layout`` (``"contiguous"`` /
-``"zigzag"``) together with ``min_local_rows`` (an int, ``None``, or a zero-argument method), as
-the DS4 proxy's ``DS4HybridSelfAttention`` declares it.
-
-A declaring module reads the layout from the packed rows it is given (global ``cu_seqlens``,
-``cp_rank * local_rows`` as its first row, and ``packed_seq_params.cp_partition_mode``, which
-:mod:`verl_ds4.mcore.thd` always records, as a plain attribute where the installed
-``PackedSeqParams`` lacks the field), so it works on any Megatron-Core; Megatron's own attention
-needs the field. When the config selects the DS4 variant and the model's attention modules declare
-the protocol, they are what consumes the rows.
+Who holds the result
+--------------------
+The engine keeps its :class:`ResolvedCPLayout` (``engine.resolved_cp_layout``) and passes it to the
+forward functions (``resolved=``). :func:`register_layout` also records it in a module-level
+registry of weak references, keyed by object identity (model chunks at every wrapper level, and
+the ``TransformerConfig``), so :func:`layout_of` / :func:`resolved_for` find it for callers that
+only hold the model; nothing is set on Megatron's or verl's objects.
 """
 
 from __future__ import annotations
@@ -67,43 +57,39 @@ from typing import Any
 import torch
 
 from verl_ds4 import ds4_facts
+from verl_ds4.mcore import requirements
+from verl_ds4.mcore.registry import IdentityRegistry
+from verl_ds4.mcore.requirements import (
+    CONTIGUOUS,
+    KNOWN_CP_PARTITION_MODES,
+    LAYOUTS,
+    ZIGZAG,
+    CPLayoutError,
+    LayoutRequirement,
+)
 
 logger = logging.getLogger(__name__)
 
-ZIGZAG = "zigzag"
-CONTIGUOUS = "contiguous"
-LAYOUTS = (ZIGZAG, CONTIGUOUS)
-
-
-PROTOCOL_ATTRIBUTE = "cp_layout_requirement"
-#: Attribute under which the resolved layout is cached on each model chunk and its config.
-RESOLVED_ATTRIBUTE = "_verl_ds4_cp_layout"
+__all__ = [
+    "CONTIGUOUS",
+    "KNOWN_CP_PARTITION_MODES",
+    "LAYOUTS",
+    "ZIGZAG",
+    "CPLayoutError",
+    "LayoutRequirement",
+    "ResolvedCPLayout",
+    "collect_requirements",
+    "layout_of",
+    "register_layout",
+    "resolve_cp_layout",
+    "resolved_for",
+    "transformer_config_fills",
+]
 
 # The keys of ``override_transformer_config`` whose values the resolver owns.
 CP_PARTITION_MODE = "cp_partition_mode"
 SEQUENCE_PACKING_SCHEDULER = "sequence_packing_scheduler"
 OWNED_OVERRIDE_KEYS = (CP_PARTITION_MODE, SEQUENCE_PACKING_SCHEDULER)
-
-
-class CPLayoutError(ValueError):
-    """A start-up error: the model's attention, its config and the user's settings disagree."""
-
-
-@dataclass(frozen=True)
-class LayoutRequirement:
-    """What one consumer of the packed rows needs.
-
-    ``source`` names the consumer (a module path and class, or a config field) for error messages.
-    ``accepts`` is every layout the consumer can take (its native ``layout`` included).
-    """
-
-    layout: str
-    min_local_rows: int | None
-    source: str
-    accepts: frozenset[str]
-    #: True when the consumer reads the layout from the packed rows themselves (a module that
-    #: declares the protocol), False when it must be told through ``PackedSeqParams``.
-    self_describing: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,108 +223,50 @@ def is_ds4_hf_config(hf_config) -> bool:
     return getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE
 
 
-def _normalise_requirement(value, source: str) -> LayoutRequirement:
-    if callable(value) and not isinstance(value, tuple):
-        value = value()
-    if isinstance(value, tuple):
-        if len(value) not in (2, 3):
-            raise CPLayoutError(
-                f"{source}: {PROTOCOL_ATTRIBUTE} must be (layout, min_local_rows) or "
-                f"(layout, min_local_rows, accepts), got {value!r}"
-            )
-        layout, min_rows = value[0], value[1]
-        accepts = value[2] if len(value) == 3 else ()
-    else:
-        try:
-            layout, min_rows = value.layout, value.min_local_rows
-        except AttributeError:
-            raise CPLayoutError(
-                f"{source}: {PROTOCOL_ATTRIBUTE} must be a tuple or have .layout and .min_local_rows, got {value!r}"
-            ) from None
-        accepts = getattr(value, "accepts", ()) or ()
-    layout = getattr(layout, "value", layout)  # tolerate enums
-    if layout not in LAYOUTS:
-        raise CPLayoutError(f"{source}: declares CP layout {layout!r}; expected one of {LAYOUTS}")
-    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
-        raise CPLayoutError(f"{source}: declares min_local_rows={min_rows!r}; expected None or a positive int")
-    accepts = frozenset([layout, *(getattr(a, "value", a) for a in accepts)])
-    unknown = accepts - set(LAYOUTS)
-    if unknown:
-        raise CPLayoutError(f"{source}: declares it accepts unknown CP layouts {sorted(unknown)}")
-    return LayoutRequirement(layout, min_rows, source, accepts, self_describing=True)
-
-
-def _is_standard_attention(module: torch.nn.Module) -> bool:
-    """Megatron-Core's or TransformerEngine's DotProductAttention (they consume zigzag)."""
-    for cls in type(module).__mro__:
-        if cls.__name__ == "DotProductAttention" and cls.__module__.startswith(("megatron.core", "transformer_engine")):
-            return True
-    return False
-
-
 def _chunks(model) -> list[torch.nn.Module]:
     if isinstance(model, torch.nn.Module):
         return [model]
     return list(model)
 
 
+@dataclass(frozen=True)
+class _Consumers:
+    """Everything that consumes the packed rows of a model, and the attention nobody can speak for."""
+
+    requirements: list[LayoutRequirement]
+    undeclared: list[str]
+
+
+def _consumers(chunks: list[torch.nn.Module], tf_config) -> _Consumers:
+    scan = requirements.scan_attention_modules(chunks)
+    if tf_config is None or not _is_ds4_config(tf_config):
+        return _Consumers([*scan.declared, *scan.known], scan.undeclared)
+    ds4 = LayoutRequirement(
+        CONTIGUOUS,
+        _ds4_window(tf_config),
+        f"TransformerConfig.experimental_attention_variant={ds4_facts.ATTENTION_VARIANT!r}",
+        frozenset([CONTIGUOUS]),
+        # Declaring modules (e.g. the pure-PyTorch DS4 attention) read the split from the rows;
+        # without them the attention is Megatron-LM dev's, told through PackedSeqParams.
+        self_describing=bool(scan.declared),
+    )
+    if not scan.declared:
+        # Megatron-LM dev's DS4 attention owns the attention path; Megatron / TE modules inside it
+        # are not separate consumers.
+        return _Consumers([ds4], [])
+    return _Consumers([ds4, *scan.declared, *scan.known], scan.undeclared)
+
+
 def collect_requirements(model, tf_config=None) -> list[LayoutRequirement]:
     """Every layout requirement in ``model`` (a module or a list of pipeline chunks).
 
-    Declaring modules are reported one by one; Megatron / TE attention modules are grouped by class.
-    When the config selects DS4's hybrid attention, that variant owns the attention path and
-    Megatron / TE attention modules inside it are not counted separately.
+    Declaring modules are reported one by one; modules of ``KNOWN_CP_PARTITION_MODES`` once per
+    class; a DS4 config adds its own requirement first (see the module docstring).
     """
     chunks = _chunks(model)
     if tf_config is None and chunks:
         tf_config = getattr(chunks[0], "config", None)
-    requirements: list[LayoutRequirement] = []
-    ds4 = tf_config is not None and _is_ds4_config(tf_config)
-    if ds4:
-        requirements.append(
-            LayoutRequirement(
-                CONTIGUOUS,
-                _ds4_window(tf_config),
-                f"TransformerConfig.experimental_attention_variant={ds4_facts.ATTENTION_VARIANT!r}",
-                frozenset([CONTIGUOUS]),
-            )
-        )
-    standard: dict[str, str] = {}  # class name -> first module path
-    declared_any = False
-    for index, chunk in enumerate(chunks):
-        prefix = f"model[{index}]." if len(chunks) > 1 else ""
-        for name, module in chunk.named_modules():
-            source = f"{prefix}{name or '<root>'} ({type(module).__name__})"
-            declared = _declared_requirement(module)
-            if declared is not None:
-                requirements.append(_normalise_requirement(declared, source))
-                declared_any = True
-            elif not ds4 and _is_standard_attention(module):
-                standard.setdefault(type(module).__name__, source)
-    for source in standard.values():
-        requirements.append(LayoutRequirement(ZIGZAG, None, source, frozenset([ZIGZAG])))
-    if ds4 and declared_any:
-        # The DS4 attention of this model is a declaring module (e.g. the pure-PyTorch one), not
-        # Megatron-LM dev's: it reads the split from the rows, so nothing needs PackedSeqParams' field.
-        requirements[0] = dataclasses.replace(requirements[0], self_describing=True)
-    return requirements
-
-
-def _declared_requirement(module: torch.nn.Module):
-    """The module's protocol value: ``cp_layout_requirement``, or the ``cp_layout`` / ``min_local_rows`` pair."""
-    try:
-        declared = getattr(module, PROTOCOL_ATTRIBUTE)
-    except AttributeError:
-        declared = None
-    if declared is not None:
-        return declared
-    layout = getattr(module, "cp_layout", None)
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        return None
-    min_rows = getattr(module, "min_local_rows", None)
-    if callable(min_rows):
-        min_rows = min_rows()
-    return (layout, min_rows)
+    return _consumers(chunks, tf_config).requirements
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,10 +316,10 @@ def _raise_if(*violations: "ds4_facts.Violation | None") -> None:
             raise CPLayoutError(violation.engine_message())
 
 
-def _format_requirements(requirements: Iterable[LayoutRequirement]) -> str:
+def _format_requirements(consumers: Iterable[LayoutRequirement]) -> str:
     """One phrase per kind of consumer (same class and needs), naming its first module and a count."""
     groups: dict[tuple, list[LayoutRequirement]] = {}
-    for r in requirements:
+    for r in consumers:
         kind = r.source.rsplit("(", 1)[-1] if r.source.endswith(")") else r.source
         groups.setdefault((kind, r.layout, r.min_local_rows, r.accepts), []).append(r)
     parts = []
@@ -400,6 +328,63 @@ def _format_requirements(requirements: Iterable[LayoutRequirement]) -> str:
         more = f" and {len(members) - 1} more like it" if len(members) > 1 else ""
         parts.append(f"{members[0].source}{more} needs {layout}{extra}")
     return "; ".join(parts)
+
+
+def _format_undeclared(sources: list[str]) -> str:
+    shown = ", ".join(sources[:4])
+    return shown + (f" and {len(sources) - 4} more" if len(sources) > 4 else "")
+
+
+def _check_consumers(consumers: _Consumers, cp_possible: bool) -> frozenset[str]:
+    """The modes every consumer accepts; under CP, undeclared attention and conflicts are errors."""
+    reqs = consumers.requirements
+    if not cp_possible:
+        accepted = frozenset(LAYOUTS)
+        for r in reqs:
+            accepted &= r.accepts
+        return accepted or frozenset(r.layout for r in reqs)  # CP=1: nothing is split
+    if consumers.undeclared:
+        raise CPLayoutError(
+            "with context parallelism every attention module must say which CP partition mode it consumes, but "
+            f"{_format_undeclared(consumers.undeclared)} declares none and is not a module the resolver knows "
+            f"({', '.join(f'{p}*.{n}' for p, n in KNOWN_CP_PARTITION_MODES)}). Declare "
+            f"{requirements.REQUIRED_ATTRIBUTE} ('contiguous' / 'zigzag') and {requirements.MIN_ROWS_ATTRIBUTE} "
+            "on its class (see verl_ds4.mcore.requirements), or set context_parallel_size=1."
+        )
+    if not reqs:
+        raise CPLayoutError(
+            "with context parallelism the resolver needs the model's attention modules, but it found none "
+            "(no module declares required_cp_partition_mode, none is a Megatron-Core Attention or a known core "
+            "attention, and the config selects no attention variant). Declare required_cp_partition_mode and "
+            "min_local_rows on the attention class (see verl_ds4.mcore.requirements), or set context_parallel_size=1."
+        )
+    accepted = frozenset(LAYOUTS)
+    for r in reqs:
+        accepted &= r.accepts
+    if not accepted:
+        raise CPLayoutError(
+            "attention modules need different CP partition modes and none converts: "
+            f"{_format_requirements(reqs)}. Use one attention implementation for every layer, give a module a "
+            f"converter (declare it in {requirements.ACCEPTED_ATTRIBUTE}), or set context_parallel_size=1."
+        )
+    return accepted
+
+
+def _choose_layout(reqs: list[LayoutRequirement], accepted: frozenset[str], preferred, cp_possible: bool) -> str:
+    """The mode to split by: the user's / config's if every consumer accepts it, else the one they require."""
+    if preferred in accepted:
+        return preferred
+    if not cp_possible and reqs[0].layout in accepted:
+        return reqs[0].layout  # CP=1: nothing is split, the first consumer's mode (as always)
+    native = [mode for mode in LAYOUTS if mode in accepted and any(r.layout == mode for r in reqs)]
+    if len(native) == 1:
+        return native[0]
+    if not native and len(accepted) == 1:
+        return next(iter(accepted))
+    raise CPLayoutError(
+        f"the attention modules can all consume {' and '.join(sorted(accepted))} ({_format_requirements(reqs)}), "
+        "so the CP partition mode is not determined. Set override_transformer_config.cp_partition_mode to one of them."
+    )
 
 
 def resolve_cp_layout(
@@ -430,21 +415,10 @@ def resolve_cp_layout(
     ):
         raise CPLayoutError(f"pad_to_length_bucket must be a positive int, got {pad_to_length_bucket!r}")
 
-    requirements = collect_requirements(chunks, tf_config)
     cp_possible = cp_size > 1 or dynamic_cp
-
-    accepted = frozenset(LAYOUTS)
-    for r in requirements:
-        accepted &= r.accepts
-    if not accepted:
-        if cp_possible:
-            raise CPLayoutError(
-                "attention modules need different CP layouts and none converts: "
-                f"{_format_requirements(requirements)}. Use one attention implementation for every layer, "
-                f"give a module a converter (declare it in {PROTOCOL_ATTRIBUTE}'s accepts), or set "
-                "context_parallel_size=1."
-            )
-        accepted = frozenset(r.layout for r in requirements)
+    consumers = _consumers(chunks, tf_config)
+    reqs = consumers.requirements
+    accepted = _check_consumers(consumers, cp_possible)
 
     config_mode = getattr(tf_config, CP_PARTITION_MODE, None) if tf_config is not None else None
     explicit_mode = _explicit(user_overrides, CP_PARTITION_MODE)
@@ -453,22 +427,18 @@ def resolve_cp_layout(
 
     sources: list[str] = []
     if explicit_mode is not None and cp_possible and explicit_mode not in accepted:
-        consumers = [r for r in requirements if explicit_mode not in r.accepts]
+        blocking = [r for r in reqs if explicit_mode not in r.accepts]
         raise CPLayoutError(
             f"override_transformer_config.cp_partition_mode={explicit_mode!r} with context parallelism, but "
-            f"{_format_requirements(consumers)}; it cannot consume {explicit_mode}. "
+            f"{_format_requirements(blocking)}; it cannot consume {explicit_mode}. "
             f"Remove the override (the layout is then {'/'.join(sorted(accepted))})."
         )
-    if requirements:
-        preferred = explicit_mode or config_mode
-        if preferred in accepted:
-            layout = preferred
-        else:
-            layout = requirements[0].layout if requirements[0].layout in accepted else sorted(accepted)[0]
-        sources.append(_format_requirements(requirements))
+    if reqs:
+        layout = _choose_layout(reqs, accepted, explicit_mode or config_mode, cp_possible)
+        sources.append(_format_requirements(reqs))
         if explicit_mode is not None:
             sources.append(f"user cp_partition_mode={explicit_mode!r}")
-    elif explicit_mode is not None:
+    elif explicit_mode is not None:  # CP=1 only (under CP a model without consumers is an error)
         layout = explicit_mode
         sources.append(f"user cp_partition_mode={explicit_mode!r}")
     elif config_mode in LAYOUTS:
@@ -476,32 +446,30 @@ def resolve_cp_layout(
         sources.append(f"TransformerConfig.cp_partition_mode={config_mode!r}")
     else:
         layout = ZIGZAG
-        sources.append("default (no attention module declares a layout)")
+        sources.append("CP=1: no attention module declares a partition mode; nothing is split")
 
     if cp_possible and config_mode is not None and config_mode != layout and any(
-        not r.self_describing for r in requirements
+        not r.self_describing for r in reqs
     ):
         raise CPLayoutError(
             f"TransformerConfig.cp_partition_mode={config_mode!r} but the model's attention needs {layout} "
-            f"({_format_requirements(requirements)}). Set override_transformer_config.cp_partition_mode={layout}."
+            f"({_format_requirements(reqs)}). Set override_transformer_config.cp_partition_mode={layout}."
         )
 
     if layout == CONTIGUOUS and cp_possible and not packed_seq_params_has_cp_partition_mode():
-        # Modules that declare the protocol read the split from the rows; everything else (and an
-        # attention nobody recognised) must be told through PackedSeqParams.
-        told_only = [r for r in requirements if not r.self_describing]
-        if not requirements:
-            told_only = [LayoutRequirement(CONTIGUOUS, None, sources[-1], frozenset([CONTIGUOUS]))]
+        # Modules that declare the protocol read the split from the rows; everything else must be
+        # told through PackedSeqParams.
+        told_only = [r for r in reqs if not r.self_describing]
         if told_only:
             raise CPLayoutError(
                 "the contiguous CP layout with context parallelism needs PackedSeqParams.cp_partition_mode to "
                 "tell Megatron's attention how rows are split, and the installed Megatron-Core lacks it "
                 f"({_format_requirements(told_only)}). Install a Megatron-Core that has cp_partition_mode "
-                "(Megatron-LM dev, see docker/), use an attention module that declares "
-                f"{PROTOCOL_ATTRIBUTE}, or set context_parallel_size=1."
+                "(Megatron-LM dev, see docker/), use attention modules that declare "
+                f"{requirements.REQUIRED_ATTRIBUTE}, or set context_parallel_size=1."
             )
 
-    min_rows = [r.min_local_rows for r in requirements if r.min_local_rows and layout in r.accepts]
+    min_rows = [r.min_local_rows for r in reqs if r.min_local_rows and layout in r.accepts]
     fp8 = getattr(tf_config, "fp8", None) if tf_config is not None else None
     return ResolvedCPLayout(
         layout=layout,
@@ -516,42 +484,56 @@ def resolve_cp_layout(
     )
 
 
-def attach(model, resolved: ResolvedCPLayout, tf_config=None) -> None:
-    """Cache ``resolved`` on every model chunk (and its config) so each data path reads the same object."""
+# --------------------------------------------------------------------------------------------
+# Who holds the result
+# --------------------------------------------------------------------------------------------
+
+
+#: The engines' resolved layouts, by model chunk (every wrapper level) and TransformerConfig.
+REGISTRY: IdentityRegistry = IdentityRegistry()
+
+
+def _wrapper_levels(chunk: torch.nn.Module):
+    """``chunk`` and the modules it wraps (``.module`` of DDP / Float16Module)."""
+    target = chunk
+    while isinstance(target, torch.nn.Module):
+        yield target
+        target = getattr(target, "module", None)
+
+
+def register_layout(model, resolved: ResolvedCPLayout, tf_config=None) -> None:
+    """Record ``resolved`` for every model chunk (each wrapper level), their configs and ``tf_config``."""
+    if not isinstance(resolved, ResolvedCPLayout):
+        raise TypeError(f"expected a ResolvedCPLayout, got {type(resolved).__name__}")
     for chunk in _chunks(model):
-        target = chunk
-        while True:
-            setattr(target, RESOLVED_ATTRIBUTE, resolved)
-            inner = getattr(target, "module", None)
-            if not isinstance(inner, torch.nn.Module):
-                break
-            target = inner
-        config = getattr(target, "config", None)
-        if config is not None:
-            setattr(config, RESOLVED_ATTRIBUTE, resolved)
+        for level in _wrapper_levels(chunk):
+            REGISTRY.set(level, resolved)
+            config = getattr(level, "config", None)
+            if dataclasses.is_dataclass(config) and not isinstance(config, type):  # a TransformerConfig
+                REGISTRY.set(config, resolved)
     if tf_config is not None:
-        setattr(tf_config, RESOLVED_ATTRIBUTE, resolved)
+        REGISTRY.set(tf_config, resolved)
 
 
-def attached(model_or_config) -> ResolvedCPLayout | None:
-    """The layout :func:`attach` cached on a model chunk (any wrapper level) or config, if any."""
-    target = model_or_config
-    while target is not None:
-        found = getattr(target, RESOLVED_ATTRIBUTE, None)
-        if isinstance(found, ResolvedCPLayout):
-            return found
-        inner = getattr(target, "module", None)
-        target = inner if isinstance(inner, torch.nn.Module) else None
-    return None
+def layout_of(model_or_config) -> ResolvedCPLayout | None:
+    """The layout :func:`register_layout` recorded for a model chunk (any wrapper level) or config."""
+    if isinstance(model_or_config, torch.nn.Module):
+        for level in _wrapper_levels(model_or_config):
+            found = REGISTRY.get(level)
+            if found is not None:
+                return found
+        return None
+    return REGISTRY.get(model_or_config) if model_or_config is not None else None
 
 
 def resolved_for(model, **kwargs) -> ResolvedCPLayout:
-    """The layout attached to ``model``; resolved once (with ``kwargs``) and attached if there is none.
+    """The layout registered for ``model``; resolved once (with ``kwargs``) and registered if there is none.
 
     Used by callers outside the engine (tests, scripts) that call the forward functions directly.
     ``cp_size`` / ``tp_size`` default to Megatron's parallel state.
     """
-    found = attached(model)
+    chunks = _chunks(model)
+    found = layout_of(chunks[0]) if chunks else None
     if found is not None:
         return found
     if "cp_size" not in kwargs or "tp_size" not in kwargs:
@@ -560,12 +542,6 @@ def resolved_for(model, **kwargs) -> ResolvedCPLayout:
         kwargs.setdefault("cp_size", mpu.get_context_parallel_world_size())
         kwargs.setdefault("tp_size", mpu.get_tensor_model_parallel_world_size())
     resolved = resolve_cp_layout(model, **kwargs)
-    attach(model, resolved)
+    register_layout(model, resolved)
     logger.info("verl-ds4: %s", resolved.describe())
     return resolved
-
-
-def layout_for_config(tf_config) -> ResolvedCPLayout | None:
-    """The layout attached to a config by :func:`attach` (``None`` when the engine did not resolve one)."""
-    found = getattr(tf_config, RESOLVED_ATTRIBUTE, None)
-    return found if isinstance(found, ResolvedCPLayout) else None

@@ -25,18 +25,22 @@ Deliberate differences from verl 0.9.1:
    number of rows per rank. Where verl's result is already aligned, the two agree.
 4. Contiguous with CP>1 on a Megatron-Core whose ``PackedSeqParams`` lacks ``cp_partition_mode``
    raises the same ``ValueError`` as verl, but before any packing work. The layout is always
-   recorded as ``packed_seq_params.cp_partition_mode`` (a plain attribute when the field is
-   missing) so our own attention modules can read it; :func:`packed_seq_params_for` with
-   ``layout_consumer_checked=True`` (the engine's start-up check passed) allows it.
+   recorded as ``packed_seq_params.cp_partition_mode`` (a declared field of
+   :class:`PlannedPackedSeqParams` when Megatron's lacks it) so our own attention modules can read
+   it; :func:`packed_seq_params_for` with ``layout_consumer_checked=True`` (the engine's start-up
+   check passed) allows it.
 5. Dynamic CP on a Megatron-Core without dynamic CP groups raises a clear error (verl raises
    ``AttributeError``).
-6. The plan is cached on the returned ``PackedSeqParams`` (attribute ``verl_ds4_plan``), so
-   post-processing the same micro-batch does not rebuild it.
+6. The returned ``PackedSeqParams`` is a :class:`PlannedPackedSeqParams` whose ``plan`` field
+   carries the micro-batch's plan to every consumer (post-processing, router replay), so it is
+   never rebuilt. Post-processing checks that it got a micro-batch of the plan's shape (batch size
+   and token count, host ints: no device synchronisation) and raises otherwise; any copy of the
+   micro-batch works. A plain ``PackedSeqParams`` (verl's own) is rebuilt from its ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -45,13 +49,37 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from verl_ds4.layout import CPLayout, PlanOptions, THDPlan, plan_from_offsets
 from verl_ds4.layout.plan import plan_from_padded_lengths
 
-PLAN_ATTRIBUTE = "verl_ds4_plan"
+#: The ``PackedSeqParams`` attribute verl 0.9.1's MTP patch reads the loss normalisation factor from
+#: (``verl/models/mcore/mtp_patch.py``); a declared field of :class:`PlannedPackedSeqParams`.
+MTP_LOSS_NORMALIZATION_FIELD = "_verl_mtp_loss_normalization_factor"
+
+
+def _has_cp_partition_mode(cls) -> bool:
+    return is_dataclass(cls) and "cp_partition_mode" in {f.name for f in fields(cls)}
 
 
 def packed_seq_params_has_cp_partition_mode() -> bool:
-    """Whether the installed Megatron-Core's ``PackedSeqParams`` has a ``cp_partition_mode`` field."""
-    cls = PackedSeqParams
-    return is_dataclass(cls) and "cp_partition_mode" in {f.name for f in fields(cls)}
+    """Whether the installed Megatron-Core's ``PackedSeqParams`` has a ``cp_partition_mode`` field
+    (i.e. Megatron's own attention can be told the CP split)."""
+    return _has_cp_partition_mode(PackedSeqParams)
+
+
+@dataclass
+class PlannedPackedSeqParams(PackedSeqParams):
+    """Megatron's ``PackedSeqParams`` plus what verl-ds4's consumers read, as declared fields.
+
+    * ``cp_partition_mode``: Megatron's field where the installed Megatron-Core has it, declared
+      here where it does not (megatron-core 0.16.1), so the layout is always recorded.
+    * ``plan``: the :class:`~verl_ds4.layout.THDPlan` the rows were packed with; post-processing,
+      the value head and router replay unpack with it.
+    * ``_verl_mtp_loss_normalization_factor``: read by verl 0.9.1's MTP patch
+      (:data:`MTP_LOSS_NORMALIZATION_FIELD`).
+    """
+
+    if not _has_cp_partition_mode(PackedSeqParams):
+        cp_partition_mode: str | None = None
+    plan: THDPlan | None = field(default=None, repr=False, compare=False)
+    _verl_mtp_loss_normalization_factor: float | None = None
 
 
 def cp_context(local_cp_size: int | None):
@@ -93,26 +121,22 @@ def check_layout_consumable(layout: CPLayout, cp_size: int, layout_consumer_chec
 
 def make_plan(input_ids: torch.Tensor, options: PlanOptions) -> THDPlan:
     """Plan a jagged ``[B, j, ...]`` micro-batch (reads only its offsets)."""
-    offsets = input_ids.offsets()
-    plan = plan_from_offsets(offsets, options)
-    plan.source_offsets = offsets  # lets post-processing recognise the same micro-batch
-    return plan
+    return plan_from_offsets(input_ids.offsets(), options)
 
 
 def packed_seq_params_for(
-    plan: THDPlan, extra: dict | None = None, layout_consumer_checked: bool = False
-) -> PackedSeqParams:
-    """The THD ``PackedSeqParams`` of a plan, with the layout recorded and the plan attached.
+    plan: THDPlan,
+    extra: dict | None = None,
+    layout_consumer_checked: bool = False,
+    mtp_loss_normalization_factor: float | None = None,
+) -> PlannedPackedSeqParams:
+    """The THD ``PackedSeqParams`` of a plan, with the layout recorded and the plan carried.
 
     Field values match verl 0.9.1: every ``cu_seqlens*`` field is the global padded one.
     """
     check_layout_consumable(plan.layout, plan.cp_size, layout_consumer_checked)
-    kwargs = dict(extra or {})
-    has_field = packed_seq_params_has_cp_partition_mode()
-    if has_field:
-        kwargs["cp_partition_mode"] = plan.layout.value
     cu = plan.cu_seqlens_padded
-    params = PackedSeqParams(
+    return PlannedPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         max_seqlen_q=plan.max_seqlen_padded,
@@ -120,12 +144,11 @@ def packed_seq_params_for(
         max_seqlen_kv=plan.max_seqlen_padded,
         cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu,
-        **kwargs,
+        cp_partition_mode=plan.layout.value,
+        plan=plan,
+        _verl_mtp_loss_normalization_factor=mtp_loss_normalization_factor,
+        **dict(extra or {}),
     )
-    if not has_field:
-        params.cp_partition_mode = plan.layout.value
-    setattr(params, PLAN_ATTRIBUTE, plan)
-    return params
 
 
 def flat_values(nested: torch.Tensor) -> torch.Tensor:
@@ -181,24 +204,24 @@ def preprocess_thd_engine(
 
 
 def plan_of(packed_seq_params: PackedSeqParams, input_ids: torch.Tensor, layout: CPLayout, cp_size: int) -> THDPlan:
-    """The plan behind ``packed_seq_params`` for ``input_ids``: the cached one, or rebuilt from its fields."""
-    plan = getattr(packed_seq_params, PLAN_ATTRIBUTE, None)
-    offsets = input_ids.offsets()
-    if (
-        plan is not None
-        and plan.layout is layout
-        and plan.cp_size == cp_size
-        and getattr(plan, "source_offsets", None) is offsets
-    ):
+    """The plan behind ``packed_seq_params`` for ``input_ids``: the one it carries, or rebuilt from its fields.
+
+    A carried plan is checked against ``input_ids`` with host ints only (batch size, token count,
+    layout, CP size); a mismatch raises instead of unpacking rows of another micro-batch.
+    """
+    plan = packed_seq_params.plan if isinstance(packed_seq_params, PlannedPackedSeqParams) else None
+    if plan is not None:
+        batch, tokens = int(input_ids.shape[0]), int(flat_values(input_ids).shape[0])
+        if (batch, tokens) != (plan.batch_size, plan.num_tokens) or plan.layout is not layout or plan.cp_size != cp_size:
+            raise ValueError(
+                f"packed_seq_params carries the plan of a micro-batch of {plan.batch_size} sequences / {plan.num_tokens} "
+                f"tokens ({plan.layout} layout, cp={plan.cp_size}), but post-processing got {batch} sequences / "
+                f"{tokens} tokens ({layout} layout, cp={cp_size}). Post-process with the micro-batch (or a copy of it) "
+                "and the layout the rows were packed with."
+            )
         return plan
-    if plan is not None and plan.order is not None:
-        raise ValueError(
-            "packed_seq_params carries a plan with a reordered (balanced) buffer, but post-processing got "
-            "a different micro-batch (input_ids) or layout; the order cannot be rebuilt from cu_seqlens. "
-            "Post-process with the same input_ids object the plan was made from."
-        )
     padded = packed_seq_params.cu_seqlens_q_padded.long().diff()
-    return plan_from_padded_lengths(offsets.diff(), padded, layout, cp_size)
+    return plan_from_padded_lengths(input_ids.offsets().diff(), padded, layout, cp_size)
 
 
 def postprocess_thd_engine(

@@ -4,7 +4,7 @@ Megatron's local ``DotProductAttention`` calls CUDA, so tests swap each layer's 
 for :class:`PerTokenAttention`, a pure-PyTorch module in which every row attends to itself only
 (output = value). The model is then per-token: each row's output depends only on its token id,
 so results of any CP layout can be compared row by row with a CP=1 run. The module declares the
-CP layout protocol of :mod:`verl_ds4.mcore.resolver` and records the local rows it was given.
+CP partition-mode protocol of :mod:`verl_ds4.mcore.requirements` and records the local rows it was given.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ class PerTokenAttention(torch.nn.Module):
 
     def __init__(self, layout: str = "contiguous", min_local_rows: int | None = None, accepts=()):
         super().__init__()
-        self.cp_layout_requirement = (layout, min_local_rows, tuple(accepts))
+        # The CP partition-mode protocol (verl_ds4.mcore.requirements), per instance: tests vary it.
+        self.required_cp_partition_mode = layout
+        self.min_local_rows = min_local_rows
+        self.accepted_cp_partition_modes = tuple(accepts)
         self.rows_seen: list[int] = []
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,

@@ -46,7 +46,6 @@ class ZigzagTHDCausalAttention(TorchTHDCausalAttention):
 
     required_cp_partition_mode = "zigzag"
     min_local_rows = None
-    cp_layout_requirement = ("zigzag", None)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":

@@ -202,8 +202,9 @@ class DS4HybridAttention(nn.Module):
     [g*o_lora, n*d/g], ``linear_proj`` [h, g*o_lora]; for m > 1 ``compressor.*``; for CSA ``indexer.*``.
     """
 
-    #: The context-parallel layout this attention consumes (read by the engine's layout resolver).
-    cp_layout: ClassVar[str] = "contiguous"
+    #: The CP partition mode this attention consumes (the protocol of verl_ds4.mcore.requirements,
+    #: read by the engine's layout resolver): DS4 derives positions from one offset per rank.
+    required_cp_partition_mode: ClassVar[str] = ds4_facts.CP_PARTITION_MODE
 
     def __init__(self, spec: DS4AttentionSpec, dtype: torch.dtype | None = None):
         super().__init__()
@@ -246,14 +247,15 @@ class DS4HybridAttention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float64 on purpose
 
     # -- layout contract -----------------------------------------------------------------------
+    @property
     def min_local_rows(self) -> int:
-        """Smallest number of packed rows every CP rank must hold (D_window)."""
+        """Smallest number of packed rows every CP rank must hold (D_window; the protocol's row minimum)."""
         return self.spec.min_local_rows
 
     @classmethod
     def check_cp_partition(cls, cp_partition_mode: str | None, cp_size: int) -> None:
         """Reject any CP split other than the contiguous one before it silently scrambles positions."""
-        if cp_size > 1 and cp_partition_mode != cls.cp_layout:
+        if cp_size > 1 and cp_partition_mode != cls.required_cp_partition_mode:
             raise ValueError(
                 f"DS4 THD CP requires a contiguous CP partition, got cp_partition_mode={cp_partition_mode!r} "
                 f"at cp_size={cp_size}. DS4 derives positions from global_start = cp_rank * local_rows, which "

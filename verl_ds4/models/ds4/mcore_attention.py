@@ -10,8 +10,8 @@
 Input contract (as Megatron-LM's DS4 attention): THD with ``b = 1`` and the global padded
 ``cu_seqlens_q_padded``; with CP > 1 the rows must be the contiguous split, declared by
 ``packed_seq_params.cp_partition_mode == "contiguous"`` (megatron-core 0.16.1's ``PackedSeqParams``
-has no such field: ``verl_ds4.mcore.thd`` sets it as a plain attribute, which is read with
-``getattr``). BSHD input is accepted at CP = 1 only (each batch column is one sequence).
+has no such field: ``verl_ds4.mcore.thd``'s ``PlannedPackedSeqParams`` declares it; read with
+``getattr`` so any ``PackedSeqParams`` works). BSHD input is accepted at CP = 1 only (each batch column is one sequence).
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ def attention_spec_for_layer(config: DS4ProxyTransformerConfig, layer_number: in
 class DS4HybridSelfAttention(DS4HybridAttention, MegatronModule):
     """DS4 hybrid attention as a Megatron-Core layer-spec ``self_attention`` module.
 
-    Declares its CP contract for the engine's layout resolver: ``cp_layout`` (class attribute,
-    ``"contiguous"``) and ``min_local_rows()`` (D_window of this layer).
+    Declares its CP contract for the engine's layout resolver (inherited from
+    :class:`~verl_ds4.models.ds4.attention.DS4HybridAttention`, the protocol of
+    :mod:`verl_ds4.mcore.requirements`): ``required_cp_partition_mode = "contiguous"`` and the
+    ``min_local_rows`` property (D_window of this layer).
     """
 
     def __init__(self, config: DS4ProxyTransformerConfig, layer_number: int, pg_collection=None, **unused):
