@@ -36,11 +36,13 @@ __all__ = [
     "SFTConsole",
     "SFTSummary",
     "format_duration",
+    "link_latest",
     "log_tail",
     "new_log_path",
     "parse_progress",
     "plot_losses",
     "run_quiet",
+    "say",
     "summarize_sft",
 ]
 
@@ -98,7 +100,8 @@ def log_tail(path: str | Path, lines: int = TAIL_LINES) -> list[str]:
     return out
 
 
-def _say(text: str = "") -> str:
+def say(text: str = "") -> str:
+    """One console line of ours: ``[verl-ds4] text``."""
     return f"{PREFIX} {text}".rstrip()
 
 
@@ -111,14 +114,14 @@ class ConsoleView:
     name = "run"
 
     def header(self, log_path: Path) -> list[str]:
-        return [_say(f"full log: {log_path}")]
+        return [say(f"full log: {log_path}")]
 
     def on_line(self, line: str) -> list[str]:
         """Console lines for one output line (ANSI-free, one tqdm redraw at a time)."""
         return []
 
     def summary(self, log_path: Path, returncode: int, wall_s: float) -> list[str]:
-        return [_say(f"wall time {format_duration(wall_s)}; full log: {log_path}")]
+        return [say(f"wall time {format_duration(wall_s)}; full log: {log_path}")]
 
 
 def run_quiet(
@@ -181,10 +184,10 @@ def run_quiet(
     wall = time.monotonic() - start
     if returncode != 0:
         emit(
-            [_say(f"FAILED: {Path(cmd[0]).name} ... exited with status {returncode} after {format_duration(wall)}."),
-             _say(f"last {TAIL_LINES} lines of the full log:")]
+            [say(f"FAILED: {Path(cmd[0]).name} ... exited with status {returncode} after {format_duration(wall)}."),
+             say(f"last {TAIL_LINES} lines of the full log:")]
             + ["    " + line for line in log_tail(log_path)]
-            + [_say(f"FAILED (exit {returncode}); full log: {log_path}")]
+            + [say(f"FAILED (exit {returncode}); full log: {log_path}")]
         )
         return returncode
     emit(view.summary(log_path, returncode, wall))
@@ -212,8 +215,11 @@ def parse_progress(text: str) -> list[Progress]:
 
 @dataclass
 class SFTSummary:
-    steps: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # this run's steps
     losses: list[float] = field(default_factory=list)
+    #: The loss curve the trend is judged on: earlier runs' steps up to the resume step, then this run's.
+    curve_steps: list[int] = field(default_factory=list)
+    curve_losses: list[float] = field(default_factory=list)
     total_steps: int | None = None
     resumed_from: int | None = None
     resumed_path: str | None = None
@@ -233,9 +239,12 @@ class SFTSummary:
         return (self.last_mean - self.first_mean) / abs(self.first_mean)
 
 
-def summarize_sft(text: str, total_steps: int | None = None, window: int = WINDOW) -> SFTSummary:
+def summarize_sft(text: str, total_steps: int | None = None, window: int = WINDOW,
+                  earlier: Sequence[tuple[int, float]] = ()) -> SFTSummary:
     """The summary of an SFT log: steps, loss trend (first vs last ``window``-step mean), speed, checkpoint.
 
+    ``earlier``: ``(step, loss)`` of the runs before a resume; those up to the resume step come
+    before this run's steps in the curve the trend is judged on.
     ``worked`` is True only if every loss is finite, the run reached ``total_steps`` (when given),
     and the mean loss fell by more than ``-FELL_BELOW`` (5 %); ``verdict`` says why in words.
     """
@@ -265,20 +274,24 @@ def summarize_sft(text: str, total_steps: int | None = None, window: int = WINDO
             rates = [p.tok_s for p in progress if math.isfinite(p.tok_s) and p.tok_s > 0]
             summary.tokens_per_s = len(rates) / sum(1 / r for r in rates) if rates else None
 
-    n = len(progress)
-    if n == 0:
+    upto = summary.resumed_from or 0
+    before = sorted((st, lo) for st, lo in dict(earlier).items() if st <= upto)
+    summary.curve_steps = [st for st, _ in before] + summary.steps
+    summary.curve_losses = [lo for _, lo in before] + summary.losses
+    n = len(summary.curve_steps)
+    if not progress:
         summary.verdict = "NO TRAINING STEPS: no '[verl-ds4] step N | loss ...' line in the log"
         return summary
-    bad = [p.step for p in progress if not math.isfinite(p.loss)]
+    bad = [st for st, lo in zip(summary.curve_steps, summary.curve_losses) if not math.isfinite(lo)]
     if bad:
         summary.verdict = f"TRAINING FAILED: the loss is not finite at step {bad[0]}"
         return summary
     summary.window = min(window, n // 2)
     if summary.window < 1:
-        summary.verdict = f"too few steps to judge the loss trend ({n} step{'s' * (n != 1)} in this run)"
+        summary.verdict = f"too few steps to judge the loss trend ({n} step{'s' * (n != 1)})"
     else:
-        summary.first_mean = sum(summary.losses[: summary.window]) / summary.window
-        summary.last_mean = sum(summary.losses[-summary.window :]) / summary.window
+        summary.first_mean = sum(summary.curve_losses[: summary.window]) / summary.window
+        summary.last_mean = sum(summary.curve_losses[-summary.window :]) / summary.window
         change = summary.rel_change
         if change is not None and change < FELL_BELOW:
             summary.worked = True
@@ -323,45 +336,46 @@ def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str | Path,
     return str(path)
 
 
-def _history(log_dir: Path, current: Path, upto: int) -> tuple[list[int], list[float]]:
-    """Steps ``<= upto`` and their losses from the earlier logs in ``log_dir`` (the newest wins)."""
+def _history(log_dir: Path, current: Path) -> list[tuple[int, float]]:
+    """``(step, loss)`` from the other logs in ``log_dir``, oldest first (a later log's step wins)."""
     by_step: dict[int, float] = {}
-    for old in sorted(p for p in log_dir.glob("*.log") if p.resolve() != current.resolve()):
+    for old in sorted(p for p in log_dir.glob("*.log") if not p.is_symlink() and p.resolve() != current.resolve()):
         for p in parse_progress(old.read_text(errors="replace")):
-            if p.step <= upto:
-                by_step[p.step] = p.loss
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
+            by_step[p.step] = p.loss
+    return sorted(by_step.items())
 
 
 def sft_summary_lines(summary: SFTSummary, *, wall_s: float | None = None, log_path: str | Path | None = None,
                       plot_note: str | None = None) -> list[str]:
     """The console lines of :class:`SFTSummary` (every one well under 300 characters)."""
     s = summary
-    lines = [_say("-" * 26 + " summary " + "-" * 26), _say(f"result      {s.verdict}")]
+    lines = [say("-" * 26 + " summary " + "-" * 26), say(f"result      {s.verdict}")]
     if s.steps:
         done = f"{len(s.steps)} in this run (steps {s.steps[0]}-{s.steps[-1]}"
         done += f" of {s.total_steps})" if s.total_steps else ")"
         if s.resumed_from is not None:
             done += f"; resumed from step {s.resumed_from}"
-        lines.append(_say(f"steps       {done}"))
+        lines.append(say(f"steps       {done}"))
     if s.window:
-        lines.append(_say(
+        lines.append(say(
             f"loss        first {s.window}-step mean {s.first_mean:.4f} -> last {s.window}-step mean "
             f"{s.last_mean:.4f} ({s.rel_change:+.1%}); last step {s.losses[-1]:.4f}"
         ))
+        if len(s.curve_steps) > len(s.steps):
+            lines.append(say(f"            (steps {s.curve_steps[0]}-{s.curve_steps[-1]}: the earlier runs' logs up "
+                             f"to step {s.resumed_from}, then this run)"))
     elif s.losses:
-        lines.append(_say(f"loss        {', '.join(f'{x:.4f}' for x in s.losses[:8])}"))
+        lines.append(say(f"loss        {', '.join(f'{x:.4f}' for x in s.losses[:8])}"))
     if s.tokens_per_s is not None:
-        lines.append(_say(f"speed       {s.tokens_per_s:.0f} tokens/s in the training steps; "
+        lines.append(say(f"speed       {s.tokens_per_s:.0f} tokens/s in the training steps; "
                           f"{format_duration(s.train_s or 0)} from the first step to the last"))
     if wall_s is not None:
-        lines.append(_say(f"wall time   {format_duration(wall_s)} (start-up and checkpoints included)"))
-    lines.append(_say(f"checkpoint  {s.checkpoint or 'none written by this run'}"))
+        lines.append(say(f"wall time   {format_duration(wall_s)} (start-up and checkpoints included)"))
+    lines.append(say(f"checkpoint  {s.checkpoint or 'none written by this run'}"))
     if plot_note:
-        lines.append(_say(f"loss plot   {plot_note}"))
+        lines.append(say(f"loss plot   {plot_note}"))
     if log_path is not None:
-        lines.append(_say(f"full log    {log_path}"))
+        lines.append(say(f"full log    {log_path}"))
     return lines
 
 
@@ -381,8 +395,8 @@ class SFTConsole(ConsoleView):
         self._seen_layout = self._seen_params = self._seen_resume = False
 
     def header(self, log_path: Path) -> list[str]:
-        lines = [_say(f"{key:<11} {value}") for key, value in self.facts]
-        lines.append(_say(f"{'log':<11} {log_path} (verl, Megatron and torchrun output; VERBOSE=1 shows it here)"))
+        lines = [say(f"{key:<11} {value}") for key, value in self.facts]
+        lines.append(say(f"{'log':<11} {log_path} (verl, Megatron and torchrun output; VERBOSE=1 shows it here)"))
         return lines
 
     def on_line(self, line: str) -> list[str]:
@@ -390,15 +404,15 @@ class SFTConsole(ConsoleView):
             return self._progress(line[line.index(PREFIX):])
         if not self._seen_layout and (m := _LAYOUT.search(line)):
             self._seen_layout = True
-            return [_say(f"{'CP layout':<11} {m.group(2)} ({m.group(3)}), resolved by {m.group(1)}")]
+            return [say(f"{'CP layout':<11} {m.group(2)} ({m.group(3)}), resolved by {m.group(1)}")]
         if not self._seen_params and (m := _PARAMS.search(line)):
             self._seen_params = True
-            return [_say(f"{'parameters':<11} {m.group(1)}")]
+            return [say(f"{'parameters':<11} {m.group(1)}")]
         if not self._seen_resume and (m := _FOUND_CKPT.search(line)):
             self._seen_resume = True
-            return [_say(f"{'resume':<11} from step {m.group(2)} ({m.group(1)})")]
+            return [say(f"{'resume':<11} from step {m.group(2)} ({m.group(1)})")]
         if m := _SAVING.search(line):
-            return [_say(f"checkpoint  {m.group(1)}")]
+            return [say(f"checkpoint  {m.group(1)}")]
         return []
 
     def _progress(self, line: str) -> list[str]:
@@ -413,21 +427,19 @@ class SFTConsole(ConsoleView):
         if not (p.step == self._first.step or last or p.step % self.every == 0):
             return []
         eta = (p.elapsed / done) * max(0, self.total_steps - p.step) if done > 0 else float("nan")
-        return [_say(
+        return [say(
             f"step {p.step}/{self.total_steps} | loss {p.loss:.4f} | {p.tok_s:.0f} tok/s | "
             f"elapsed {format_duration(p.elapsed)} | ETA {format_duration(eta)}"
         )]
 
     def summary(self, log_path: Path, returncode: int, wall_s: float) -> list[str]:
-        summary = summarize_sft(log_path.read_text(errors="replace"), self.total_steps)
+        text = log_path.read_text(errors="replace")
+        earlier = _history(log_path.parent, log_path) if _FOUND_CKPT.search(_ANSI.sub("", text)) else []
+        summary = summarize_sft(text, self.total_steps, earlier=earlier)
         note = None
         if self.plot:
-            steps, losses = list(summary.steps), list(summary.losses)
-            if summary.resumed_from:
-                old_steps, old_losses = _history(log_path.parent, log_path, summary.resumed_from)
-                steps, losses = old_steps + steps, old_losses + losses
-            note = plot_losses(steps, losses, self.work_dir / "loss.png", resumed_from=summary.resumed_from,
-                               title=f"{self.work_dir.name}: loss per step")
+            note = plot_losses(summary.curve_steps, summary.curve_losses, self.work_dir / "loss.png",
+                               resumed_from=summary.resumed_from, title=f"{self.work_dir.name}: loss per step")
         return sft_summary_lines(summary, wall_s=wall_s, log_path=log_path, plot_note=note)
 
 
@@ -444,7 +456,7 @@ def _facts(items: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _link_latest(log_path: Path) -> None:
+def link_latest(log_path: Path) -> None:
     latest = log_path.parent / "latest.log"
     try:
         if latest.is_symlink() or latest.exists():
@@ -480,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("expected a job and a command after `--` (or --summarize LOG)")
     log_path = Path(args.log) if args.log else new_log_path(Path(args.work_dir) / "logs")
     if not args.log:
-        _link_latest(log_path)
+        link_latest(log_path)
     view = SFTConsole(args.work_dir, args.steps, facts=_facts(args.fact), every=args.every, plot=not args.no_plot)
     return run_quiet(cmd, log_path, view, verbose=args.verbose)
 
