@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_ds4.cpu.console import SFTConsole, parse_progress, plot_losses, run_quiet, summarize_sft
+from verl_ds4.cpu.console import SFTConsole, log_tail, parse_progress, plot_losses, run_quiet, summarize_sft
 from verl_ds4.cpu.progress import progress_line
 from verl_ds4.cpu.sft_run import free_port, parse_losses
 from verl_ds4.rollout.cpu_ppo_run import PPOConsole, ppo_summary_lines
@@ -140,6 +140,18 @@ def test_failing_command_prints_the_log_tail_and_path_and_its_status(tmp_path):
     assert max(map(len, console.splitlines())) < 1100  # the 7000-character line is cut in the tail
 
 
+def test_failure_tail_ends_before_torchruns_own_report(tmp_path):
+    log = tmp_path / "x.log"
+    report = ["E1201 12:00:00.1 9 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
+              "local_rank: 0 (pid: 5) of binary: python"] + ["torchrun boilerplate"] * 45
+    log.write_text("\n".join([f"noise {i}" for i in range(100)] + ["ValueError: the real error"] + report) + "\n")
+    tail = log_tail(log)
+    assert len(tail) == 41 and tail[-2] == "ValueError: the real error" and tail[0] == "noise 61"
+    assert tail[-1].startswith("(then torchrun's report: failed (exitcode: 1) local_rank: 0") and "46 lines" in tail[-1]
+    log.write_text("\n".join(f"line {i}" for i in range(100)) + "\n")  # no torchrun report: the plain tail
+    assert log_tail(log) == [f"line {i}" for i in range(60, 100)]
+
+
 def test_loss_plot_and_its_skip_note(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     note = plot_losses([1, 2, 3], [3.0, 2.0, 1.5], tmp_path / "loss.png", resumed_from=2)
@@ -216,7 +228,9 @@ def test_bad_override_fails_with_the_log_tail_and_path(tmp_path):
     run = _launch(tmp_path, "trainer.no_such_knob=1", STEPS="2")
     console = run.stdout + run.stderr
     assert run.returncode != 0, console
-    assert "last 40 lines of the full log:" in console and "no_such_knob" in console, console
+    assert "last lines of the full log (up to 40):" in console, console
+    assert "    Could not override 'trainer.no_such_knob'." in console, console  # the workers' error, not torchrun's
+    assert "(then torchrun's report: failed (exitcode: 1)" in console and "ChildFailedError" not in console
     [fail_line] = [line for line in console.splitlines() if line.startswith("[verl-ds4] FAILED (exit")]
     log = Path(fail_line.split()[-1])
     assert log.parent == tmp_path / "logs" and "no_such_knob" in log.read_text()

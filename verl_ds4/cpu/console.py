@@ -87,17 +87,31 @@ def new_log_path(log_dir: str | Path) -> Path:
     return path
 
 
+_TORCHRUN_FAILED = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py:\d+\] (failed \(exitcode.*)$")
+
+
 def log_tail(path: str | Path, lines: int = TAIL_LINES) -> list[str]:
-    """The last ``lines`` lines of a log (ANSI codes and tqdm's carriage-return redraws removed)."""
+    """The last ``lines`` lines of a log (ANSI codes and tqdm's carriage-return redraws removed).
+
+    torchrun ends a failed run with a 40-line report of its own (its traceback and a table of the
+    failed ranks) that would push the workers' error out of the tail: the tail then ends before that
+    report, which is named in one line (it stays in the log).
+    """
     path = Path(path)
     text = path.read_text(errors="replace") if path.exists() else ""
+    all_lines = [line.rsplit("\r", 1)[-1] for line in _ANSI.sub("", text).splitlines()]
+    report = None
+    for i in range(len(all_lines) - 1, -1, -1):
+        if m := _TORCHRUN_FAILED.search(all_lines[i]):
+            report = f"(then torchrun's report: {m.group(1)}; {len(all_lines) - i} lines, in the log)"
+            all_lines = all_lines[:i]
+            break
     out = []
-    for line in _ANSI.sub("", text).splitlines()[-lines:]:
-        line = line.rsplit("\r", 1)[-1]
+    for line in all_lines[-lines:]:
         if len(line) > MAX_TAIL_LINE:
             line = line[:MAX_TAIL_LINE] + f" ... ({len(line) - MAX_TAIL_LINE} more characters in the log)"
         out.append(line)
-    return out
+    return out + ([report] if report else [])
 
 
 def say(text: str = "") -> str:
@@ -184,8 +198,9 @@ def run_quiet(
     wall = time.monotonic() - start
     if returncode != 0:
         emit(
-            [say(f"FAILED: {Path(cmd[0]).name} ... exited with status {returncode} after {format_duration(wall)}."),
-             say(f"last {TAIL_LINES} lines of the full log:")]
+            [say(f"FAILED: {' '.join([Path(cmd[0]).name, *cmd[1:3]])} ... exited with status {returncode} after "
+                 f"{format_duration(wall)}."),
+             say(f"last lines of the full log (up to {TAIL_LINES}):")]
             + ["    " + line for line in log_tail(log_path)]
             + [say(f"FAILED (exit {returncode}); full log: {log_path}")]
         )
