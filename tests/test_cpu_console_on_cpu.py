@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_ds4.cpu.console import SFTConsole, log_tail, parse_progress, plot_losses, run_quiet, summarize_sft
+from verl_ds4.cpu.console import SFTConsole, log_tail, parse_progress, plot_losses, run_quiet, sft_summary_lines, summarize_sft
 from verl_ds4.cpu.progress import progress_line
 from verl_ds4.cpu.sft_run import free_port, parse_losses
 from verl_ds4.rollout.cpu_ppo_run import PPOConsole, ppo_summary_lines
@@ -77,6 +77,12 @@ def test_summary_of_a_resumed_run_names_the_step_and_judges_the_whole_curve():
     assert s.worked and s.window == 3
     alone = summarize_sft(text, 6)  # without the earlier logs: only this run's two steps
     assert alone.resumed_from == 4 and alone.curve_steps == [5, 6] and alone.window == 1
+    # Resuming a finished run: verl trains one step past STEPS; the summary says so.
+    done = summarize_sft("Found latest checkpoint: ck/global_step_6 (step 6)\n" + _log([1.8], start=7), 6,
+                         earlier=earlier)
+    text = "\n".join(sft_summary_lines(done))
+    assert "resumed from step 6" in text and "verl's sft_trainer still trains one more step" in text
+    assert "still trains one more step" not in "\n".join(sft_summary_lines(s))
 
 
 # ------------------------------------------------------------------------------------ the runner

@@ -371,6 +371,9 @@ def sft_summary_lines(summary: SFTSummary, *, wall_s: float | None = None, log_p
         if s.resumed_from is not None:
             done += f"; resumed from step {s.resumed_from}"
         lines.append(say(f"steps       {done}"))
+        if s.total_steps and s.resumed_from is not None and s.resumed_from >= s.total_steps:
+            lines.append(say(f"            (the checkpoint was already at step {s.resumed_from} of {s.total_steps}: "
+                             "verl's sft_trainer still trains one more step; raise STEPS to train on)"))
     if s.window:
         lines.append(say(
             f"loss        first {s.window}-step mean {s.first_mean:.4f} -> last {s.window}-step mean "
