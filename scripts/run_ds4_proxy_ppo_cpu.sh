@@ -41,7 +41,13 @@ for arg in "$@"; do
 done
 
 ASSETS="$WORK_DIR/assets"
-"$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" >/dev/null
+if [ "$VERBOSE" = 1 ]; then
+    "$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" >/dev/null
+elif ! assets_out=$("$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" 2>&1); then
+    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
+    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
+    exit 1
+fi
 REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__file__)')
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.

@@ -90,6 +90,7 @@ def test_the_console_is_quiet_with_a_line_per_step_and_the_summary(ppo_run):
     assert [line.split()[2] for line in lines if line.startswith("[verl-ds4] step ")] == ["1/2", "2/2"]
     assert any(line.startswith("[verl-ds4] result      the RL path ran: 2 PPO steps") for line in lines)
     assert "step:1 - " not in result.console and "step:1 - " in result.log  # verl's own lines: log only
+    assert "UserWarning" not in result.console and "UserWarning" in result.log
 
 
 def test_two_ppo_steps_report_reward_value_loss_kl_and_time(ppo_run):

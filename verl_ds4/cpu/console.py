@@ -165,6 +165,8 @@ def run_quiet(
         out.flush()
 
     emit(view.header(log_path))
+    env = dict(os.environ if env is None else env)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would block-buffer the trainer's prints: progress arrives live
     start = time.monotonic()
     pending = ""
     with open(log_path, "wb") as log:
