@@ -11,7 +11,7 @@
 #
 # Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [--verbose] [extra Hydra overrides...]
 #
-# The console is quiet (verl_ds4.rollout.cpu_ppo_run): start-up facts, one line per PPO step with an
+# The console is quiet (verl_ds4.cpu.console): start-up facts, one line per PPO step with an
 # ETA, and a summary table. The full output of verl, Ray and the workers goes to
 # $WORK_DIR/logs/<timestamp>.log (also logs/latest.log); VERBOSE=1 or --verbose shows it on the
 # console too. On a failure the last 40 lines of that log are printed and the script exits non-zero.
@@ -91,6 +91,6 @@ CONSOLE=(
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 
-"$PYTHON" -m verl_ds4.rollout.cpu_ppo_run "${CONSOLE[@]}" -- \
+"$PYTHON" -m verl_ds4.cpu.console ppo "${CONSOLE[@]}" -- \
     "$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" \
     ${OVERRIDES[@]+"${OVERRIDES[@]}"}
