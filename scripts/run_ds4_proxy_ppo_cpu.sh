@@ -9,8 +9,13 @@
 # The recipe is recipes/recipe/ds4_proxy_ppo_cpu.yaml; every CPU-only setting is in configs/cpu/laptop.yaml.
 # A test/demo: no GPU, about 2 cores and a few GB of memory; the model is random, so do not expect learning.
 #
-# Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [extra Hydra overrides...]
-set -euo pipefail  # pipefail: a failing trainer fails the script despite the tee
+# Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [--verbose] [extra Hydra overrides...]
+#
+# The console is quiet (verl_ds4.cpu.console): start-up facts, one line per PPO step with an
+# ETA, and a summary table. The full output of verl, Ray and the workers goes to
+# $WORK_DIR/logs/<timestamp>.log (also logs/latest.log); VERBOSE=1 or --verbose shows it on the
+# console too. On a failure the last 40 lines of that log are printed and the script exits non-zero.
+set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -24,10 +29,25 @@ CP=${CP:-2}                             # context-parallel size of actor, refere
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto
+VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
 # --------------------------------------------------------------------------------------
 
+OVERRIDES=()
+for arg in "$@"; do
+    case "$arg" in
+        --verbose) VERBOSE=1 ;;
+        *) OVERRIDES+=("$arg") ;;
+    esac
+done
+
 ASSETS="$WORK_DIR/assets"
-"$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" >/dev/null
+if [ "$VERBOSE" = 1 ]; then
+    "$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" >/dev/null
+elif ! assets_out=$("$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" 2>&1); then
+    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
+    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
+    exit 1
+fi
 REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__file__)')
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
@@ -61,8 +81,16 @@ TRAINER=(
     trainer.default_local_dir="$WORK_DIR/checkpoints"
 )
 
-LOG="$WORK_DIR/train.log"
-start=$(date +%s)
-"$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" "$@" 2>&1 | tee "$LOG"
-echo "[run_ds4_proxy_ppo_cpu] wall time $(( $(date +%s) - start ))s; log $LOG; checkpoints in $WORK_DIR/checkpoints"
-"$PYTHON" -m verl_ds4.rollout.cpu_ppo_run --summarize "$LOG"
+CONSOLE=(
+    --work-dir "$WORK_DIR" --steps "$STEPS"
+    --fact "job=PPO with a GAE critic, verl.trainer.main_ppo on CPU (Ray, recipe ds4_proxy_ppo_cpu)"
+    --fact "model=tiny DS4 proxy, random init ($ASSETS/model): actor, reference, critic"
+    --fact "parallel=CP $CP (actor, reference, critic), TP 1, PP 1"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH, response <= $RESPONSE_LENGTH tokens, $STEPS steps"
+    --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
+)
+[ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
+
+"$PYTHON" -m verl_ds4.cpu.console ppo "${CONSOLE[@]}" -- \
+    "$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" \
+    ${OVERRIDES[@]+"${OVERRIDES[@]}"}

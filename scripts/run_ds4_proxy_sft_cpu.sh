@@ -8,8 +8,14 @@
 # on the CPU: VERL_PLATFORM=cpu selects verl-ds4's CPU platform (gloo), verl imports the CPU
 # platform and the CPU Megatron engines through VERL_USE_EXTERNAL_MODULES.
 #
-# Usage:  bash scripts/run_ds4_proxy_sft_cpu.sh [extra Hydra overrides...]
+# Usage:  bash scripts/run_ds4_proxy_sft_cpu.sh [--verbose] [extra Hydra overrides...]
 #   resume after an interruption: run the same command again (trainer.resume_mode=auto).
+#
+# The console is quiet (verl_ds4.cpu.console): start-up facts, a progress line every few steps with
+# an ETA, and a summary (loss trend, tokens/s, checkpoint; loss curve in $WORK_DIR/loss.png).
+# verl's, Megatron's and torchrun's full output goes to $WORK_DIR/logs/<timestamp>.log (also
+# logs/latest.log); VERBOSE=1 or --verbose shows it on the console too. On a failure the last 40
+# lines of that log are printed and the script exits non-zero.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,10 +36,26 @@ SEED=${SEED:-42}
 DTYPE=${DTYPE:-float32}                 # float32 (CPU engine config) | bfloat16 (verl's default)
 RESUME_MODE=${RESUME_MODE:-auto}        # auto | disable | resume_path
 MASTER_PORT=${MASTER_PORT:-29561}
+VERBOSE=${VERBOSE:-0}                   # 1: verl's, Megatron's and torchrun's full output on the console
+PRINT_EVERY=${PRINT_EVERY:-0}           # a progress line every N steps (0: about 20 lines per run)
 # --------------------------------------------------------------------------------------
 
+OVERRIDES=()
+for arg in "$@"; do
+    case "$arg" in
+        --verbose) VERBOSE=1 ;;
+        *) OVERRIDES+=("$arg") ;;
+    esac
+done
+
 ASSETS="$WORK_DIR/assets"
-"$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
+if [ "$VERBOSE" = 1 ]; then
+    "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
+elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN" 2>&1); then
+    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
+    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
+    exit 1
+fi
 case "$MODEL" in
     ds4_proxy) MODEL_LIB=verl_ds4.cpu.ds4_builder ;;   # registers the deepseek_v4 CPU builder
     tiny_dense) MODEL_LIB=verl_ds4.cpu.tiny_dense ;;      # registers the llama CPU builder
@@ -94,8 +116,17 @@ TRAINER=(
     trainer.seed="$SEED"
 )
 
-start=$(date +%s)
-"$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC" --master_port="$MASTER_PORT" \
+CONSOLE=(
+    --work-dir "$WORK_DIR" --steps "$STEPS" --every "$PRINT_EVERY"
+    --fact "job=SFT, verl.trainer.sft_trainer on $NPROC CPU processes (torchrun, engine=megatron, $DTYPE)"
+    --fact "model=$MODEL ($ASSETS/model)"
+    --fact "parallel=CP $CP x DP $(( NPROC / CP )), TP 1, PP 1"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN conversations), batch $BATCH, $STEPS steps, lr $LR"
+    --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
+)
+[ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
+
+"$PYTHON" -m verl_ds4.cpu.console sft "${CONSOLE[@]}" -- \
+    "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC" --master_port="$MASTER_PORT" \
     -m verl.trainer.sft_trainer engine=megatron optim=megatron \
-    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" "$@"
-echo "[run_ds4_proxy_sft_cpu] wall time $(( $(date +%s) - start ))s; checkpoints in $WORK_DIR/checkpoints"
+    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}

@@ -4,7 +4,9 @@ The real run: ``scripts/run_ds4_proxy_ppo_cpu.sh`` (the README's laptop launcher
 :func:`verl_ds4.rollout.cpu_ppo_run.run_guarded`: a 6-minute wall-clock limit (verl's TransferQueue waits
 forever instead of failing when Ray lacks logical CPUs) and a 12 GB limit on the RSS of the whole process
 tree. Everything in it is real: Ray, TransferQueue, verl's agent loop and trainer, the Megatron engines
-with the DS4 proxy, the ``cpu_demo`` rollout, the rule reward, GAE, the checkpoint.
+with the DS4 proxy, the ``cpu_demo`` rollout, the rule reward, GAE, the checkpoint. The launcher's
+console is quiet: the checks read verl's metrics from the full log it names (``WORK_DIR/logs/``), and
+check that the console itself shows one line per step and the summary.
 """
 
 from __future__ import annotations
@@ -69,9 +71,26 @@ def ppo_run(tmp_path_factory):
         env=env,
         cwd=REPO,
     )
+    console = result.log
+    [log_line] = [line for line in console.splitlines() if line.startswith("[verl-ds4] full log")]
+    full_log = Path(log_line.split()[-1])
+    assert full_log.parent == work / "logs" and full_log.is_file(), log_line
+    result.log = full_log.read_text(errors="replace")
+    result.metrics = parse_step_metrics(result.log)
     print(f"\nCPU PPO: 2 steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
-    print(summary_table(result.metrics))
+    print(console)
+    result.console = console
     return work, result
+
+
+def test_the_console_is_quiet_with_a_line_per_step_and_the_summary(ppo_run):
+    _, result = ppo_run
+    lines = result.console.splitlines()
+    assert max(map(len, lines)) <= 300 and len(lines) < 60, result.console
+    assert [line.split()[2] for line in lines if line.startswith("[verl-ds4] step ")] == ["1/2", "2/2"]
+    assert any(line.startswith("[verl-ds4] result      the RL path ran: 2 PPO steps") for line in lines)
+    assert "step:1 - " not in result.console and "step:1 - " in result.log  # verl's own lines: log only
+    assert "UserWarning" not in result.console and "UserWarning" in result.log
 
 
 def test_two_ppo_steps_report_reward_value_loss_kl_and_time(ppo_run):

@@ -10,7 +10,12 @@ usual cause is and the end of the log.
 :func:`parse_step_metrics` reads verl's console logger lines (``step:N - key:value - ...``);
 :func:`summary_table` prints the few that matter for the demo (reward, value loss, KL, step time).
 
-    python -m verl_ds4.rollout.cpu_ppo_run --summarize runs/ds4_proxy_ppo_cpu/train.log
+:class:`PPOConsole` (in :mod:`verl_ds4.cpu.console`, re-exported) is the launcher's quiet console: the
+full output of verl, Ray and the workers goes to ``WORK_DIR/logs/<timestamp>.log``; the console shows
+the start-up facts, one line per PPO step (reward, value loss, KL, step time, ETA) and the summary.
+
+    python -m verl_ds4.rollout.cpu_ppo_run --summarize runs/ds4_proxy_ppo_cpu/logs/latest.log
+    python -m verl_ds4.cpu.console ppo --work-dir W --steps 3 [--verbose] [--fact k=v ...] -- CMD...
 """
 
 from __future__ import annotations
@@ -24,21 +29,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CPUPPORunError", "RunResult", "parse_step_metrics", "run_guarded", "summary_table"]
-
-# (metric key in verl's console line, column title)
-SUMMARY_COLUMNS = (
-    ("critic/score/mean", "reward"),
-    ("critic/vf_loss", "value_loss"),
-    ("actor/kl_loss", "kl(actor|ref)"),
-    ("actor/pg_loss", "pg_loss"),
-    ("critic/values/mean", "value_mean"),
-    ("response_length/mean", "resp_len"),
-    ("timing_s/gen", "gen_s"),
-    ("timing_s/step", "step_s"),
+from verl_ds4.cpu.console import (  # noqa: F401  (re-exported: this module's metrics readers live there)
+    SUMMARY_COLUMNS,
+    PPOConsole,
+    link_latest,
+    new_log_path,
+    parse_step_metrics,
+    ppo_summary_lines,
+    run_quiet,
+    summary_table,
 )
+
+__all__ = ["CPUPPORunError", "PPOConsole", "RunResult", "parse_step_metrics", "run_guarded", "summary_table"]
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 
 HANG_HINT = (
     "verl's PPO trainer waits instead of failing when Ray lacks resources: TransferQueue needs one logical CPU "
@@ -156,50 +160,38 @@ def run_guarded(
     return RunResult(proc.returncode, wall, peak / 2**30, text, parse_step_metrics(text))
 
 
-def parse_step_metrics(text: str) -> dict[int, dict[str, float]]:
-    """``{step: {metric: value}}`` from verl's console logger lines (``step:N - a:1.0 - b:2 ...``)."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in _ANSI.sub("", text).splitlines():
-        match = _STEP_LINE.search(line)
-        if not match:
-            continue
-        values: dict[str, float] = {}
-        for item in match.group(2).split(" - "):
-            key, sep, value = item.strip().rpartition(":")
-            if not sep:
-                continue
-            try:
-                values[key] = float(value)
-            except ValueError:
-                continue
-        steps[int(match.group(1))] = values
-    return steps
-
-
-def summary_table(metrics: dict[int, dict[str, float]]) -> str:
-    """A small fixed-width table of :data:`SUMMARY_COLUMNS` per step."""
-    header = ["step"] + [title for _, title in SUMMARY_COLUMNS]
-    rows = [header]
-    for step in sorted(metrics):
-        row = [str(step)]
-        for key, _ in SUMMARY_COLUMNS:
-            value = metrics[step].get(key)
-            row.append("-" if value is None else f"{value:.4g}")
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Summarise the console metrics of a CPU PPO run's log.")
-    parser.add_argument("--summarize", required=True, metavar="LOG", help="log file of scripts/run_ds4_proxy_ppo_cpu.sh")
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, cmd = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(description="Run the CPU PPO launcher's trainer with a quiet console, or "
+                                                 "summarise the console metrics of a finished run's log.")
+    parser.add_argument("--summarize", metavar="LOG", help="full log of scripts/run_ds4_proxy_ppo_cpu.sh")
+    parser.add_argument("--work-dir", default=".", help="run folder (logs/ and checkpoints/)")
+    parser.add_argument("--log", help="log file (default: WORK_DIR/logs/<timestamp>.log)")
+    parser.add_argument("--steps", type=int, default=0, help="total PPO steps (for the ETA and the summary)")
+    parser.add_argument("--fact", action="append", default=[], metavar="KEY=VALUE", help="a start-up fact to print")
+    parser.add_argument("--verbose", action="store_true", help="also show the full output on the console")
     args = parser.parse_args(argv)
-    metrics = parse_step_metrics(Path(args.summarize).read_text(errors="replace"))
-    if not metrics:
-        print(f"no 'step:N - ...' metric lines in {args.summarize}")
-        return 1
-    print(summary_table(metrics))
-    return 0
+    if args.summarize:
+        metrics = parse_step_metrics(Path(args.summarize).read_text(errors="replace"))
+        if not metrics:
+            print(f"no 'step:N - ...' metric lines in {args.summarize}")
+            return 1
+        print(summary_table(metrics))
+        return 0
+    if not cmd:
+        parser.error("expected --summarize LOG or a command after `--`")
+    facts = [tuple(f.partition("=")[::2]) for f in args.fact]
+    log_path = Path(args.log) if args.log else new_log_path(Path(args.work_dir) / "logs")
+    if not args.log:
+        link_latest(log_path)
+    view = PPOConsole(args.work_dir, args.steps, facts=facts)
+    return run_quiet(cmd, log_path, view, verbose=args.verbose)
 
 
 if __name__ == "__main__":
