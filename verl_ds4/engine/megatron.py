@@ -50,7 +50,7 @@ import verl.utils.megatron_utils as _verl_megatron_utils
 import verl.workers.engine.megatron.transformer_impl as _transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-from verl_ds4.engine.config import cp_balance_of
+from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
 from verl_ds4.mcore import resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
@@ -479,7 +479,8 @@ class _ResolvedLayoutEngine:
             dynamic_cp=bool(getattr(engine_config, "dynamic_context_parallel", False)),
             pad_to_length_bucket=_pad_to_length_bucket(engine_config),
             user_overrides=_user_overrides(engine_config),
-            balance=cp_balance_of(engine_config),
+            # cp_balance=ds4 is balanced with this model's own DS4 shape (Pro's layers for Pro)
+            balance=cp_balance_cost_model(cp_balance_of(engine_config), self.model_config.hf_config),
         )
         resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved

@@ -53,7 +53,7 @@ class PackedBatch:
         self.cp_rank = cp_rank
         self.group = group
         self.offsets = input_ids.offsets()
-        self.plan: THDPlan = thd.make_plan(input_ids, resolved.plan_options(local_cp_size))
+        self.plan: THDPlan = thd.make_plan(input_ids, resolved.plan_options(local_cp_size), cp_group=group)
         # The resolver checked at start-up that every attention consumes this layout. The params
         # carry the plan (and verl's MTP factor) as declared fields to every consumer.
         self.packed_seq_params: thd.PlannedPackedSeqParams = thd.packed_seq_params_for(

@@ -52,13 +52,16 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl_ds4 import ds4_facts
 from verl_ds4.mcore import requirements
 from verl_ds4.mcore.registry import IdentityRegistry
+
+if TYPE_CHECKING:
+    from verl_ds4.layout.cost import TokenCostModel
 from verl_ds4.mcore.requirements import (
     CONTIGUOUS,
     KNOWN_CP_PARTITION_MODES,
@@ -118,14 +121,19 @@ class ResolvedCPLayout:
     fp8_padding: bool = False
     dynamic_cp: bool = False
     sources: tuple[str, ...] = ()
-    balance: str | None = None
+    balance: "str | TokenCostModel | None" = None
+
+    @property
+    def balance_name(self) -> str | None:
+        """The cost model's name (``"ds4"``, ``"dense"``) or ``None``."""
+        return getattr(self.balance, "name", self.balance)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise CPLayoutError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.balance is not None and self.layout != CONTIGUOUS:
             raise CPLayoutError(
-                f"cp_balance={self.balance!r} reorders the sequences of the contiguous CP layout, but this engine's "
+                f"cp_balance={self.balance_name!r} reorders the sequences of the contiguous CP layout, but this engine's "
                 f"layout is {self.layout!r}. Set cp_balance=null (recipe knob ds4.cp_balance), or use an attention "
                 "that consumes the contiguous layout."
             )
@@ -180,7 +188,7 @@ class ResolvedCPLayout:
         bucket = f", total rows a multiple of {self.pad_to_length_bucket}" if self.pad_to_length_bucket else ""
         cp = "dynamic" if self.dynamic_cp else str(self.cp_size)
         decided = "; ".join(self.sources) or "default"
-        balance = f", sequence order balanced under the {self.balance} cost model" if self.balance else ""
+        balance = f", sequence order balanced under the {self.balance_name} cost model" if self.balance else ""
         return f"{self.layout} CP layout (cp={cp}, tp={self.tp_size}{rows}{bucket}{balance}) decided by: {decided}"
 
 
@@ -396,7 +404,7 @@ def resolve_cp_layout(
     dynamic_cp: bool = False,
     pad_to_length_bucket: int | None = None,
     user_overrides: Mapping | None = None,
-    balance: str | None = None,
+    balance: "str | TokenCostModel | None" = None,
 ) -> ResolvedCPLayout:
     """Decide the CP layout and padding of ``model`` (a module or a list of pipeline chunks).
 

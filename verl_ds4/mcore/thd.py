@@ -119,9 +119,13 @@ def check_layout_consumable(layout: CPLayout, cp_size: int, layout_consumer_chec
         )
 
 
-def make_plan(input_ids: torch.Tensor, options: PlanOptions) -> THDPlan:
-    """Plan a jagged ``[B, j, ...]`` micro-batch (reads only its offsets)."""
-    return plan_from_offsets(input_ids.offsets(), options)
+def make_plan(input_ids: torch.Tensor, options: PlanOptions, cp_group=None) -> THDPlan:
+    """Plan a jagged ``[B, j, ...]`` micro-batch (reads only its offsets).
+
+    ``cp_group``: the micro-batch's CP process group; with a balanced order the ranks check over it
+    that they computed the same order (one small all-reduce, see :func:`verl_ds4.layout.build_plan`).
+    """
+    return plan_from_offsets(input_ids.offsets(), options, cp_group=cp_group)
 
 
 def packed_seq_params_for(
