@@ -1,0 +1,60 @@
+"""The device check (benchmarks/gpu/device_check.sh) stays runnable: its Python parts on the CPU.
+
+The script itself runs on a GPU machine without Megatron or verl; here its --help, its argument
+checks, the DS4 attention check (device=cpu, quick sizes) and the no-verl/megatron import rule.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu" / "device_check.sh"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("device_checks", REPO / "benchmarks" / "gpu" / "device_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_and_bad_arguments():
+    out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--out DIR" in out.stdout and "results.txt" in out.stdout
+    bad = subprocess.run(["bash", str(SCRIPT), "--device", "tpu"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "cuda or cpu" in bad.stderr
+    py = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "device_checks.py"), "--help"],
+                        capture_output=True, text=True)
+    assert py.returncode == 0 and "attention" in py.stdout
+
+
+def test_attention_check_passes_on_cpu_and_imports_no_verl_or_megatron(tmp_path):
+    # A fresh interpreter: what the check imports is what the device machine must have.
+    results = tmp_path / "results.txt"
+    code = (
+        "import sys, runpy; sys.argv = ['device_checks', '--device', 'cpu', '--quick', '--results', sys.argv[1]];"
+        f"runpy.run_path({str(REPO / 'benchmarks' / 'gpu' / 'device_checks.py')!r}, run_name='__main__')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(results)], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = results.read_text().splitlines()
+    assert len(lines) == 3 and all(line.startswith("PASS attention") for line in lines), lines
+    assert "FAIL imports" not in out.stdout
+
+
+def test_a_wrong_result_fails(monkeypatch):
+    dc = _load()
+    monkeypatch.setitem(dc.TOLERANCE, "float32", (0.0, 0.0))  # nothing is exact: must FAIL
+    result = dc.attention_case("swa", "float32", "cpu", topk=40, lengths=[5, 13])
+    assert not result.ok and result.line().startswith("FAIL attention swa float32")
+
+
+def test_the_import_rule_sees_a_forbidden_module(monkeypatch):
+    dc = _load()
+    monkeypatch.setitem(sys.modules, "megatron", type(sys)("megatron"))
+    assert dc.forbidden_modules_loaded() == ["megatron"]
