@@ -111,7 +111,7 @@ def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
         if not _module_exists(DS4_ATTENTION_MODULE):
             missing.append(
                 "Megatron-Core has no DS4 hybrid attention (experimental_attention_variant='dsv4_hybrid'); "
-                "install Megatron-LM dev (e.g. fd1121b8ff7e3a4f83a28d35aed172d7bc0260e1, see docker/)"
+                "install Megatron-LM dev (e.g. 12eed0a5ac3f1ced6a3a4f76727db530bdbf7391, see docker/)"
             )
         try:
             from verl_ds4.mcore.resolver import packed_seq_params_has_cp_partition_mode, transformer_config_fields
@@ -125,7 +125,7 @@ def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
     if versions.get("Megatron-Bridge") is None:
         missing.append("Megatron-Bridge is not installed (it maps HF DeepseekV4ForCausalLM onto Megatron)")
     elif not _module_exists(DS4_BRIDGE_MODULE):
-        missing.append("Megatron-Bridge has no DeepSeek-V4 bridge (use 0.6.x or c7774d44d4b3)")
+        missing.append("Megatron-Bridge has no DeepSeek-V4 bridge (use 0.6.x or 7e1ba282832a, see docker/)")
     te = versions.get("TransformerEngine")
     if te is None:
         missing.append(f"TransformerEngine >= {'.'.join(map(str, MIN_TRANSFORMER_ENGINE))} is not installed")
