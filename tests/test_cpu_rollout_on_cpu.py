@@ -367,3 +367,21 @@ def test_cpu_weight_export_unwraps_names_and_steps_aside_for_an_engine_export(mo
     monkeypatch.setattr(vh, "get_per_tensor_param", own)
     assert cpu_weight_export.install() == []
     assert lm.get_per_tensor_param is own
+
+
+def test_cpu_weight_export_can_be_taken_back():
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from verl_ds4.cpu import engine as cpu_engine
+    from verl_ds4.rollout import cpu_weight_export
+
+    lm = cpu_engine.CPUMegatronEngineWithLMHead
+    before = lm.__dict__.get("get_per_tensor_param")
+    cpu_weight_export.uninstall()
+    assert "get_per_tensor_param" not in lm.__dict__  # verl's export answers again
+    assert lm.get_per_tensor_param is MegatronEngine.get_per_tensor_param
+    assert len(cpu_weight_export.install()) == 2  # negative control: installed, it answers instead
+    assert lm.get_per_tensor_param is cpu_weight_export._get_per_tensor_param
+    assert len(cpu_weight_export.uninstall()) == 2 and cpu_weight_export.uninstall() == []
+    if before is not None:  # leave the class as this process had it
+        cpu_weight_export.install()

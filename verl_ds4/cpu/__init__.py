@@ -6,9 +6,13 @@
 * :mod:`.ds4_builder` (``deepseek_v4``: the tiny DS4 proxy) and :mod:`.tiny_dense` (``llama``: the
   dense stepping stone): CPU model builders, selected with verl's ``model.external_lib``.
 * :mod:`.sft_data`, :mod:`.ds4_tokenizer`: download-free data, tokenizer and model-folder writers.
-* :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path.
+* :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path;
+  :mod:`.console`: the launchers' quiet console (progress, summary, loss plot; full log to a file).
 * :mod:`.distributed`: run a function on N gloo processes (the CP checks and ``verify``).
-* :mod:`.verify` + :mod:`.verify_cli`: ``verl-ds4 verify --cp N``, the CP parity check.
+* :mod:`.verify` + :mod:`.verify_cli`: ``verl-ds4 verify --cp N``, the CP parity check;
+  :mod:`.hf_check` (``hf_logits``) + :mod:`.verify_hf`: ``verl-ds4 verify --hf-checkpoint DIR``.
+* :mod:`.engine_config`, :mod:`.cuda_shim`, :mod:`.rng`, :mod:`.builders`, :mod:`.optimizer_state`,
+  :mod:`.progress`: the CPU engine's pieces, one job each (see :mod:`.engine`).
 
 Nothing here is imported by the layers below (layout, mcore, engine, models).
 """

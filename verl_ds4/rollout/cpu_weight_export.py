@@ -55,7 +55,7 @@ def _get_per_tensor_param(self, base_sync_done: bool = False, **kwargs):
     return megatron_named_tensors(self.module), None
 
 
-_INSTALLED: list[str] = []
+_INSTALLED: list[type] = []
 
 
 def install() -> list[str]:
@@ -70,10 +70,21 @@ def install() -> list[str]:
             continue  # the engine (or a base between it and verl's) has its own export
         cls.get_per_tensor_param = _get_per_tensor_param
         patched.append(f"{cls.__module__}.{cls.__qualname__}")
+        _INSTALLED.append(cls)
     if patched:
         logger.info("verl-ds4: CPU weight export for the cpu_demo rollout installed on %s", ", ".join(patched))
-    _INSTALLED.extend(patched)
     return patched
+
+
+def uninstall() -> list[str]:
+    """Take :func:`install` back: the CPU engines export through verl's method again; returns the classes restored."""
+    restored = []
+    while _INSTALLED:
+        cls = _INSTALLED.pop()
+        if cls.__dict__.get("get_per_tensor_param") is _get_per_tensor_param:
+            del cls.get_per_tensor_param
+            restored.append(f"{cls.__module__}.{cls.__qualname__}")
+    return restored
 
 
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
