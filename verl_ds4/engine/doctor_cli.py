@@ -114,12 +114,14 @@ def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
                 "install Megatron-LM dev (e.g. 12eed0a5ac3f1ced6a3a4f76727db530bdbf7391, see docker/)"
             )
         try:
-            from verl_ds4.mcore.resolver import packed_seq_params_has_cp_partition_mode, transformer_config_fields
 
-            if not packed_seq_params_has_cp_partition_mode():
-                missing.append("megatron.core PackedSeqParams has no cp_partition_mode (contiguous CP cannot be signalled)")
-            if "cp_partition_mode" not in transformer_config_fields():
-                missing.append("megatron.core TransformerConfig has no cp_partition_mode")
+            from verl_ds4.mcore.megatron_api import installed_api
+
+            if not installed_api().can_tell_attention:
+                missing.append(
+                    "megatron.core has no CP layout API (neither dev's PackedSeqParams / TransformerConfig."
+                    "cp_partition_mode nor main's TransformerConfig.attention_cp_layout): contiguous CP cannot be signalled"
+                )
         except Exception as exc:  # noqa: BLE001
             missing.append(f"megatron.core does not import ({type(exc).__name__}: {exc})")
     if versions.get("Megatron-Bridge") is None:
@@ -170,6 +172,14 @@ def run(args: argparse.Namespace) -> int:
         print("  plugin self-check: ok (verl.plugins entry point 'verl_ds4' registers the engines)")
     if os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower() == "none":
         print("  note: VERL_USE_EXTERNAL_PLUGINS=none stops verl from loading the plugin in training processes")
+
+    print("\nMegatron-Core CP layout API:")
+    try:
+        from verl_ds4.mcore.megatron_api import installed_api
+
+        print(f"  {installed_api().kind}: {installed_api().describe()}")
+    except Exception as exc:  # noqa: BLE001 - reported
+        print(f"  unknown ({type(exc).__name__}: {exc})")
 
     missing = ds4_cp_missing(versions)
     print("\nDeepSeek-V4 with context parallelism on this stack:")

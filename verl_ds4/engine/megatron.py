@@ -51,7 +51,7 @@ import verl.workers.engine.megatron.transformer_impl as _transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
-from verl_ds4.mcore import resolver
+from verl_ds4.mcore import batch_plans, resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
 logger = logging.getLogger(__name__)
@@ -504,8 +504,30 @@ class _ResolvedLayoutEngine:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        with active_layout(self._require_layout()):
-            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        # One plan per micro-batch: router replay, the forward and the unpacking share it; a
+        # dynamic-CP micro-batch brings the plan its scheduler built.
+        with active_layout(self._require_layout()), batch_plans.micro_batch_plans():
+            return super().forward_step(_SeedingIterator(batch_iter), model, logits_processor_func, postprocess_micro_batch_func)
+
+
+class _SeedingIterator:
+    """Yields verl's micro-batches, adding a scheduled micro-batch's plan to the open plan scope."""
+
+    def __init__(self, batches):
+        self._batches = iter(batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._batches)
+        from verl.utils import tensordict_utils as tu
+
+        try:
+            batch_plans.seed_plan(tu.get_non_tensor_data(batch, key=batch_plans.PLAN_KEY, default=None))
+        except (AttributeError, KeyError, TypeError):  # not a TensorDict: nothing was scheduled
+            pass
+        return batch
 
 
 class DS4MegatronEngineWithLMHead(_ResolvedLayoutEngine, MegatronEngineWithLMHead):

@@ -23,7 +23,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from verl_ds4.layout import THDPlan
-from verl_ds4.mcore import resolver, thd
+from verl_ds4.mcore import batch_plans, resolver, thd
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
 _MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -53,7 +53,10 @@ class PackedBatch:
         self.cp_rank = cp_rank
         self.group = group
         self.offsets = input_ids.offsets()
-        self.plan: THDPlan = thd.make_plan(input_ids, resolved.plan_options(local_cp_size), cp_group=group)
+        # The micro-batch's one plan (shared with router replay and the dynamic-CP scheduler).
+        self.plan: THDPlan = batch_plans.plan_for(input_ids, resolved.plan_options(local_cp_size), cp_group=group)
+        if local_cp_size is not None:
+            check_dynamic_cp_rows(self.plan, resolved, local_cp_size)
         # The resolver checked at start-up that every attention consumes this layout. The params
         # carry the plan (and verl's MTP factor) as declared fields to every consumer.
         self.packed_seq_params: thd.PlannedPackedSeqParams = thd.packed_seq_params_for(
@@ -67,8 +70,18 @@ class PackedBatch:
         if not getattr(tensor, "is_nested", False):
             raise ValueError(f"{name}: expected a jagged NestedTensor shaped like input_ids, got a dense tensor.")
         offsets = tensor.offsets()
-        if offsets is not self.offsets and not torch.equal(offsets.to(self.offsets.device), self.offsets):
-            raise ValueError(f"{name}: its sequence lengths differ from input_ids'; it cannot share their rows.")
+        if offsets is self.offsets:
+            return
+        # host ints first (a clear error); the lengths themselves on the device (no synchronisation)
+        if int(offsets.shape[0]) != int(self.offsets.shape[0]) or batch_plans.num_tokens(tensor) != self.plan.num_tokens:
+            raise ValueError(
+                f"{name}: {int(offsets.shape[0]) - 1} sequences / {batch_plans.num_tokens(tensor)} tokens, but input_ids "
+                f"has {self.plan.batch_size} / {self.plan.num_tokens}; it cannot share their rows."
+            )
+        torch._assert_async(
+            torch.eq(offsets.to(self.offsets.device), self.offsets).all(),
+            f"verl-ds4: {name}: its sequence lengths differ from input_ids'; it cannot share their rows.",
+        )
 
     def pack(self, tensor: torch.Tensor, name: str = "tensor", shift: bool = False) -> torch.Tensor:
         """This rank's rows ``[1, local_rows, ...]`` of a jagged per-token tensor (``shift``: labels)."""
@@ -138,11 +151,25 @@ def unpack_thd(
     )
 
 
+def check_dynamic_cp_rows(plan: THDPlan, resolved: ResolvedCPLayout, local_cp_size: int) -> None:
+    """Refuse a dynamic-CP micro-batch whose ranks would hold fewer rows than the model's minimum."""
+    minimum = resolved.min_local_rows
+    if minimum and plan.local_rows < minimum:
+        raise CPLayoutError(
+            f"a dynamic-CP micro-batch of {plan.batch_size} sequences / {plan.num_tokens} tokens split over "
+            f"local_cp_size={local_cp_size} ranks gives {plan.local_rows} rows per rank, but the model needs at least "
+            f"{minimum} ({resolved.describe()}). Plan it with the engine's resolved layout "
+            f"(ResolvedCPLayout.plan_options(local_cp_size={local_cp_size}) pads to {local_cp_size} * {minimum} rows)."
+        )
+
+
 def refresh_dynamic_cp_padding(micro_batch, resolved: ResolvedCPLayout, dcp_group) -> None:
-    """Rebuild a dynamic-CP micro-batch's router padding mask from the resolved packing.
+    """Plan a dynamic-CP micro-batch once and derive its router padding mask from that plan.
 
     verl 0.9.1's scheduler derives the mask from its own padding rule; the model's rows come from
-    our plan, so the mask (True on padding rows) and the local token count are recomputed from it.
+    our plan, so the mask (True on padding rows) and the local token count are computed from it,
+    on the plan's device (no host transfer). The plan travels with the micro-batch
+    (:data:`~verl_ds4.mcore.batch_plans.PLAN_KEY`) and the engine's forward step packs with it.
     """
     from verl.utils import tensordict_utils as tu
     from verl.utils.dynamic_cp_scheduler import DCP_LOCAL_NUM_TOKENS, DCP_PADDING_MASK
@@ -155,9 +182,12 @@ def refresh_dynamic_cp_padding(micro_batch, resolved: ResolvedCPLayout, dcp_grou
     cp_rank = dcp_group.rank() % local_cp_size
     input_ids = micro_batch["input_ids"]
     plan = thd.make_plan(input_ids, resolved.plan_options(local_cp_size))
-    mask = (plan.gather_index(cp_rank) < 0).cpu()
+    check_dynamic_cp_rows(plan, resolved, local_cp_size)
+    mask = plan.gather_index(cp_rank) < 0
+    tu.assign_non_tensor_data(micro_batch, batch_plans.PLAN_KEY, plan)
     tu.assign_non_tensor_data(micro_batch, DCP_PADDING_MASK, mask)
-    tu.assign_non_tensor_data(micro_batch, DCP_LOCAL_NUM_TOKENS, mask.numel() - int(mask.sum().item()))
+    # a 0-d tensor on the plan's device: verl reads it with torch.as_tensor (no host read)
+    tu.assign_non_tensor_data(micro_batch, DCP_LOCAL_NUM_TOKENS, mask.numel() - mask.sum())
 
 
 def _model_kwargs(multi_modal_inputs: dict | None, device) -> dict[str, Any]:
@@ -224,7 +254,7 @@ def gptmodel_forward_model_engine(
     if mtp_enable_train and post_process:
         from verl.models.mcore.model_forward import _build_mtp_loss_mask_nested, _convert_to_nested_tensor
 
-        lengths = batch.offsets.diff().tolist()
+        lengths = batch_plans.host_seqlens(batch.plan)  # from the plan's one transfer
         label = _convert_to_nested_tensor(args["label"], lengths)
         loss_mask = _build_mtp_loss_mask_nested(args["loss_mask"], lengths, args.get("response_attention_mask"))
         args["label"], args["loss_mask"] = label, loss_mask
@@ -286,6 +316,7 @@ def _delegate_to_verl(model, input_ids, multi_modal_inputs, resolved, data_forma
 
 __all__ = [
     "PackedBatch",
+    "check_dynamic_cp_rows",
     "gptmodel_forward_model_engine",
     "pack_thd",
     "refresh_dynamic_cp_padding",

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from verl_ds4 import ds4_facts
-from verl_ds4.mcore import requirements
+from verl_ds4.mcore import megatron_api, requirements
 from verl_ds4.mcore.registry import IdentityRegistry
 
 if TYPE_CHECKING:
@@ -296,6 +296,7 @@ def transformer_config_fills(
     tp_size: int,
     dynamic_cp: bool = False,
     config_fields: Iterable[str] | None = None,
+    api: "megatron_api.CPLayoutAPI | None" = None,
 ) -> dict[str, Any]:
     """Values to fill into ``override_transformer_config`` before the model is built.
 
@@ -303,18 +304,23 @@ def transformer_config_fills(
     :class:`CPLayoutError` for settings DS4 cannot run with (explicit zigzag, an unsupported
     packing scheduler, TP > 1).
     """
+    api = api or megatron_api.installed_api()
+    api.check_overrides(user_overrides)  # a layout key of the other Megatron spelling: refused for any model
     if not is_ds4_hf_config(hf_config):
         return {}
     user = dict(user_overrides or {})
     _raise_if(
         ds4_facts.check_tensor_parallel(tp_size),
-        ds4_facts.check_cp_partition_mode(user.get(CP_PARTITION_MODE), cp_size, dynamic_cp),
+        ds4_facts.check_cp_partition_mode(user.get(CP_PARTITION_MODE) or api.explicit_layout(user), cp_size, dynamic_cp),
         ds4_facts.check_packing_scheduler(user.get(SEQUENCE_PACKING_SCHEDULER), cp_size, dynamic_cp),
     )
     if not (cp_size > 1 or dynamic_cp):
         return {}
     fields = transformer_config_fields() if config_fields is None else frozenset(config_fields)
-    return ds4_facts.fill_transformer_config(user, fields, cp_size, dynamic_cp)
+    fills = ds4_facts.fill_transformer_config(user, fields, cp_size, dynamic_cp)
+    if api.kind == megatron_api.MAIN:  # Megatron-LM main's words for the same layout
+        fills.update({k: v for k, v in api.config_fills(CONTIGUOUS, user).items() if k in fields})
+    return fills
 
 
 def _raise_if(*violations: "ds4_facts.Violation | None") -> None:
@@ -428,8 +434,11 @@ def resolve_cp_layout(
     reqs = consumers.requirements
     accepted = _check_consumers(consumers, cp_possible)
 
-    config_mode = getattr(tf_config, CP_PARTITION_MODE, None) if tf_config is not None else None
-    explicit_mode = _explicit(user_overrides, CP_PARTITION_MODE)
+    api = megatron_api.installed_api()
+    config_mode = None
+    if tf_config is not None:
+        config_mode = api.config_layout(tf_config) or getattr(tf_config, CP_PARTITION_MODE, None)
+    explicit_mode = _explicit(user_overrides, CP_PARTITION_MODE) or api.explicit_layout(user_overrides)
     if explicit_mode is not None and explicit_mode not in LAYOUTS:
         raise CPLayoutError(f"override_transformer_config.cp_partition_mode={explicit_mode!r}; expected one of {LAYOUTS}")
 
@@ -464,15 +473,16 @@ def resolve_cp_layout(
             f"({_format_requirements(reqs)}). Set override_transformer_config.cp_partition_mode={layout}."
         )
 
-    if layout == CONTIGUOUS and cp_possible and not packed_seq_params_has_cp_partition_mode():
+    if layout == CONTIGUOUS and cp_possible and not (api.can_tell_attention or packed_seq_params_has_cp_partition_mode()):
         # Modules that declare the protocol read the split from the rows; everything else must be
         # told through PackedSeqParams.
         told_only = [r for r in reqs if not r.self_describing]
         if told_only:
             raise CPLayoutError(
-                "the contiguous CP layout with context parallelism needs PackedSeqParams.cp_partition_mode to "
-                "tell Megatron's attention how rows are split, and the installed Megatron-Core lacks it "
-                f"({_format_requirements(told_only)}). Install a Megatron-Core that has cp_partition_mode "
+                "the contiguous CP layout with context parallelism must be told to Megatron's attention, and the "
+                "installed Megatron-Core has neither API for it: Megatron-LM dev's PackedSeqParams.cp_partition_mode / "
+                "TransformerConfig.cp_partition_mode, nor Megatron-LM main's TransformerConfig.attention_cp_layout / "
+                f"linear_cp_layout ({_format_requirements(told_only)}). Install a Megatron-Core with one of them "
                 "(Megatron-LM dev, see docker/), use attention modules that declare "
                 f"{requirements.REQUIRED_ATTRIBUTE}, or set context_parallel_size=1."
             )

@@ -112,10 +112,13 @@ def check_layout_consumable(layout: CPLayout, cp_size: int, layout_consumer_chec
     """Refuse to hand contiguous rows to attention that would read them as zigzag."""
     if layout is CPLayout.ZIGZAG or cp_size <= 1 or layout_consumer_checked:
         return
-    if not packed_seq_params_has_cp_partition_mode():
+    from verl_ds4.mcore import megatron_api
+
+    if not packed_seq_params_has_cp_partition_mode() and not megatron_api.installed_api().can_tell_attention:
         raise ValueError(
             f"cp_layout='{layout}' requires PackedSeqParams.cp_partition_mode, which this "
-            "Megatron-core version does not provide. Upgrade Megatron-core or use the zigzag layout."
+            "Megatron-core version does not provide (nor Megatron-LM main's TransformerConfig.attention_cp_layout). "
+            "Upgrade Megatron-core or use the zigzag layout."
         )
 
 
