@@ -14,7 +14,9 @@ that obeys the same data contract as Megatron-LM's ``DSv4HybridAttention`` under
 One layer has a compression ratio ``m``: 0 (sliding window only), 4 (CSA: overlapping ratio-4
 compression + top-k lightning indexer) or 128 (HCA: every completed ratio-128 block). The indexer
 reads detached inputs and top-k is not differentiable, so the indexer's parameters get no gradient
-from the language-model loss (DS4 trains them with a separate indexer loss, not implemented here).
+from the language-model loss; with ``indexer_loss_coeff > 0`` (Megatron's ``dsa_indexer_loss_coeff``)
+a training forward adds DS4's auxiliary KL loss (:mod:`.indexer_loss`), attached to the output's
+gradient with Megatron-Core's ``DSAIndexerLossAutoScaler`` and kept in ``last_indexer_loss``.
 
 Top-k ties: candidates with equal indexer score are taken in block order (a stable sort), so the
 selection is deterministic and independent of the CP size. ``torch.topk`` (used by transformers)
@@ -80,6 +82,8 @@ class DS4AttentionSpec:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     rms_norm_eps: float = 1e-6
+    # Megatron's dsa_indexer_loss_coeff: weight of the indexer's KL loss (CSA layers; 0 = off, as the recipes).
+    indexer_loss_coeff: float = 0.0
     kind: LayerKind = field(init=False)
 
     def __post_init__(self):
@@ -96,6 +100,8 @@ class DS4AttentionSpec:
                 problems.append(f"rope_dim ({self.rope_dim}) must not exceed index_head_dim ({self.index_head_dim})")
             if self.index_topk < 1:
                 problems.append(f"index_topk must be >= 1, got {self.index_topk}")
+        if not self.indexer_loss_coeff >= 0.0:
+            problems.append(f"indexer_loss_coeff must be >= 0, got {self.indexer_loss_coeff}")
         if problems:
             raise ValueError("Invalid DS4 attention sizes: " + "; ".join(problems) + ".")
 
@@ -225,6 +231,7 @@ class DS4HybridAttention(nn.Module):
         self.linear_proj = nn.Linear(spec.o_groups * spec.o_lora_rank, h, bias=False, dtype=dtype)
         self.compressor = None
         self.indexer = None
+        self.last_indexer_loss: torch.Tensor | None = None  # global over CP, detached (indexer_loss_report)
         if spec.kind != "sliding":
             self.compressor = GatedPoolCompressor(
                 h, d, spec.compress_ratio, overlap=spec.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype
@@ -327,8 +334,9 @@ class DS4HybridAttention(nn.Module):
         logits = [torch.einsum("tnd,twd->tnw", q, kv_win).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale]
         values = [kv_win]
 
+        loss_inputs = None
         if self.compressor is not None:
-            comp, comp_visible = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
+            comp, comp_visible, loss_inputs = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
             logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
             values.append(comp)
 
@@ -345,11 +353,35 @@ class DS4HybridAttention(nn.Module):
         grouped = out.reshape(local_rows, g, -1)
         weight = self.linear_o_group_proj.view(g, spec.o_lora_rank, -1)
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(local_rows, g * spec.o_lora_rank)
-        return self.linear_proj(mixed)
+        result = self.linear_proj(mixed)
+        self.last_indexer_loss = None
+        if loss_inputs is not None:
+            # DS4's indexer loss (indexer_loss.py): KL(detached main attention over the compressed
+            # blocks, normalised with the window + sink mass || softmax of the indexer scores), this
+            # rank's rows over the whole group's row count; its gradient joins the output's backward.
+            from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+            from .indexer_loss import indexer_kl_sum
+
+            index_scores, all_visible = loss_inputs
+            kl = indexer_kl_sum(q, values[1], logits[0], self.attn_sink, all_visible, index_scores, scale)
+            loss = spec.indexer_loss_coeff * kl / total
+            report = loss.detach().clone()
+            if cp_size > 1:
+                dist.all_reduce(report, group=cp_group)
+            self.last_indexer_loss = report
+            result = DSAIndexerLossAutoScaler.apply(result, loss)
+        return result
+
+    def _indexer_loss_active(self) -> bool:
+        """The indexer loss runs in training forwards with autograd on and a positive coefficient only
+        (as Megatron-LM dev); otherwise the indexer path is the no-grad top-k it always was."""
+        return self.indexer is not None and self.spec.indexer_loss_coeff > 0 and self.training and torch.is_grad_enabled()
 
     def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q):
-        """Compressed KV of every completed block in the buffer ([NB, d], gathered over CP) and the
-        [T, NB] mask of the blocks each local query attends to."""
+        """Compressed KV of every completed block in the buffer ([NB, d], gathered over CP), the
+        [T, NB] mask of the blocks each local query attends to, and ``(indexer scores with their
+        gradient, [T, NB] mask of all visible blocks)`` for the indexer loss (else None)."""
         spec = self.spec
         m = spec.compress_ratio
         local_rows = x.shape[0]
@@ -372,17 +404,22 @@ class DS4HybridAttention(nn.Module):
 
         q_pos, q_seq = rows.pos[rows.halo :], rows.seq[rows.halo :]
         visible = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
+        loss_inputs = None
         if self.indexer is not None and block_seq.numel():
-            # The indexer sees detached inputs and top-k has no gradient: without DS4's separate
-            # indexer loss (not implemented) nothing here needs autograd.
-            with torch.no_grad():
+            # The indexer sees detached inputs and top-k has no gradient. Only the indexer loss needs
+            # autograd here (the indexer's own parameters); the scores are the same values either way.
+            with_loss = self._indexer_loss_active()
+            with torch.set_grad_enabled(with_loss):
                 keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
                 if cp_size > 1:
                     keys = all_gather_rows(keys, counts, cp_group)
-                scores = self.indexer.scores(x.detach(), q_r.detach(), keys, cos_q, sin_q)
-                scores = scores.masked_fill(~visible, float("-inf"))
+                index_scores = self.indexer.scores(x.detach(), q_r.detach(), keys, cos_q, sin_q)
+            with torch.no_grad():
+                scores = index_scores.detach().masked_fill(~visible, float("-inf"))
                 k = min(spec.index_topk, scores.shape[1])
                 order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
                 chosen = torch.zeros_like(visible).scatter_(1, order, True)
+            if with_loss:
+                loss_inputs = (index_scores, visible)
             visible = visible & chosen
-        return comp, visible
+        return comp, visible, loss_inputs

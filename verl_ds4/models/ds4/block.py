@@ -109,12 +109,15 @@ class DS4TransformerBlock(MegatronModule):
         packed_seq_params=None,
         hash_token_ids: torch.Tensor | None = None,
         inference_context=None,
+        return_streams: bool = False,
         **unused,
-    ) -> torch.Tensor:
-        """hidden_states ``[s, b, h]`` embedded rows -> ``[s, b, h]`` normed rows for the LM / value head."""
+    ):
+        """hidden_states ``[s, b, h]`` embedded rows -> ``[s, b, h]`` normed rows for the LM / value head;
+        with ``return_streams`` also the last layer's streams ``[s, b, n, h]`` (before the HC head: MTP's input)."""
         if inference_context is not None:
             raise NotImplementedError("The CPU DS4 model scores and trains only (no KV cache / inference context).")
         streams = hidden_states.unsqueeze(-2).expand(-1, -1, self.config.num_residual_streams, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, packed_seq_params=packed_seq_params, hash_token_ids=hash_token_ids)
-        return self.final_layernorm(self.hc_head(streams))
+        out = self.final_layernorm(self.hc_head(streams))
+        return (out, streams) if return_streams else out

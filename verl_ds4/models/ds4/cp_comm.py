@@ -9,7 +9,10 @@
   rank its own slice (a reduce-scatter; written as all-reduce + slice because gloo has no
   reduce-scatter).
 
-Both work on any backend with point-to-point and all-gather support (gloo on CPU, NCCL on GPU).
+* :func:`next_rank_first_row`: rank ``r`` receives row 0 of rank ``r + 1`` (the last rank receives
+  zeros); not differentiable (MTP rolls token ids, labels and masks with it).
+
+All work on any backend with point-to-point and all-gather support (gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["exchange_left_halo", "all_gather_rows"]
+__all__ = ["exchange_left_halo", "all_gather_rows", "next_rank_first_row"]
 
 
 def _p2p(send: torch.Tensor | None, send_to: int | None, recv: torch.Tensor | None, recv_from: int | None, group) -> None:
@@ -105,3 +108,23 @@ class _AllGatherRows(torch.autograd.Function):
 def all_gather_rows(x: torch.Tensor, counts: Sequence[int], group) -> torch.Tensor:
     """Concatenate every rank's ``x`` (rank ``r`` holds ``counts[r]`` rows) in rank order; differentiable."""
     return _AllGatherRows.apply(x, tuple(int(c) for c in counts), group)
+
+
+def next_rank_first_row(x: torch.Tensor, group) -> torch.Tensor:
+    """Row 0 of the next CP rank's ``x`` (zeros on the last rank), shape ``x.shape[1:]``; no autograd.
+
+    The one-row left roll of a contiguous CP split: a rank's last row's successor is the next rank's
+    first row. Rank ``r > 0`` sends its row 0 to ``r - 1``.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if x.shape[0] < 1:
+        raise RuntimeError("next_rank_first_row: every CP rank must hold at least one row.")
+    recv = x.new_zeros(x.shape[1:])
+    _p2p(
+        send=x[0].detach() if rank > 0 else None,
+        send_to=rank - 1,
+        recv=recv if rank < size - 1 else None,
+        recv_from=rank + 1,
+        group=group,
+    )
+    return recv

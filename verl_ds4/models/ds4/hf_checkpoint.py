@@ -10,7 +10,9 @@ a shape that does not match the config raises :class:`HFCheckpointError` naming 
 expected and the found shape; nothing is left at its random initial value. Loading casts to the
 model's dtype (integer tables stay ``int64``); saving casts each tensor back to the dtype it was
 read in, so a load -> save round trip is bit-identical (fp32 / bf16 -> fp64 -> back is exact).
-MTP tensors (``mtp.*``) are skipped only with ``allow_mtp_skip=True`` and are then not saved.
+MTP tensors (``mtp.k.*``, DeepSeek's native names in either family) fill ``model.mtp`` when the
+config has ``num_nextn_predict_layers > 0``; with ``allow_mtp_skip=True`` (no MTP block) they are
+skipped and then not saved.
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ def load_into(model, tensors: dict[str, torch.Tensor], *, allow_mtp_skip: bool =
     ours = dict(model.state_dict(keep_vars=True))
     family = detect_family(tensors)
     groups = name_groups(model.config, family, tied_embeddings=model.share_embeddings_and_output_weights)
-    skipped = sorted(n for n in tensors if allow_mtp_skip and (n.startswith("mtp.") or n.startswith("model.mtp.")))
     wanted = {f for g in groups for f in g.files}
+    skipped = sorted(
+        n for n in tensors if allow_mtp_skip and n not in wanted and (n.startswith("mtp.") or n.startswith("model.mtp."))
+    )
     problems = [f"missing tensor {f!r}" for f in sorted(wanted - set(tensors))]
     problems += [f"unexpected tensor {n!r} {tuple(tensors[n].shape)}" for n in sorted(set(tensors) - wanted - set(skipped))]
     for group in groups:

@@ -13,6 +13,11 @@ Two on-disk name families, both read by transformers 5.10.4's ``DeepseekV4ForCau
 ``linear_fc1`` = [gate; up]) and ``split`` (our tensors = one file tensor cut on dim 0 into equal
 parts: mHC ``scale[3]`` -> ``alpha_pre``, ``alpha_post``, ``alpha_res``). Conversions are pure
 copies, so a load followed by a save reproduces every file tensor bit for bit.
+
+MTP depth ``k`` (``mtp.layers.k.*`` here) reads DeepSeek's native ``mtp.k.*`` names in both
+families: ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_{fn,base,scale}`` and one
+window-only decoder layer in native layer names (``mtp.k.attn.wq_a.weight``, ``mtp.k.ffn.*``,
+``mtp.k.hc_attn_fn``, ...), as Megatron-LM dev's DS4 checkpoint mapping names them.
 """
 
 from __future__ import annotations
@@ -55,10 +60,12 @@ class NameGroup:
     kind: str  # "copy" | "cat" | "split"
 
 
-def _layer_groups(i: int, attn_keys: list[str], is_hash: bool, n_experts: int, native: bool) -> list[NameGroup]:
-    ours = f"decoder.layers.{i}."
+def _layer_groups(i: int, attn_keys: list[str], is_hash: bool, n_experts: int, native: bool,
+                  ours: str | None = None, native_prefix: str | None = None) -> list[NameGroup]:
+    ours = ours or f"decoder.layers.{i}."
     if native:
-        pre, attn, mlp = f"layers.{i}.", f"layers.{i}.attn.", f"layers.{i}.ffn."
+        p = native_prefix or f"layers.{i}."
+        pre, attn, mlp = p, f"{p}attn.", f"{p}ffn."
         norms = {"input_layernorm": "attn_norm", "pre_mlp_layernorm": "ffn_norm"}
         hc = {"attn_hc": "hc_attn_", "mlp_hc": "hc_ffn_"}
         gate = {"weight": "gate.weight", "expert_bias": "gate.bias", "tid2eid": "gate.tid2eid"}
@@ -119,7 +126,21 @@ def name_groups(config, family: str, tied_embeddings: bool = False) -> list[Name
         keys = _attention_keys(int(config.csa_compress_ratios[i]))
         is_hash = config.ds4_mlp_layer_types[i] == "hash_moe"
         groups += _layer_groups(i, keys, is_hash, config.num_moe_experts, native)
+    for k in range(int(getattr(config, "mtp_num_layers", None) or 0)):
+        groups += _mtp_groups(k, config.num_moe_experts)
     return groups
+
+
+def _mtp_groups(k: int, n_experts: int) -> list[NameGroup]:
+    """MTP depth ``k``: DeepSeek's native ``mtp.k.*`` names in *both* families (transformers builds no
+    MTP; its conversion mapping leaves ``mtp.*`` untouched and its loader ignores them)."""
+    ours, theirs = f"mtp.layers.{k}.", f"mtp.{k}."
+    top = [("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("e_proj.weight", "e_proj.weight"),
+           ("h_proj.weight", "h_proj.weight"), ("final_layernorm.weight", "norm.weight"),
+           ("hc_head.head_fn", "hc_head_fn"), ("hc_head.base", "hc_head_base"), ("hc_head.scale", "hc_head_scale")]
+    groups = [NameGroup((ours + o,), (theirs + f,), "copy") for o, f in top]
+    # The inner layer: window-only attention (no compressor / indexer), a top-k (not hash) MoE.
+    return groups + _layer_groups(k, _attention_keys(0), False, n_experts, True, ours=f"{ours}mtp_model_layer.", native_prefix=theirs)
 
 
 def detect_family(names) -> str:

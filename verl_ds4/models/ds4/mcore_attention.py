@@ -3,7 +3,8 @@
 * :class:`DS4ProxyTransformerConfig`: a ``TransformerConfig`` with DS4's attention fields (names as
   in Megatron-LM ``dev``'s DS4 config where it has them: ``csa_compress_ratios``,
   ``csa_window_size``, ``q_lora_rank``, ``o_groups``, ``o_lora_rank``, ``qk_pos_emb_head_dim``,
-  ``dsa_indexer_*``, ``experimental_attention_variant="dsv4_hybrid"``, ``cp_partition_mode``).
+  ``dsa_indexer_*`` including ``dsa_indexer_loss_coeff`` (the indexer's KL loss, :mod:`.indexer_loss`),
+  ``experimental_attention_variant="dsv4_hybrid"``, ``cp_partition_mode``).
 * :class:`DS4HybridSelfAttention`: the layer-spec ``self_attention`` module. It takes Megatron's
   ``[s, b, h]`` hidden states and ``PackedSeqParams`` and returns ``(output, bias=None)``.
 
@@ -61,6 +62,11 @@ class DS4ProxyTransformerConfig(TransformerConfig):
                 f"DS4 with context_parallel_size={self.context_parallel_size} needs cp_partition_mode='contiguous', "
                 f"got {self.cp_partition_mode!r}."
             )
+        if self.dsa_indexer_use_sparse_loss:
+            raise ValueError(
+                "dsa_indexer_use_sparse_loss=True (the indexer loss over the top-k blocks only) is not implemented by "
+                "the CPU DS4 attention; set it False (Megatron-LM dev's default: the dense loss over all visible blocks)."
+            )
         for i in range(self.num_layers):  # validate every layer's sizes now, not at the first forward
             attention_spec_for_layer(self, i + 1)
 
@@ -92,6 +98,7 @@ def attention_spec_for_layer(config: DS4ProxyTransformerConfig, layer_number: in
         yarn_beta_fast=config.beta_fast,
         yarn_beta_slow=config.beta_slow,
         rms_norm_eps=config.layernorm_epsilon,
+        indexer_loss_coeff=float(config.dsa_indexer_loss_coeff or 0.0),
     )
 
 

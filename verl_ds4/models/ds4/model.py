@@ -11,6 +11,11 @@ routing needs the token id of every row: :meth:`DS4Model.forward` passes its ``i
 rank's packed rows) to the decoder as ``hash_token_ids``; pass ``hash_token_ids`` explicitly only
 where the ids are not the embedded rows (``decoder_input`` given).
 
+With ``mtp_num_layers`` (HF ``num_nextn_predict_layers``) the model owns ``model.mtp``
+(:class:`~.mtp.DS4MTPBlock`): a forward with autograd on computes the MTP loss from the decoder's
+residual streams and attaches it to the LM rows' gradient (Megatron-Core's ``MTPLossAutoScaler``);
+the logits are the LM logits, unchanged; :func:`~.mtp.mtp_loss_report` reads the loss.
+
 Megatron's parallel state must be initialised first (tensor and pipeline parallel size 1, any CP
 size); CP > 1 needs THD ``PackedSeqParams`` with the contiguous split (see
 docs/ds4-context-parallel.md section 1).
@@ -62,6 +67,11 @@ class DS4Model(GPTModel):
             pg_collection=pg_collection,
         )
         self.decoder = DS4TransformerBlock(config, pre_process=pre_process, post_process=post_process, pg_collection=pg_collection)
+        self.mtp = None
+        if config.mtp_num_layers:
+            from .mtp import DS4MTPBlock
+
+            self.mtp = DS4MTPBlock(config, pg_collection=pg_collection)
         for param in self.parameters():  # Megatron's torch fallbacks ignore params_dtype
             param.data = param.data.to(config.params_dtype)
 
@@ -86,6 +96,11 @@ class DS4Model(GPTModel):
         block_kwargs = dict(extra_block_kwargs or {})
         if ids is not None:
             block_kwargs["hash_token_ids"] = ids.transpose(0, 1)  # [s, b] like the hidden rows
+        if self.mtp is not None:
+            return self._forward_with_mtp(
+                input_ids, decoder_input, labels, inference_context, packed_seq_params, block_kwargs,
+                runtime_gather_output, kwargs.pop("loss_mask", None), kwargs,
+            )
         return super().forward(
             input_ids,
             position_ids,
@@ -98,6 +113,30 @@ class DS4Model(GPTModel):
             runtime_gather_output=runtime_gather_output,
             **kwargs,
         )
+
+    def _forward_with_mtp(self, input_ids, decoder_input, labels, inference_context, packed_seq_params, block_kwargs,
+                          runtime_gather_output, loss_mask, unused):
+        """GPTModel's embedding -> decoder -> output layer (-> LM loss), with the MTP loss attached to the
+        LM rows when autograd is on (MTP's input is the decoder's streams, so GPTModel's own path cannot
+        carry it)."""
+        if inference_context is not None:
+            raise NotImplementedError("The CPU DS4 model scores and trains only (no KV cache / inference context).")
+        bad = sorted(k for k, v in unused.items() if v is not None)
+        if bad:
+            raise TypeError(f"DS4Model.forward with MTP does not take {bad}; drop them (or build without MTP).")
+        if decoder_input is None:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
+        hidden, streams = self.decoder(decoder_input, packed_seq_params=packed_seq_params, return_streams=True, **block_kwargs)
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if torch.is_grad_enabled():
+            hidden = self.mtp.attach_loss(
+                hidden, streams, input_ids, labels, loss_mask, packed_seq_params,
+                embedding=self.embedding, output_layer=self.output_layer, output_weight=output_weight,
+            )
+        logits, _ = self.output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
 
 
 def init_ds4_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
@@ -134,7 +173,9 @@ def build_ds4_model(
 
     Weights are :func:`init_ds4_weights` (seeded; load real ones with
     :func:`verl_ds4.models.ds4.hf_checkpoint.load_hf_checkpoint`). ``value_head=True`` swaps the LM
-    output layer for a hidden -> 1 :class:`~.proxy.ValueHead` (verl's critic).
+    output layer for a hidden -> 1 :class:`~.proxy.ValueHead` (verl's critic). A config with
+    ``num_nextn_predict_layers > 0`` builds the MTP block (``model.mtp``) unless ``allow_mtp_skip=True``
+    (which drops it, as transformers does).
     """
     hf = hf_config_object(hf_config)
     config = ds4_transformer_config(hf, dtype=dtype, cp_size=cp_size, allow_mtp_skip=allow_mtp_skip, **(config_overrides or {}))
@@ -147,6 +188,11 @@ def build_ds4_model(
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
     )
     if value_head:
+        if model.mtp is not None:
+            raise ValueError(
+                "value_head=True with num_nextn_predict_layers > 0: a critic has no next-token head for MTP; "
+                "pass allow_mtp_skip=True to build the critic without the MTP block."
+            )
         model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
     init_ds4_weights(model, seed=seed, std=float(hf.initializer_range))
     return model

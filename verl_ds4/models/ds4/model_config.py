@@ -95,8 +95,7 @@ def _unsupported(cfg, allow_mtp_skip: bool) -> list[str]:
         if not ok:
             problems.append(f"{name}={getattr(cfg, name, None)!r} (supported: {want})")
 
-    check(int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) == 0 or allow_mtp_skip, "num_nextn_predict_layers",
-          "0; MTP is not implemented (pass allow_mtp_skip=True to drop the MTP head, as transformers does)")
+    check(int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) >= 0, "num_nextn_predict_layers", ">= 0")
     check(cfg.hidden_act == "silu", "hidden_act", "'silu'")
     check(not cfg.attention_bias, "attention_bias", "False")
     check(not cfg.mlp_bias, "mlp_bias", "False")
@@ -119,7 +118,8 @@ def ds4_transformer_config(
 ) -> DS4TransformerConfig:
     """The CPU-ready :class:`DS4TransformerConfig` of an HF DeepSeek-V4 config (object, dict or path).
 
-    ``cp_size`` defaults to Megatron's initialised CP size (1 when uninitialised); ``overrides`` are
+    ``num_nextn_predict_layers > 0`` sets ``mtp_num_layers`` (the model builds its MTP block) unless
+    ``allow_mtp_skip`` (then ``None``: no MTP, as transformers). ``cp_size`` defaults to Megatron's initialised CP size (1 when uninitialised); ``overrides`` are
     ``TransformerConfig`` fields applied last (unknown names raise).
     """
     from megatron.core import parallel_state
@@ -191,6 +191,9 @@ def ds4_transformer_config(
         ds4_swiglu_limit=None if cfg.swiglu_limit is None else float(cfg.swiglu_limit),
         ds4_mlp_layer_types=list(cfg.mlp_layer_types),
         ds4_vocab_size=cfg.vocab_size,
+        # MTP (mtp.py): None when the config has none or allow_mtp_skip drops it; the loss weight
+        # is TransformerConfig's mtp_loss_scaling_factor (0.1, as Megatron-LM dev's DS4 recipes).
+        mtp_num_layers=(int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or None) if not allow_mtp_skip else None,
     )
     if overrides:
         known = {f.name for f in dataclasses.fields(config)}
