@@ -172,4 +172,5 @@ def test_ds4_cost_model_is_built_from_the_models_config():
     lengths = np.array([100, 4096, 65536])
     assert not np.allclose(model.prefix_cost(lengths), flash.prefix_cost(lengths))  # negative control: shapes matter
     assert cp_balance_cost_model(None, pro) is None
-    assert cp_balance_cost_model("dense", pro).name == "dense"
+    assert cp_balance_cost_model("dense", pro) == "dense"  # no shape: the name reaches PlanOptions
+    assert cp_balance_cost_model("ds4", None) == "ds4"  # no model config: the default (Flash) shape

@@ -109,7 +109,7 @@ def check_compress_ratios(ratios: Iterable[int], num_layers: int | None = None) 
     ratios = tuple(ratios)
     bad = sorted({r for r in ratios if r not in COMPRESS_RATIOS})
     if bad:
-        raise ValueError(f"DS4 compression ratios must be {COMPRESS_RATIOS} (window, CSA, HCA), got {bad}.")
+        raise ValueError(f"DS4 compression ratios must be 0, 4 or 128 (window, CSA, HCA), got {bad}.")
     if num_layers is not None and len(ratios) != num_layers:
         raise ValueError(f"{len(ratios)} compression ratios for {num_layers} layers: give one per layer.")
 

@@ -22,8 +22,16 @@ __all__ = ["hf_logits", "packed_logits", "run_on_cp_ranks", "min_local_rows_of"]
 
 
 def min_local_rows_of(model) -> int:
-    """The largest D_window over the model's DS4 attention layers (rows every CP rank must hold)."""
-    return max(int(m.min_local_rows()) for m in model.modules() if hasattr(m, "min_local_rows") and callable(m.min_local_rows))
+    """The largest ``min_local_rows`` the model's attention modules declare (DS4: the largest D_window,
+    the rows every CP rank must hold), read from the layout protocol the resolver reads."""
+    declared = [
+        int(m.min_local_rows)
+        for m in model.modules()
+        if getattr(m, "required_cp_partition_mode", None) is not None and getattr(m, "min_local_rows", None)
+    ]
+    if not declared:
+        raise ValueError(f"{type(model).__name__} has no attention module that declares min_local_rows.")
+    return max(declared)
 
 
 def packed_logits(

@@ -21,7 +21,7 @@ from typing import Optional
 from verl.workers.config import McoreEngineConfig
 
 from verl_ds4 import ds4_facts
-from verl_ds4.layout.cost import COST_MODELS, DS4CostShape, TokenCostModel, ds4_cost_model, get_cost_model
+from verl_ds4.layout.cost import COST_MODELS, DS4CostShape, TokenCostModel, ds4_cost_model
 
 __all__ = ["CP_BALANCE_CHOICES", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
 
@@ -84,11 +84,10 @@ def ds4_cost_shape(hf_config) -> DS4CostShape:
     )
 
 
-def cp_balance_cost_model(cp_balance: Optional[str], hf_config) -> "TokenCostModel | None":
-    """The cost model ``cp_balance`` names, for this model: ``ds4`` is built from the model's own
-    config (so DS4-Pro is balanced with Pro's layers, not Flash's); ``dense`` needs no shape."""
-    if cp_balance is None:
-        return None
-    if cp_balance == "ds4" and getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE:
+def cp_balance_cost_model(cp_balance: Optional[str], hf_config) -> "str | TokenCostModel | None":
+    """What ``PlanOptions.balance`` gets for ``cp_balance``: for ``ds4`` on a DS4 model, the cost model
+    built from the model's own config (so DS4-Pro is balanced with Pro's layers, not Flash's);
+    otherwise the name itself (``dense`` needs no shape; without a model config the default shape)."""
+    if cp_balance == "ds4" and hf_config is not None and getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE:
         return ds4_cost_model(ds4_cost_shape(hf_config))
-    return get_cost_model(cp_balance)
+    return cp_balance

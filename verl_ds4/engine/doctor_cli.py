@@ -119,8 +119,8 @@ def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
 
             if not installed_api().can_tell_attention:
                 missing.append(
-                    "megatron.core has no CP layout API (neither dev's PackedSeqParams / TransformerConfig."
-                    "cp_partition_mode nor main's TransformerConfig.attention_cp_layout): contiguous CP cannot be signalled"
+                    "megatron.core has no CP layout API: PackedSeqParams has no cp_partition_mode (dev's spelling) and "
+                    "TransformerConfig has no attention_cp_layout (main's): contiguous CP cannot be signalled"
                 )
         except Exception as exc:  # noqa: BLE001
             missing.append(f"megatron.core does not import ({type(exc).__name__}: {exc})")

@@ -396,6 +396,11 @@ def _pad_to_length_bucket(engine_config) -> int | None:
     return None
 
 
+def _hf_config_of(engine) -> Any:
+    """The engine's HF config (``None`` for an engine built without a model config, e.g. in tests)."""
+    return getattr(getattr(engine, "model_config", None), "hf_config", None)
+
+
 def _user_overrides(engine_config) -> dict[str, Any]:
     return dict(getattr(engine_config, "override_transformer_config", None) or {})
 
@@ -480,7 +485,7 @@ class _ResolvedLayoutEngine:
             pad_to_length_bucket=_pad_to_length_bucket(engine_config),
             user_overrides=_user_overrides(engine_config),
             # cp_balance=ds4 is balanced with this model's own DS4 shape (Pro's layers for Pro)
-            balance=cp_balance_cost_model(cp_balance_of(engine_config), self.model_config.hf_config),
+            balance=cp_balance_cost_model(cp_balance_of(engine_config), _hf_config_of(self)),
         )
         resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved

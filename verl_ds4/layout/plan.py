@@ -102,6 +102,14 @@ class THDPlan:
         return host_to_device(array, self._device)
 
     @property
+    def host_seqlens(self) -> np.ndarray:
+        """``[B]`` int64 NumPy lengths in original order: the host copy of the plan's one transfer
+        (read-only; costs nothing)."""
+        lengths = self._h_offsets[1:] - self._h_offsets[:-1]
+        lengths.flags.writeable = False
+        return lengths
+
+    @property
     def seqlens(self) -> torch.Tensor:
         if self._seqlens is None:
             self._seqlens = self._to_device(self._h_offsets[1:] - self._h_offsets[:-1])
@@ -363,7 +371,8 @@ def check_order_agreement(host_order: np.ndarray, group, cp_size: int, device: t
         on = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=on)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, low = int(both[0]), -int(both[1])  # the host read
+    high, neg_low = both.tolist()  # the check's one host read
+    low = -neg_low
     if high != low:
         raise RuntimeError(
             f"CP ranks computed different balanced orders for this micro-batch (order digests range "

@@ -14,9 +14,7 @@ a GPU, an immediate error on the CPU), so a micro-batch of other lengths can nev
 a stale plan.
 
 Host-side lengths (MTP builds nested labels from them): :func:`host_seqlens` reads them from the
-plan, which fetched them with its one transfer. ``THDPlan`` has no public host accessor yet; the
-function reads the plan's host offsets (see the report that introduced this module: a public
-``THDPlan.host_seqlens`` is proposed) and switches to the accessor once the plan has one.
+plan (``THDPlan.host_seqlens``), which fetched them with its one transfer.
 """
 
 from __future__ import annotations
@@ -90,8 +88,4 @@ def plan_for(input_ids: torch.Tensor, options: PlanOptions, cp_group=None) -> TH
 
 def host_seqlens(plan: THDPlan) -> list[int]:
     """The plan's sequence lengths (original order) as host ints, from its one transfer."""
-    public = getattr(plan, "host_seqlens", None)
-    if public is not None:
-        return [int(n) for n in (public() if callable(public) else public)]
-    host_offsets = plan._h_offsets  # noqa: SLF001 - no public host accessor yet (see the module docstring)
-    return (host_offsets[1:] - host_offsets[:-1]).tolist()
+    return plan.host_seqlens.tolist()
