@@ -1,0 +1,152 @@
+"""The CPU PPO/GRPO launcher's console view: one line per PPO step from verl's console metrics, a summary table."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+
+from verl_ds4.cpu.console_run import ConsoleView, ANSI_ESCAPE, LAYOUT_LINE, format_duration, say
+
+_STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
+_ROLLOUT_READY = re.compile(r"(cpu_demo rollout server \d+ ready)")
+
+
+# ------------------------------------------------------------------------------- the PPO/GRPO job
+
+# (metric key in verl's console line, column title)
+SUMMARY_COLUMNS = (
+    ("critic/score/mean", "reward"),
+    ("critic/vf_loss", "value_loss"),
+    ("actor/kl_loss", "kl(actor|ref)"),
+    ("actor/pg_loss", "pg_loss"),
+    ("critic/values/mean", "value_mean"),
+    ("response_length/mean", "resp_len"),
+    ("timing_s/gen", "gen_s"),
+    ("timing_s/step", "step_s"),
+)
+
+
+def parse_step_metrics(text: str) -> dict[int, dict[str, float]]:
+    """``{step: {metric: value}}`` from verl's console logger lines (``step:N - a:1.0 - b:2 ...``)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in ANSI_ESCAPE.sub("", text).splitlines():
+        match = _STEP_LINE.search(line)
+        if not match:
+            continue
+        values: dict[str, float] = {}
+        for item in match.group(2).split(" - "):
+            key, sep, value = item.strip().rpartition(":")
+            if not sep:
+                continue
+            try:
+                values[key] = float(value)
+            except ValueError:
+                continue
+        steps[int(match.group(1))] = values
+    return steps
+
+
+def summary_table(metrics: dict[int, dict[str, float]]) -> str:
+    """A small fixed-width table of :data:`SUMMARY_COLUMNS` per step."""
+    header = ["step"] + [title for _, title in SUMMARY_COLUMNS]
+    rows = [header]
+    for step in sorted(metrics):
+        row = [str(step)]
+        for key, _ in SUMMARY_COLUMNS:
+            value = metrics[step].get(key)
+            row.append("-" if value is None else f"{value:.4g}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _line_metrics(line: str) -> tuple[int, dict[str, float]] | None:
+    metrics = parse_step_metrics(line)
+    return next(iter(metrics.items())) if metrics else None
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+class PPOConsole(ConsoleView):
+    """The CPU PPO/GRPO launcher's console: facts, one line per PPO step with an ETA, the summary table."""
+
+    name = "ppo"
+
+    def __init__(self, work_dir: str | Path, total_steps: int, *, facts=()):
+        self.work_dir = Path(work_dir)
+        self.total_steps = total_steps
+        self.facts = list(facts)
+        self._layouts: set[str] = set()
+        self._ready = False
+        self._start = time.monotonic()
+        self._step_times: list[float] = []
+        self._printed: set[int] = set()
+
+    def header(self, log_path: Path) -> list[str]:
+        lines = [say(f"{key:<11} {value}") for key, value in self.facts]
+        lines.append(say(f"{'log':<11} {log_path} (verl, Ray and worker output; VERBOSE=1 shows it here)"))
+        return lines
+
+    def on_line(self, line: str) -> list[str]:
+        if "step:" in line and (found := _line_metrics(line)):
+            step, m = found
+            if step in self._printed:
+                return []
+            self._printed.add(step)
+            if "timing_s/step" in m:
+                self._step_times.append(m["timing_s/step"])
+            mean = sum(self._step_times) / len(self._step_times) if self._step_times else float("nan")
+            eta = mean * max(0, self.total_steps - step)
+            return [say(
+                f"step {step}/{self.total_steps} | reward {_fmt(m.get('critic/score/mean'))} | value_loss "
+                f"{_fmt(m.get('critic/vf_loss'))} | kl {_fmt(m.get('actor/kl_loss'))} | step "
+                f"{format_duration(m.get('timing_s/step', float('nan')))} | elapsed "
+                f"{format_duration(time.monotonic() - self._start)} | ETA {format_duration(eta)}"
+            )]
+        if (m := LAYOUT_LINE.search(line)) and m.group(1) not in self._layouts:
+            self._layouts.add(m.group(1))
+            return [say(f"{'CP layout':<11} {m.group(2)} ({m.group(3)}), resolved by {m.group(1)}")]
+        if not self._ready and (m := _ROLLOUT_READY.search(line)):
+            self._ready = True
+            return [say(f"{'rollout':<11} {m.group(1)}")]
+        return []
+
+    def summary(self, log_path: Path, returncode: int, wall_s: float) -> list[str]:
+        metrics = parse_step_metrics(log_path.read_text(errors="replace"))
+        return ppo_summary_lines(metrics, self.total_steps, self.work_dir / "checkpoints", wall_s=wall_s,
+                                 log_path=log_path)
+
+
+def ppo_summary_lines(metrics: dict[int, dict[str, float]], total_steps: int | None, ckpt_dir: Path | None = None,
+                      *, wall_s: float | None = None, log_path: str | Path | None = None) -> list[str]:
+    """The summary: a verdict on the RL path (not on learning: the model is random), the table, paths."""
+    lines = [say("-" * 26 + " summary " + "-" * 26)]
+    if not metrics:
+        lines.append(say("result      NO PPO STEPS: no 'step:N - ...' metric line in the log"))
+    else:
+        last = max(metrics)
+        bad = sorted({k for m in metrics.values() for k, v in m.items() if not math.isfinite(v)} & {
+            k for k, _ in SUMMARY_COLUMNS})
+        if total_steps and last < total_steps:
+            verdict = f"INCOMPLETE: the run stopped at PPO step {last} of {total_steps}"
+        elif bad:
+            verdict = f"NOT FINITE: {', '.join(bad)}"
+        else:
+            verdict = (f"the RL path ran: {len(metrics)} PPO step{'s' * (len(metrics) != 1)} (rollout, reward, "
+                       "values, GAE, updates, weight sync), all metrics finite; the model is random, so this "
+                       "is not a test of learning")
+        lines.append(say(f"result      {verdict}"))
+        lines += [say("  " + row) for row in summary_table(metrics).splitlines()]
+    if wall_s is not None:
+        lines.append(say(f"wall time   {format_duration(wall_s)}"))
+    if ckpt_dir is not None:
+        tracker = Path(ckpt_dir) / "latest_checkpointed_iteration.txt"
+        step = tracker.read_text().strip() if tracker.exists() else ""
+        lines.append(say(f"checkpoint  {Path(ckpt_dir) / f'global_step_{step}' if step else 'none'}"))
+    if log_path is not None:
+        lines.append(say(f"full log    {log_path}"))
+    return lines
