@@ -12,7 +12,11 @@ pip's resolver then runs in dry-run mode for the image's platform: CPython 3.12 
 package metadata, not wheels: from the index where it serves a wheel's metadata on its own
 (PEP 658), otherwise by HTTP range requests into the wheel (pip's ``fast-deps``). Packages the image
 builds from an sdist (flash-attn, TransformerEngine's PyTorch extension) cannot take part in a
-wheels-only resolve; they are checked to exist on PyPI at the pinned version instead.
+wheels-only resolve; they are checked to exist on PyPI at the pinned version instead. Pure-Python
+dependencies that PyPI has as an sdist only, at the versions the pins need (antlr4-python3-runtime
+4.9.*, which hydra-core 1.3.x and omegaconf 2.3.x require), are built into a wheel from their PyPI
+sdist first, as pip does in the image, and handed to the resolve through ``--find-links``; the
+resolve still takes every other package from PyPI.
 
 The check is independent of the machine's pip configuration: no config file is read
 (``PIP_CONFIG_FILE`` is the null device, which makes pip skip global, user and site files), pip runs
@@ -39,6 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +80,15 @@ SDIST_ONLY = {
 # same version. transformer-engine[pytorch] pulls transformer-engine-torch, which the image builds.
 SDIST_ONLY_EXTRAS = {
     ("transformer-engine", "pytorch"): "transformer-engine-torch",
+}
+# Pure-Python dependencies (not pins of the image) whose needed versions PyPI has as an sdist only.
+# pip builds them in the image (a pure-Python wheel); for the resolve they are built here from the
+# same PyPI sdist, so that the resolver sees their real metadata. requirement -> why it is needed.
+SDIST_ONLY_DEPS = {
+    # Every hydra-core 1.3 release (verl, TransferQueue, Megatron-Bridge need hydra-core) and
+    # omegaconf 2.3.x require antlr4-python3-runtime==4.9.*; PyPI has wheels only from 4.11.0 on.
+    # Without it pip reports a misleading "Cannot install hydra-core==1.3.1 and hydra-core==1.3.2".
+    "antlr4-python3-runtime==4.9.*": "hydra-core 1.3.x and omegaconf 2.3.x require ==4.9.*, PyPI has no 4.9 wheel",
 }
 
 # pip started with the target's marker environment (see the module docstring).
@@ -264,9 +278,40 @@ def _has_fast_deps() -> bool:
     return "fast-deps" in out.stdout
 
 
+def build_sdist_wheels(requirements: list[str], dest: Path, timeout: float = 300) -> tuple[bool, list[str]]:
+    """Build pure-Python wheels for `requirements` from their PyPI sdists into `dest` (no deps).
+
+    The same machine-independent pip settings as the resolve (no config, --isolated, PyPI only, no
+    cache). Returns (ok, one message per requirement or the error)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--isolated", "--no-deps", "--no-cache-dir",
+           "--disable-pip-version-check", "--no-input", "--no-binary", ":all:",
+           "--index-url", INDEX_URL, "--timeout", "60", "--wheel-dir", str(dest)]
+    if os.environ.get("PIP_CERT"):
+        cmd += ["--cert", os.environ["PIP_CERT"]]
+    try:
+        out = subprocess.run(cmd + list(requirements), capture_output=True, text=True, env=_pip_env(),
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, [f"building {' '.join(requirements)} from PyPI sdists did not finish in {timeout:.0f} s"]
+    if out.returncode != 0:
+        return False, [f"building {' '.join(requirements)} from PyPI sdists failed (exit {out.returncode}):\n"
+                       + (out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:])]
+    built = sorted(w.name for w in dest.glob("*.whl"))
+    bad = [w for w in built if not w.endswith("-py3-none-any.whl") and not w.endswith("-py2.py3-none-any.whl")]
+    if bad:
+        return False, [f"not pure-Python wheels, so not valid for the target platform: {', '.join(bad)}"]
+    return True, [f"{req}: PyPI has an sdist only; built {', '.join(built)} from it for the resolve ({why})"
+                  for req, why in ((r, SDIST_ONLY_DEPS.get(r, "")) for r in requirements)]
+
+
 def resolve(requirements: list[str], constraints: list[str] | None = None, *, timeout: float = 900,
-            python_version: str = TARGET_PYTHON, platforms: list[str] | None = None) -> Resolution:
-    """pip's dry-run resolve of `requirements` for CPython `python_version` on x86_64 Linux."""
+            python_version: str = TARGET_PYTHON, platforms: list[str] | None = None,
+            local_wheels: Path | None = None) -> Resolution:
+    """pip's dry-run resolve of `requirements` for CPython `python_version` on x86_64 Linux.
+
+    `local_wheels`: a directory of wheels built from PyPI sdists (build_sdist_wheels), offered to the
+    resolver with --find-links; a package may come from there only if it is one of those wheels."""
     with tempfile.TemporaryDirectory(prefix="verl-ds4-resolve-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable]
@@ -289,6 +334,8 @@ def resolve(requirements: list[str], constraints: list[str] | None = None, *, ti
             cmd += ["--use-feature=fast-deps"]
         if os.environ.get("PIP_CERT"):
             cmd += ["--cert", os.environ["PIP_CERT"]]
+        if local_wheels is not None:
+            cmd += ["--find-links", str(local_wheels)]
         if constraints:
             cfile = Path(tmp) / "constraints.txt"
             cfile.write_text("\n".join(constraints) + "\n")
@@ -317,6 +364,10 @@ def resolve(requirements: list[str], constraints: list[str] | None = None, *, ti
             meta = item["metadata"]
             installs[_canon(meta["name"])] = meta["version"]
             url = item.get("download_info", {}).get("url", "")
+            if local_wheels is not None and url.startswith("file:"):
+                local = Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
+                if local.parent.resolve() == Path(local_wheels).resolve():
+                    continue  # built from its PyPI sdist (build_sdist_wheels)
             if not url.startswith(PYPI_FILE_HOSTS):
                 foreign.append(f"{meta['name']}=={meta['version']} from {url}")
         if foreign:
@@ -349,8 +400,14 @@ def check(dockerfile: Path = DOCKERFILE, timeout: float = 900) -> tuple[bool, li
     from packaging.requirements import Requirement
 
     pins = image_pins(dockerfile)
-    res = resolve(pins.requirements, pins.constraints, timeout=timeout)
-    lines = [res.message]
+    with tempfile.TemporaryDirectory(prefix="verl-ds4-sdist-wheels-") as tmp:
+        wheels = Path(tmp)
+        built, built_lines = build_sdist_wheels(list(SDIST_ONLY_DEPS), wheels)
+        if not built:
+            res = Resolution(False, "\n".join(built_lines))
+            return False, built_lines + ["(the resolve did not run)"], res
+        res = resolve(pins.requirements, pins.constraints, timeout=timeout, local_wheels=wheels)
+    lines = [res.message] + built_lines
     ok = res.ok
     if res.ok:
         for text in pins.requirements + pins.constraints:
