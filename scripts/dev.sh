@@ -8,6 +8,7 @@
 # User-adjustable:
 #   PYTHON       interpreter that creates the venv (default: python3; 3.10-3.12)
 #   VENV         venv folder (default: .venv in the repository root)
+#   PINS_CHECK   test: also check that the GPU image's PyPI pins resolve (default 1; 0 skips it)
 #   TORCH_SPEC   torch requirement installed first (default: torch==2.13.0, whichever build pip finds:
 #                the CPU wheel where pip is pointed at one, the CUDA build from the public index on Linux)
 set -euo pipefail
@@ -36,8 +37,28 @@ case "$cmd" in
         ;;
     test)
         setup
+        # The image's PyPI pins must resolve together (docker/check_pins_resolve.py). The resolve is
+        # network-bound (pip fetches ~300 distributions for minutes), so it runs beside the CPU-bound
+        # test suite instead of inside it; its pytest twin is deselected here. PINS_CHECK=0 skips it.
+        pins_pid=""
+        pins_log=$(mktemp)
+        if [ "${PINS_CHECK:-1}" = 1 ]; then
+            "$VENV/bin/python" docker/check_pins_resolve.py >"$pins_log" 2>&1 &
+            pins_pid=$!
+        fi
+        status=0
         # pytest exits 5 when it collects no test: that fails here as any non-zero exit does.
-        exec "$VENV/bin/python" -m pytest "$@"
+        "$VENV/bin/python" -m pytest \
+            --deselect tests/test_image_pins_resolve_on_cpu.py::test_image_pins_resolve_on_python_312 "$@" || status=$?
+        if [ -n "$pins_pid" ]; then
+            pins_status=0
+            wait "$pins_pid" || pins_status=$?
+            echo "[dev.sh] image pins (docker/check_pins_resolve.py, exit $pins_status):"
+            tail -n 8 "$pins_log"
+            [ "$pins_status" = 0 ] || status=$pins_status
+        fi
+        rm -f "$pins_log"
+        exit "$status"
         ;;
     *)
         echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2
