@@ -38,7 +38,7 @@ def _run(cmd: list[str], log: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return prepare_cpu_sft_assets(tmp_path_factory.mktemp("assets"), model="ds4_proxy", n_train=64)
+    return prepare_cpu_sft_assets(tmp_path_factory.mktemp("assets"), model="ds4", n_train=64)
 
 
 @pytest.fixture(scope="module")
