@@ -11,7 +11,9 @@ The folder's ``config.json`` decides which model is built:
   :class:`verl_ds4.models.ds4.model.DS4Model` (mHC, DS4 attention, DS4 MoE with hash layers).
   Its weights are the folder's safetensors when it has them (transformers' or DeepSeek's names,
   every tensor checked, :func:`verl_ds4.models.ds4.hf_checkpoint.load_into`), else a seeded init.
-  ``engine.dist_checkpointing_path`` (loaded by the engine afterwards) still wins.
+  ``engine.dist_checkpointing_path`` (loaded by the engine afterwards) still wins. With verl's
+  router replay on (``router_replay.mode`` R2 / R3) every router, hash layers included, gets a verl
+  ``RouterReplay`` (:mod:`verl_ds4.models.ds4.router_replay`).
 * a config with the attribute ``verl_ds4_proxy`` (the proxy's sizes, written by
   ``verl_ds4.cpu.sft_data.ds4_proxy_hf_config``): the attention-only DS4 proxy
   (:mod:`verl_ds4.models.ds4.proxy`: DS4 attention, dense SwiGLU MLP, no mHC, no MoE), seeded init.
@@ -92,6 +94,10 @@ def _ds4_build(tf_config, hf_config, *, pre_process, post_process, share_embeddi
     has_weights = folder is not None and any(folder.glob("*.safetensors"))
     if has_weights:
         load_into(model, read_hf_tensors(folder), folder=folder)
+    from verl_ds4.models.ds4.router_replay import enable_router_replay, routing_replay_requested
+
+    if routing_replay_requested(tf_config):  # verl's router_replay.mode != disabled (R2 / R3)
+        enable_router_replay(model)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:
         source = f"the safetensors of {folder}" if has_weights else f"a seeded init (seed {DS4_SEED}; no safetensors in the model folder)"

@@ -165,6 +165,13 @@ class _CPUMegatronEngineMixin:
             mapping_string_to_attn_backend(dict(self.engine_config.override_transformer_config or {}))
         )
         tf_config = builder.transformer_config(self.model_config.hf_config, self.param_dtype, overrides)
+        if getattr(self, "enable_routing_replay", False):
+            # verl's own _build_tf_config does this (replaced here): routers built from this config
+            # get a RouterReplay (verl's engine __init__ already applied its router replay patch).
+            if hasattr(tf_config, "moe_enable_routing_replay"):
+                tf_config.moe_enable_routing_replay = True
+            else:
+                tf_config.enable_routing_replay = True
         if torch.distributed.get_rank() == 0:
             print(f"TF config: {tf_config}")
         self.tf_config = tf_config

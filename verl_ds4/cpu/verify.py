@@ -420,7 +420,7 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
             d_abs, d_rel, n, without = _grad_diff(pick(ours["grads"]), pick(ref["grads"]))
             note = f"; {without} without grad" + (": indexer" if g == "attention" else "") if without else ""
             rows.append(Row(f"{prefix} grads {g} ({n} params{note})", d_abs, d_rel, tol))
-        rows.append(Row(f"{prefix} loss indexer_loss: not implemented yet ({TODO_GROUPS['indexer_loss']})", math.nan, math.nan, tol, expect="todo"))
+        rows.append(Row(f"{prefix} indexer_loss: not implemented yet ({TODO_GROUPS['indexer_loss']})", math.nan, math.nan, tol, expect="todo"))
         d_abs, d_rel, n, without = _grad_diff(ours["value_grads"], ref["value_grads"])
         note = f"; {without} without grad: indexer" if without else ""
         rows.append(Row(f"{prefix} value_grads, all ({n} params{note})", d_abs, d_rel, tol))
