@@ -127,3 +127,75 @@ def test_perturbed_routes_change_the_outputs(cp2, which):
 
 def test_routes_not_packed_with_the_plan_are_rejected(cp2):
     assert cp2["unpacked_error"] is not None and "Pack the recorded routes" in cp2["unpacked_error"]
+
+
+# ---------------------------------------------------------------- verl's own R3 functions
+
+
+def _verl_r3_worker(rank: int, world: int):
+    """verl's merge_router_topk_indices / set_router_replay_data(model=...) on the DS4 model, with
+    verl-ds4's hooks on router_replay_utils and the engine's resolved layout active."""
+    import logging
+
+    from megatron.core import parallel_state
+    from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
+    from verl.utils.megatron.router_replay_utils import (
+        merge_router_topk_indices,
+        set_model_router_replay_action,
+        set_router_replay_data,
+    )
+
+    from verl_ds4.cpu.verify import _Models, _batch
+    from verl_ds4.engine.megatron import active_layout, install_verl_hooks
+    from verl_ds4.mcore.model_forward import pack_thd
+    from verl_ds4.mcore.resolver import resolve_cp_layout
+    from verl_ds4.models.ds4.router_replay import enable_router_replay
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        RouterReplay.router_instances.clear()
+        install_verl_hooks()  # a forked rank: its own copy of verl's modules
+        group = parallel_state.get_context_parallel_group()
+        models = _Models("ds4", None, seed=1234)
+        model = models.build(torch.float64).eval()
+        enable_router_replay(model)
+        input_ids, _ = _batch(LENGTHS, models.vocab, seed=5)
+        resolved = resolve_cp_layout(model, cp_size=world)
+        with active_layout(resolved):
+            ids, params = pack_thd(input_ids, resolved, pre_process=True)[:2]
+            plan = params.plan
+
+            def forward():
+                with torch.no_grad():
+                    logits = model(ids, None, None, packed_seq_params=params)
+                return plan.unpack(logits[0], group=group).values()
+
+            native = forward()
+            set_model_router_replay_action(model, RouterReplayAction.RECORD)
+            forward()
+            merged: list = []
+            merge_router_topk_indices(None, input_ids, merged, model.config, model=model)
+            routes = merged[0]  # jagged [B, j, layers, topk], original order
+            RouterReplay.clear_global_indices()
+            set_router_replay_data(routes, None, model.config, model=model)
+            set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+            replayed = forward()
+            perturbed_routes = torch.nested.nested_tensor_from_jagged((routes.values() + 1) % models.cfg["n_routed_experts"], offsets=routes.offsets())
+            RouterReplay.clear_global_indices()
+            set_router_replay_data(perturbed_routes, None, model.config, model=model)
+            perturbed = forward()
+        out = {"routes": routes.values().long().numpy(), "native": native.numpy(), "replayed": replayed.numpy(), "perturbed": perturbed.numpy()}
+        return out if rank == 0 else None
+    finally:
+        RouterReplay.router_instances.clear()
+        parallel_state.destroy_model_parallel()
+
+
+def test_verls_r3_merge_and_replay_use_the_micro_batch_plan(cp1):
+    one = run_distributed(_verl_r3_worker, world_size=1, timeout=600)[0]
+    two = run_distributed(_verl_r3_worker, world_size=2, timeout=600)[0]
+    for run in (one, two):
+        np.testing.assert_array_equal(run["routes"], cp1["routes"])  # verl's merge == our plan's unpack
+        np.testing.assert_allclose(run["replayed"], run["native"], rtol=0, atol=1e-12)
+        assert np.max(np.abs(run["perturbed"] - run["native"])) > 1e-3
