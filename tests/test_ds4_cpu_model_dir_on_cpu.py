@@ -5,8 +5,8 @@
   transformers' ``DeepseekV4ForCausalLM.from_pretrained`` loads it with no missing or unexpected
   tensor, and our Megatron DS4 loaded from it equals transformers at fp64 (so the config describes
   exactly the model we build). Negative control: a config that disagrees with the weights is refused.
-* The CPU engine's ``deepseek_v4`` builder loads the folder's weights (not its seeded init); without
-  safetensors it falls back to the seeded init, which differs.
+* The CPU engine's ``deepseek_v4`` builder loads the folder's weights: a folder with weights of
+  another seed gives those; without safetensors it falls back to its seeded init (no hash table).
 * The attention-only proxy's config says what it is and describes the attention it has.
 """
 
@@ -77,7 +77,8 @@ def _builder_weights(rank, world, folder):
         builder = CPU_MODEL_BUILDERS["deepseek_v4"]
         tf_config = builder.transformer_config(hf_config, torch.float32, cpu_transformer_overrides({}))
         model = builder.build(tf_config, hf_config, pre_process=True, post_process=True, share_embeddings=False)
-        return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        # numpy, not tensors: tensors cross the result queue as shared memory that dies with this rank
+        return {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -86,15 +87,28 @@ def test_the_cpu_builder_starts_from_the_folder_weights(folder, tmp_path):
     from verl_ds4.models.ds4.hf_checkpoint import read_hf_tensors
 
     loaded = run_distributed(_builder_weights, world_size=1, args=(folder,), timeout=300)[0]
-    files = read_hf_tensors(folder)
-    assert torch.equal(loaded["embedding.word_embeddings.weight"], files["model.embed_tokens.weight"])
-    assert torch.equal(loaded["decoder.layers.0.mlp.router.tid2eid"], files["model.layers.0.mlp.gate.tid2eid"])
-    # negative control: the same config without safetensors gives the seeded init, not the file's weights
+    files = {k: v.numpy() for k, v in read_hf_tensors(folder).items()}
+    eq = __import__("numpy").array_equal
+    assert eq(loaded["embedding.word_embeddings.weight"], files["model.embed_tokens.weight"])
+    assert eq(loaded["decoder.layers.0.mlp.router.tid2eid"], files["model.layers.0.mlp.gate.tid2eid"])
+    # The weights really come from the file: the same config with weights of another seed loads those.
+    from transformers import AutoConfig
+
+    from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
+
+    other = tmp_path / "other"
+    shutil.copytree(folder, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    write_ds4_weights(other, AutoConfig.from_pretrained(folder), seed=7)
+    other_files = {k: v.numpy() for k, v in read_hf_tensors(other).items()}
+    reloaded = run_distributed(_builder_weights, world_size=1, args=(str(other),), timeout=300)[0]
+    assert eq(reloaded["embedding.word_embeddings.weight"], other_files["model.embed_tokens.weight"])
+    assert not eq(reloaded["embedding.word_embeddings.weight"], loaded["embedding.word_embeddings.weight"])
+    # Without safetensors: the seeded init, whose hash table is not the file's (all zeros).
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("*.safetensors"))
     seeded = run_distributed(_builder_weights, world_size=1, args=(str(bare),), timeout=300)[0]
-    assert not torch.equal(seeded["embedding.word_embeddings.weight"], files["model.embed_tokens.weight"])
-    assert not torch.equal(seeded["decoder.layers.0.mlp.router.tid2eid"], files["model.layers.0.mlp.gate.tid2eid"])
+    assert not eq(seeded["decoder.layers.0.mlp.router.tid2eid"], files["model.layers.0.mlp.gate.tid2eid"])
+    assert not seeded["decoder.layers.0.mlp.router.tid2eid"].any()
 
 
 def test_the_proxy_config_says_it_is_a_proxy():

@@ -156,6 +156,9 @@ def _verl_r3_worker(rank: int, world: int):
     try:
         RouterReplay.router_instances.clear()
         install_verl_hooks()  # a forked rank: its own copy of verl's modules
+        import verl.utils.megatron.router_replay_utils as replay_utils
+
+        replay_utils.device_name = "cpu"  # what verl reads under VERL_PLATFORM=cpu (the CPU jobs' platform)
         group = parallel_state.get_context_parallel_group()
         models = _Models("ds4", None, seed=1234)
         model = models.build(torch.float64).eval()

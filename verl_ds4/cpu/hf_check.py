@@ -22,8 +22,16 @@ __all__ = ["hf_logits", "packed_logits", "run_on_cp_ranks", "min_local_rows_of"]
 
 
 def min_local_rows_of(model) -> int:
-    """The largest D_window over the model's DS4 attention layers (rows every CP rank must hold)."""
-    return max(int(m.min_local_rows()) for m in model.modules() if hasattr(m, "min_local_rows") and callable(m.min_local_rows))
+    """The largest D_window over the model's DS4 attention layers (rows every CP rank must hold): the
+    model config's ``min_local_rows``, else the largest ``min_local_rows`` its modules declare."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "min_local_rows", None) is not None:
+        return int(config.min_local_rows)
+    found = [m.min_local_rows for m in model.modules() if m is not model and hasattr(m, "min_local_rows")]
+    rows = [int(v() if callable(v) else v) for v in found]
+    if not rows:
+        raise ValueError(f"{type(model).__name__} declares no min_local_rows: expected a DS4 model (DS4 attention layers).")
+    return max(rows)
 
 
 def packed_logits(

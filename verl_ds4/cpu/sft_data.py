@@ -179,7 +179,7 @@ DS4_PROXY_NOTE = (
     "verl-ds4 attention-only DS4 proxy, not a DeepSeek-V4: DS4 hybrid attention (the layer_types, "
     "compress_rates and compress RoPE/YaRN below) in a Megatron-Core GPTModel with a dense SwiGLU MLP of "
     "ffn_hidden_size; no mHC (hc_mult 1 here), no MoE (the expert fields describe one dense MLP), no hash "
-    "layers. Its sizes are verl_ds4_proxy; transformers cannot load it as DeepseekV4ForCausalLM."
+    "layers, no SwiGLU clamp (swiglu_limit is unused). Its sizes are verl_ds4_proxy; transformers cannot load it as DeepseekV4ForCausalLM."
 )
 
 _RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention"}
@@ -228,7 +228,6 @@ def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None 
         num_experts_per_tok=1,
         n_shared_experts=0,
         hc_mult=1,
-        swiglu_limit=None,
         rms_norm_eps=sizes.get("norm_epsilon", 1e-6),
         num_nextn_predict_layers=0,
         max_position_embeddings=sizes.get("max_sequence_length", 8192),

@@ -123,14 +123,23 @@ class DS4Router(nn.Module):
             idx = native()
             return s.gather(-1, idx), idx
 
-        _, indices = self.router_replay.get_replay_topk(scores, self.top_k, default_compute_topk=compute_topk)
         expected = (scores.shape[0], self.top_k)
-        if tuple(indices.shape) != expected:
+        replay = self.router_replay
+        action = getattr(getattr(replay, "router_replay_action", None), "value", None)
+        pending = getattr(replay, "replay_backward_list", None) or [None]
+        target = {"replay_forward": getattr(replay, "target_topk_idx", None), "replay_backward": pending[0]}.get(action)
+        for routes in (target,) if target is not None else ():
+            self._check_routes(routes, expected)
+        _, indices = replay.get_replay_topk(scores, self.top_k, default_compute_topk=compute_topk)
+        self._check_routes(indices, expected)
+        return indices.long()
+
+    def _check_routes(self, routes: torch.Tensor, expected: tuple[int, int]) -> None:
+        if tuple(routes.shape) != expected:
             raise ValueError(
                 f"Router replay of layer {self.layer_number}: expected routes of shape {expected} (this rank's rows x "
-                f"top-k), got {tuple(indices.shape)}. Pack the recorded routes with this micro-batch's THD plan."
+                f"top-k), got {tuple(routes.shape)}. Pack the recorded routes with this micro-batch's THD plan."
             )
-        return indices.long()
 
 
 class DS4MoE(nn.Module):
