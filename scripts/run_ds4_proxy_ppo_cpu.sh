@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Tiny DeepSeek-V4-proxy PPO with a GAE critic on CPU, through verl's own main_ppo (v1 trainer, Ray).
+# Tiny DeepSeek-V4 PPO with a GAE critic on CPU, through verl's own main_ppo (v1 trainer, Ray).
 #
 #   prompts -> cpu_demo rollout (current actor weights) -> rule reward -> critic values (Megatron value head)
 #   -> GAE -> actor update (PPO + KL to the reference model) and critic update -> weight sync -> checkpoint
 #
-# Actor, reference and critic are the tiny DS4 proxy (Megatron-Core GPTModel + verl-ds4's pure-PyTorch DS4
-# attention) on verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout.
+# Actor, reference and critic are the full tiny DS4 (MODEL=ds4: mHC, DS4 attention, DS4 MoE with a hash layer,
+# started from the assets' DS4 checkpoint folder) or, with MODEL=ds4_proxy, the attention-only DS4 proxy, on
+# verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout.
 # The recipe is recipes/recipe/ds4_proxy_ppo_cpu.yaml; every CPU-only setting is in configs/cpu/laptop.yaml.
 # A test/demo: no GPU, about 2 cores and a few GB of memory; the model is random, so do not expect learning.
 #
@@ -21,7 +22,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # ---------------------------------- user-adjustable ----------------------------------
 PYTHON=${PYTHON:-python}
-WORK_DIR=${WORK_DIR:-runs/ds4_proxy_ppo_cpu}
+MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4 checkpoint folder) | ds4_proxy (attention-only proxy)
+WORK_DIR=${WORK_DIR:-runs/${MODEL}_ppo_cpu}
 STEPS=${STEPS:-3}                       # PPO steps (each: rollout, reward, values, GAE, updates, weight sync)
 BATCH=${BATCH:-8}                       # prompts per step
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
@@ -42,8 +44,8 @@ done
 
 ASSETS="$WORK_DIR/assets"
 if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" >/dev/null
-elif ! assets_out=$("$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" 2>&1); then
+    "$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
+elif ! assets_out=$("$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
@@ -84,7 +86,7 @@ TRAINER=(
 CONSOLE=(
     --work-dir "$WORK_DIR" --steps "$STEPS"
     --fact "job=PPO with a GAE critic, verl.trainer.main_ppo on CPU (Ray, recipe ds4_proxy_ppo_cpu)"
-    --fact "model=tiny DS4 proxy, random init ($ASSETS/model): actor, reference, critic"
+    --fact "model=$MODEL ($ASSETS/model; ds4: the tiny DS4 checkpoint, ds4_proxy: attention-only proxy): actor, reference, critic"
     --fact "parallel=CP $CP (actor, reference, critic), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH, response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"

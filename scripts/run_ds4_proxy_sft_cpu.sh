@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Tiny DeepSeek-V4-proxy SFT on CPU with verl's own SFT trainer and verl-ds4's Megatron engine.
+# Tiny DeepSeek-V4 SFT on CPU with verl's own SFT trainer and verl-ds4's Megatron engine.
 #
 #   data (arithmetic chats) -> DS4 chat encoding (DS4ChatSFTDataset) -> THD packing, contiguous CP
-#   -> DS4-proxy Megatron GPTModel (pure-PyTorch DS4 attention) -> loss -> optimizer step -> checkpoint
+#   -> the full tiny DS4 (Megatron GPTModel: mHC, DS4 attention, DS4 MoE with a hash layer) -> loss
+#   -> optimizer step -> checkpoint
+#
+# MODEL picks the model (the assets step writes its folder under $WORK_DIR/assets/model):
+#   ds4        (default) the full tiny DeepSeek-V4: a real DS4 checkpoint folder (DeepseekV4Config,
+#              safetensors of a seeded init, tokenizer) that transformers' DeepseekV4ForCausalLM loads;
+#              the CPU engine starts from those weights.
+#   ds4_proxy  the attention-only DS4 proxy (DS4 attention, dense MLP, no mHC / MoE), seeded init.
+#   tiny_dense a Llama-shaped dense model (the stepping stone).
+# The file name keeps "proxy" for the README command; WORK_DIR defaults to runs/${MODEL}_sft_cpu.
 #
 # Runs `torchrun --nproc_per_node=2 -m verl.trainer.sft_trainer engine=megatron optim=megatron ...`
 # on the CPU: VERL_PLATFORM=cpu selects verl-ds4's CPU platform (gloo), verl imports the CPU
@@ -24,8 +33,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python}
 NPROC=${NPROC:-2}                       # processes (CPU "devices")
 CP=${CP:-2}                             # context-parallel size; data-parallel size = NPROC / CP
-MODEL=${MODEL:-ds4_proxy}               # ds4_proxy | tiny_dense
-WORK_DIR=${WORK_DIR:-runs/ds4_proxy_sft_cpu}
+MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4) | ds4_proxy (attention-only) | tiny_dense
+WORK_DIR=${WORK_DIR:-runs/${MODEL}_sft_cpu}
 N_TRAIN=${N_TRAIN:-400}                 # conversations written to the training parquet
 STEPS=${STEPS:-80}                      # optimizer steps
 BATCH=${BATCH:-16}                      # global batch size (conversations per step)
@@ -57,9 +66,9 @@ elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "
     exit 1
 fi
 case "$MODEL" in
-    ds4_proxy) MODEL_LIB=verl_ds4.cpu.ds4_builder ;;   # registers the deepseek_v4 CPU builder
-    tiny_dense) MODEL_LIB=verl_ds4.cpu.tiny_dense ;;      # registers the llama CPU builder
-    *) echo "MODEL=$MODEL: expected ds4_proxy or tiny_dense" >&2; exit 2 ;;
+    ds4|ds4_proxy) MODEL_LIB=verl_ds4.cpu.ds4_builder ;;   # registers the deepseek_v4 CPU builder
+    tiny_dense) MODEL_LIB=verl_ds4.cpu.tiny_dense ;;          # registers the llama CPU builder
+    *) echo "MODEL=$MODEL: expected ds4, ds4_proxy or tiny_dense" >&2; exit 2 ;;
 esac
 case "$DTYPE" in
     # verl's McoreEngineConfig admits only half precision; the CPU engine's config subclass adds fp32.

@@ -420,8 +420,8 @@ def test_dcp_workload_is_near_linear_for_ds4_and_quadratic_for_dense():
 
 
 def test_ds4_proxy_cp_parity_holds_with_balance_on(monkeypatch, tmp_path):
-    """The DS4-proxy CP parity (real Megatron-Core GPTModel + DS4 attention, gloo ranks) with the
-    balanced order switched on in every plan the THD path builds: CP 2 and 4 reproduce CP 1."""
+    """The DS4 CP parity (the full tiny DS4 of verify, gloo ranks) with the balanced order switched
+    on in every plan the THD path builds: CP 2 and 4 reproduce CP 1."""
     import verl_ds4.layout as layout_pkg
     from verl_ds4.layout.plan import PlanOptions as RealPlanOptions
     from verl_ds4.cpu.verify import RAGGED, compare, format_table, rows_passed, run_parity
@@ -441,7 +441,7 @@ def test_ds4_proxy_cp_parity_holds_with_balance_on(monkeypatch, tmp_path):
         assert order.tolist() != list(range(len(RAGGED)))  # the proxy batch really is reordered
         rows = compare(run_parity(cp, dtypes=("fp64",), layout_checks=False), reference)
         assert rows_passed(rows), format_table(rows, f"CP={cp} balanced")
-        assert max(r.max_rel for r in rows) <= 1e-10
+        assert max(r.max_rel for r in rows if r.expect == "match") <= 1e-10
     assert marker.read_text() == "used"
 
 

@@ -6,7 +6,7 @@ shows only our lines (tqdm's carriage-return redraws included), a failing comman
 tail and its path and passes its exit status on, ``verbose`` passes everything through, the loss
 plot is written (and skipped with a note without matplotlib).
 
-Real runs of ``scripts/run_ds4_proxy_sft_cpu.sh`` (torchrun, 2 CPU processes, the DS4 proxy):
+Real runs of ``scripts/run_ds4_proxy_sft_cpu.sh`` (torchrun, 2 CPU processes, the tiny DS4):
 4 quiet steps; the same command again with VERBOSE=1 and STEPS=6 resumes from step 4 and shows
 verl's full output; a bad Hydra override fails with the log's tail on the console.
 """

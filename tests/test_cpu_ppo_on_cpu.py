@@ -1,10 +1,10 @@
-"""verl's own PPO trainer (main_ppo, v1, Ray) on CPU: tiny DS4-proxy actor/ref/critic at CP=2, 2 steps.
+"""verl's own PPO trainer (main_ppo, v1, Ray) on CPU: tiny DS4 actor/ref/critic (the full model, MODEL=ds4) at CP=2, 2 steps.
 
 The real run: ``scripts/run_ds4_proxy_ppo_cpu.sh`` (the README's laptop launcher) with STEPS=2, under
 :func:`verl_ds4.rollout.cpu_ppo_run.run_guarded`: a 6-minute wall-clock limit (verl's TransferQueue waits
 forever instead of failing when Ray lacks logical CPUs) and a 12 GB limit on the RSS of the whole process
 tree. Everything in it is real: Ray, TransferQueue, verl's agent loop and trainer, the Megatron engines
-with the DS4 proxy, the ``cpu_demo`` rollout, the rule reward, GAE, the checkpoint. The launcher's
+with the full tiny DS4, the ``cpu_demo`` rollout, the rule reward, GAE, the checkpoint. The launcher's
 console is quiet: the checks read verl's metrics from the full log it names (``WORK_DIR/logs/``), and
 check that the console itself shows one line per step and the summary.
 """

@@ -2,15 +2,16 @@
 
 Real parts only: verl 0.9.1's ``verl.trainer.sft_trainer``, megatron-core 0.16.1's ``GPTModel``,
 DDP, distributed optimizer and dist-checkpointing over gloo, verl-ds4's engine, THD packing and
-the tiny DS4 proxy (pure-PyTorch DS4 attention), DS4 chat encoding of the data.
+the full tiny DS4 (mHC, DS4 attention, DS4 MoE with a hash layer) started from the assets' DS4
+checkpoint folder, DS4 chat encoding of the data.
 
-* CP parity: the DS4 proxy at CP=2 (contiguous THD, DP=1) and at CP=1 (DP=2) see the same global
+* CP parity: the tiny DS4 at CP=2 (contiguous THD, DP=1) and at CP=1 (DP=2) see the same global
   batches and give the same first losses to fp32 tolerance. Parameters are fp32 through
   ``CPUMcoreEngineConfig`` (verl's own Megatron engine config accepts only bf16/fp16).
 * Kill and resume: a CP=2 run is SIGKILLed after its step-2 checkpoint; re-running resumes from it
   and continues with exactly the losses of an uninterrupted run.
 * Value head: verl's ``TrainingWorker(model_type="value_model")`` (the PPO critic) on the CPU engine
-  gives the same per-token values at CP=2 as at CP=1 (a batch padded up to the DS4 proxy's
+  gives the same per-token values at CP=2 as at CP=1 (a batch padded up to the DS4's
   128 rows per CP rank).
 """
 
@@ -38,7 +39,7 @@ def _run(cmd: list[str], log: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return prepare_cpu_sft_assets(tmp_path_factory.mktemp("assets"), model="ds4_proxy", n_train=64)
+    return prepare_cpu_sft_assets(tmp_path_factory.mktemp("assets"), model="ds4", n_train=64)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted_run(assets, ref
 
 
 def test_value_head_cp2_matches_cp1(assets, tmp_path):
-    """The critic path: verl's TrainingWorker(model_type=value_model) on the CPU engine, DS4 proxy."""
+    """The critic path: verl's TrainingWorker(model_type=value_model) on the CPU engine, the tiny DS4."""
     import json
     import sys
 

@@ -3,7 +3,7 @@
 * :mod:`.platform`: the verl platform ``cpu`` (``VERL_PLATFORM=cpu``): gloo, ``current_device()="cpu"``.
 * :mod:`.engine`: CPU Megatron engines (LM head, value head) over verl-ds4's DS4 engines, registered
   for ``device="cpu"``, and the registry of CPU model builders by HF ``model_type``.
-* :mod:`.ds4_builder` (``deepseek_v4``: the tiny DS4 proxy) and :mod:`.tiny_dense` (``llama``: the
+* :mod:`.ds4_builder` (``deepseek_v4``: the full tiny DS4, or the proxy) and :mod:`.tiny_dense` (``llama``: the
   dense stepping stone): CPU model builders, selected with verl's ``model.external_lib``.
 * :mod:`.sft_data`, :mod:`.ds4_tokenizer`: download-free data, tokenizer and model-folder writers.
 * :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path;

@@ -11,7 +11,7 @@ verl_ds4.cpu.engine``), so a GPU run never constructs them.
 Models are built by a CPU model builder chosen by the HF ``model_type``
 (:func:`register_cpu_model_builder`). The builders live with their models and register on
 import; select one with verl's per-model import knob ``model.external_lib``:
-``verl_ds4.cpu.ds4_builder`` (``deepseek_v4``: the tiny DS4 proxy) or
+``verl_ds4.cpu.ds4_builder`` (``deepseek_v4``: the full DS4, or the attention-only proxy) or
 ``verl_ds4.cpu.tiny_dense`` (``llama``: the tiny dense stepping stone).
 
 Precision: verl's ``McoreEngineConfig`` admits only bf16/fp16 parameters; select
@@ -29,7 +29,8 @@ What each override does, and why:
   attention) and wraps it in Megatron's ``DistributedDataParallel`` inside
   :func:`cuda_literals_on_cpu` (Megatron's grad buffers are allocated on
   ``torch.cuda.current_device()``). Initial weights: ``engine.dist_checkpointing_path`` when
-  given, else a seeded random initialisation (a CPU proxy has no HF weights).
+  given (loaded after the build), else the builder's: the DS4 builder loads the model folder's
+  safetensors when there are any, other builders (and folders without weights) a seeded init.
 * ``_build_optimizer`` / ``optimizer_step`` / ``forward_backward_batch`` /
   ``save_checkpoint`` / ``load_checkpoint``: the same verl methods, run inside
   :func:`cuda_literals_on_cpu`, because Megatron-Core creates ``device="cuda"`` scalars in
@@ -130,7 +131,8 @@ class _CPUMegatronEngineMixin:
         if not ec.forward_only and not ec.use_dist_checkpointing:
             problems.append(
                 "HF-format checkpoints (they need a Megatron bridge): set engine.use_dist_checkpointing=True "
-                "(with dist_checkpointing_path unset, the model starts from a seeded random init)"
+                "(with dist_checkpointing_path unset, the model starts from the builder's weights: the folder's "
+                "safetensors for the DS4 builder, else a seeded init)"
             )
         if problems:
             raise ValueError("The CPU Megatron engine does not support: " + "; ".join(problems) + ".")
@@ -155,7 +157,7 @@ class _CPUMegatronEngineMixin:
             raise ValueError(
                 f"No CPU model builder for HF model_type={model_type!r}; registered: {sorted(CPU_MODEL_BUILDERS)}. "
                 "Set model.external_lib to the module that registers it: verl_ds4.cpu.ds4_builder (the tiny "
-                "DS4 proxy, deepseek_v4) or verl_ds4.cpu.tiny_dense (the tiny dense model, llama); or call "
+                "DS4 or the DS4 proxy, deepseek_v4) or verl_ds4.cpu.tiny_dense (the tiny dense model, llama); or call "
                 "verl_ds4.cpu.engine.register_cpu_model_builder()."
             )
         self._cpu_model_builder = builder
@@ -163,6 +165,13 @@ class _CPUMegatronEngineMixin:
             mapping_string_to_attn_backend(dict(self.engine_config.override_transformer_config or {}))
         )
         tf_config = builder.transformer_config(self.model_config.hf_config, self.param_dtype, overrides)
+        if getattr(self, "enable_routing_replay", False):
+            # verl's own _build_tf_config does this (replaced here): routers built from this config
+            # get a RouterReplay (verl's engine __init__ already applied its router replay patch).
+            if hasattr(tf_config, "moe_enable_routing_replay"):
+                tf_config.moe_enable_routing_replay = True
+            else:
+                tf_config.enable_routing_replay = True
         if torch.distributed.get_rank() == 0:
             print(f"TF config: {tf_config}")
         self.tf_config = tf_config
@@ -213,7 +222,7 @@ class _CPUMegatronEngineMixin:
                     module, self.engine_config.dist_checkpointing_path, is_value_model=self.is_value_model
                 )
         elif torch.distributed.get_rank() == 0:
-            print("[verl-ds4 cpu] no engine.dist_checkpointing_path: model starts from a seeded random init")
+            print("[verl-ds4 cpu] no engine.dist_checkpointing_path: the model keeps its builder's weights")
         if torch.distributed.get_rank() == 0:
             print_model_size(module[0])
         return module

@@ -22,15 +22,19 @@ __all__ = ["hf_logits", "packed_logits", "run_on_cp_ranks", "min_local_rows_of"]
 
 
 def min_local_rows_of(model) -> int:
-    """The largest ``min_local_rows`` the model's attention modules declare (DS4: the largest D_window,
-    the rows every CP rank must hold), read from the layout protocol the resolver reads."""
+    """The largest D_window over the model's DS4 attention layers (rows every CP rank must hold): the
+    model config's ``min_local_rows``, else the largest ``min_local_rows`` its attention modules
+    declare (the layout protocol the resolver reads)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "min_local_rows", None) is not None:
+        return int(config.min_local_rows)
     declared = [
         int(m.min_local_rows)
         for m in model.modules()
         if getattr(m, "required_cp_partition_mode", None) is not None and getattr(m, "min_local_rows", None)
     ]
     if not declared:
-        raise ValueError(f"{type(model).__name__} has no attention module that declares min_local_rows.")
+        raise ValueError(f"{type(model).__name__} declares no min_local_rows: expected a DS4 model (DS4 attention layers).")
     return max(declared)
 
 

@@ -9,6 +9,10 @@
 * :func:`write_model_dir` - a local "model path" for verl: the tokenizer plus an HF
   ``config.json`` (a tiny Llama-shaped config for the dense stepping stone; callers can
   write any other config, e.g. the DS4 proxy's).
+* :func:`prepare_cpu_sft_assets` - the CPU jobs' folder: for ``model="ds4"`` (the default) a real
+  DS4 checkpoint folder (tiny ``DeepseekV4Config``, safetensors of a seeded init, the tokenizer:
+  :mod:`verl_ds4.cpu.ds4_model_dir`); ``ds4_proxy`` (attention-only proxy) and ``tiny_dense``
+  write a config and the tokenizer only (seeded init in the engine).
 
 verl reads all of it through its normal code paths (``HFModelConfig`` loads the tokenizer
 and config from the folder, ``MultiTurnSFTDataset`` applies the chat template).
@@ -170,13 +174,26 @@ def tiny_llama_config(vocab_size: int, **overrides: Any):
     return LlamaConfig(**settings)
 
 
+#: What the proxy's config.json says about itself (it is not a loadable DeepSeek-V4 checkpoint).
+DS4_PROXY_NOTE = (
+    "verl-ds4 attention-only DS4 proxy, not a DeepSeek-V4: DS4 hybrid attention (the layer_types, "
+    "compress_rates and compress RoPE/YaRN below) in a Megatron-Core GPTModel with a dense SwiGLU MLP of "
+    "ffn_hidden_size; no mHC (hc_mult 1 here), no MoE (the expert fields describe one dense MLP), no hash "
+    "layers, no SwiGLU clamp (swiglu_limit is unused). Its sizes are verl_ds4_proxy; transformers cannot load it as DeepseekV4ForCausalLM."
+)
+
+_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+
+
 def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None = None):
-    """An HF ``DeepseekV4Config`` describing the tiny DS4 proxy (``model_type="deepseek_v4"``).
+    """An HF ``DeepseekV4Config`` (``model_type="deepseek_v4"``) that says it is the attention-only proxy.
 
     The proxy's own sizes (``verl_ds4/models/ds4/configs/tiny_proxy.json`` unless
     ``proxy_sizes`` is given) travel in the attribute ``verl_ds4_proxy``, which the CPU engine's
-    ``deepseek_v4`` builder reads; the standard HF fields mirror them so verl's config readers
-    (tokenizer ids, FLOP counter, MTP switch) see a consistent small model. MTP is off.
+    ``deepseek_v4`` builder reads; the standard HF fields describe what the proxy has (its layer
+    types, compression rates, RoPE / YaRN, window, indexer) so verl's config readers (tokenizer
+    ids, FLOP counter, MTP switch) see the same small model, and ``verl_ds4_note`` says what it
+    lacks (:data:`DS4_PROXY_NOTE`: no mHC, no MoE). MTP is off.
     """
     from transformers import DeepseekV4Config
 
@@ -204,13 +221,25 @@ def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None 
         index_n_heads=sizes["index_n_heads"],
         index_head_dim=sizes["index_head_dim"],
         index_topk=sizes["index_topk"],
+        layer_types=[_RATIO_TO_LAYER_TYPE.get(r, "heavily_compressed_attention") for r in sizes["compress_ratios"]],
+        compress_rates={"compressed_sparse_attention": 4, **{"heavily_compressed_attention": r for r in sizes["compress_ratios"] if r > 4}},
+        mlp_layer_types=["moe"] * len(sizes["compress_ratios"]),
         n_routed_experts=1,
         num_experts_per_tok=1,
         n_shared_experts=0,
+        hc_mult=1,
+        rms_norm_eps=sizes.get("norm_epsilon", 1e-6),
         num_nextn_predict_layers=0,
         max_position_embeddings=sizes.get("max_sequence_length", 8192),
         rope_theta=sizes.get("rope_theta", 10000.0),
         compress_rope_theta=sizes.get("compress_rope_theta", 160000.0),
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": sizes["yarn_factor"],
+            "original_max_position_embeddings": sizes["yarn_original_max_position_embeddings"],
+            "beta_fast": sizes["yarn_beta_fast"],
+            "beta_slow": sizes["yarn_beta_slow"],
+        },
         tie_word_embeddings=False,
         architectures=["DeepseekV4ForCausalLM"],
         bos_token_id=1,
@@ -218,6 +247,7 @@ def ds4_proxy_hf_config(vocab_size: int | None = None, proxy_sizes: dict | None 
         pad_token_id=0,
     )
     config.verl_ds4_proxy = {k: v for k, v in sizes.items() if not k.startswith("_")}
+    config.verl_ds4_note = DS4_PROXY_NOTE
     return config
 
 
@@ -241,14 +271,20 @@ def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
     return out_dir
 
 
-MODELS = ("ds4_proxy", "tiny_dense")
+#: ds4: the full tiny DeepSeek-V4 (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped.
+MODELS = ("ds4", "ds4_proxy", "tiny_dense")
 #: The module that registers each model's CPU builder; verl imports it via ``model.external_lib``.
-MODEL_EXTERNAL_LIBS = {"ds4_proxy": "verl_ds4.cpu.ds4_builder", "tiny_dense": "verl_ds4.cpu.tiny_dense"}
+MODEL_EXTERNAL_LIBS = {"ds4": "verl_ds4.cpu.ds4_builder", "ds4_proxy": "verl_ds4.cpu.ds4_builder", "tiny_dense": "verl_ds4.cpu.tiny_dense"}
 
 
 def model_hf_config(model: str):
-    """The HF config of a CPU demo model: ``ds4_proxy`` (DS4 attention) or ``tiny_dense`` (Llama-shaped)."""
+    """The HF config of a CPU demo model: ``ds4`` (the full tiny DS4), ``ds4_proxy`` (attention-only
+    proxy) or ``tiny_dense`` (Llama-shaped)."""
     vocab = padded_vocab_size(tokenizer_size())
+    if model == "ds4":
+        from verl_ds4.cpu.ds4_model_dir import ds4_tiny_hf_config
+
+        return ds4_tiny_hf_config(vocab_size=vocab)
     if model == "ds4_proxy":
         return ds4_proxy_hf_config(vocab_size=vocab)
     if model == "tiny_dense":
@@ -257,16 +293,23 @@ def model_hf_config(model: str):
 
 
 def prepare_cpu_sft_assets(
-    out_dir: str | Path, *, model: str = "ds4_proxy", n_train: int = 400, n_val: int = 0, seed: int = 0
+    out_dir: str | Path, *, model: str = "ds4", n_train: int = 400, n_val: int = 0, seed: int = 0
 ) -> dict[str, str]:
-    """Create ``model/`` (tokenizer + HF config) and ``data/train.parquet`` under ``out_dir``.
+    """Create ``model/`` (tokenizer + HF config; for ``ds4`` also the weights) and ``data/train.parquet``.
 
     Returns strings: ``model``, ``train``, (if ``n_val``) ``val``, and ``external_lib`` (the
     module to pass as verl's ``model.external_lib`` so the CPU engine can build the model).
     Re-running with the same arguments rewrites identical files.
     """
     out_dir = Path(out_dir)
-    model_dir = write_model_dir(out_dir / "model", hf_config=model_hf_config(model))
+    if model not in MODELS:
+        raise ValueError(f"model={model!r}; expected one of {MODELS}.")
+    hf_config = model_hf_config(model)
+    model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
+    if model == "ds4":
+        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
+
+        write_ds4_weights(model_dir, hf_config)
     conversations = arithmetic_conversations(n_train + n_val, seed=seed)
     used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
     unknown = used - set(ALPHABET)
@@ -293,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Write the CPU demo's model folder (char tokenizer + HF config) and arithmetic SFT parquet.",
     )
     parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")
-    parser.add_argument("--model", choices=MODELS, default="ds4_proxy", help="which tiny model's HF config to write")
+    parser.add_argument("--model", choices=MODELS, default="ds4", help="ds4: the full tiny DS4 checkpoint (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped")
     parser.add_argument("--n-train", type=int, default=400, help="training conversations (default 400)")
     parser.add_argument("--n-val", type=int, default=0, help="validation conversations (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")

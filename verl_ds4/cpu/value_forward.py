@@ -1,4 +1,4 @@
-"""Forward the DS4 proxy's *value head* through verl's own ``TrainingWorker`` on CPU processes.
+"""Forward the tiny DS4's *value head* (the critic) through verl's own ``TrainingWorker`` on CPU processes.
 
     torchrun --nproc_per_node=2 -m verl_ds4.cpu.value_forward ASSETS_DIR CP OUT.json
 

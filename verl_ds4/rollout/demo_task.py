@@ -6,8 +6,9 @@ per character: 1 for the asked digit, 0.2 for any other digit, 0 otherwise, aver
 response (so in [0, 1], and a random policy already earns a little of it).
 
 :func:`write_ppo_assets` writes everything a run needs into one folder, deterministically:
-``model/`` (the character tokenizer with its chat template and the tiny DS4 proxy's HF config,
-:mod:`verl_ds4.cpu.sft_data`) and ``data/{train,val}.parquet`` in verl's RL format
+``model/`` (the character tokenizer with its chat template and, by default, the full tiny DS4's
+checkpoint folder: config + seeded safetensors; ``model="ds4_proxy"`` writes the attention-only
+proxy's config instead; :mod:`verl_ds4.cpu.sft_data`) and ``data/{train,val}.parquet`` in verl's RL format
 (``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model`` with the
 ``ground_truth``, ``extra_info``).
 
@@ -64,21 +65,33 @@ def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def write_ppo_assets(out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0) -> dict[str, str]:
+PPO_MODELS = ("ds4", "ds4_proxy")
+
+
+def write_ppo_assets(
+    out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0, model: str = "ds4"
+) -> dict[str, str]:
     """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths."""
     from verl_ds4.cpu.sft_data import model_hf_config, write_model_dir
 
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}.")
+    if model not in PPO_MODELS:
+        raise ValueError(f"model={model!r}; the CPU PPO run trains one of {PPO_MODELS}.")
     out_dir = Path(out_dir)
-    model_dir = write_model_dir(out_dir / "model", hf_config=model_hf_config("ds4_proxy"))
+    hf_config = model_hf_config(model)
+    model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
+    if model == "ds4":
+        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
+
+        write_ds4_weights(model_dir, hf_config)
     rows = digit_prompts(n_train + n_val, seed=seed)
     paths = {
         "model": str(model_dir),
         "train": str(_write_parquet(out_dir / "data" / "train.parquet", rows[:n_train])),
         "val": str(_write_parquet(out_dir / "data" / "val.parquet", rows[n_train:] or rows[:1])),
     }
-    (out_dir / "assets.json").write_text(json.dumps({"n_train": n_train, "n_val": n_val, "seed": seed}) + "\n")
+    (out_dir / "assets.json").write_text(json.dumps({"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}) + "\n")
     return paths
 
 
@@ -88,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-train", type=int, default=256, help="training prompts (default 256)")
     parser.add_argument("--n-val", type=int, default=16, help="validation prompts (default 16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=PPO_MODELS, default="ds4", help="ds4: the full tiny DS4 (default); ds4_proxy: attention-only proxy")
     args = parser.parse_args(argv)
-    for name, path in write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed).items():
+    for name, path in write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, model=args.model).items():
         print(f"{name}: {path}")
     return 0
 

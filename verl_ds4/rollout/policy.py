@@ -1,7 +1,7 @@
 """The model a CPU rollout server samples from: the actor's own Megatron model, rebuilt at CP=1.
 
 :class:`MegatronCPUPolicy` builds the model with the CPU engine's builder for the HF ``model_type``
-(:data:`verl_ds4.cpu.engine.CPU_MODEL_BUILDERS`: the tiny DS4 proxy for ``deepseek_v4``, the tiny
+(:data:`verl_ds4.cpu.engine.CPU_MODEL_BUILDERS`: the tiny DS4 or the DS4 proxy for ``deepseek_v4``, the tiny
 dense GPT for ``llama``), so its parameter names are exactly the names of the actor's Megatron
 module; :meth:`MegatronCPUPolicy.load_weights` therefore takes the actor's ``(name, tensor)``
 export as is (strictly: a missing, unexpected or mis-shaped tensor is an error). It runs the

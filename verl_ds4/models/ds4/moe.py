@@ -19,6 +19,13 @@ Experts are separate modules with separate parameters (Megatron-Core ``Sequentia
 ``router.expert_bias [E]`` (HF ``e_score_correction_bias``) or ``router.tid2eid [vocab, k]``).
 All experts are local here (EP = 1); an EP split would give each rank a slice of
 ``local_experts`` and a token all-to-all around :meth:`DS4MoE._routed`, leaving the router as is.
+
+**Router replay** (verl's R2 / R3): a router with ``router_replay`` set (an instance of verl's
+``RouterReplay``, attached by :func:`verl_ds4.models.ds4.router_replay.enable_router_replay`)
+chooses its experts through ``router_replay.get_replay_topk``: it records the ``[N, k]`` choice
+(RECORD) or takes the given one (REPLAY_FORWARD / REPLAY_BACKWARD); the weights are then the
+scores of the experts used. Hash layers take part like top-k layers (their native choice is the
+``tid2eid`` lookup).
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class DS4Router(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.norm_topk_prob, self.scaling_factor = score_function, norm_topk_prob, scaling_factor
         self.is_hash = hash_vocab is not None
+        self.router_replay = None  # verl's RouterReplay for this layer, when replay is enabled
+        self.layer_number = None  # 1-based decoder layer, set with router_replay (verl addresses routers by it)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)
         if self.is_hash:
@@ -97,13 +106,40 @@ class DS4Router(nn.Module):
                     f"A hash_moe layer needs the token id of every row: expected token_ids of shape ({x.shape[0]},), "
                     f"got {got}. Pass the packed input ids of this rank's rows (the same plan as the hidden rows)."
                 )
-            indices = self.tid2eid[token_ids.long()]
+            native = lambda: self.tid2eid[token_ids.long()]  # noqa: E731
         else:
-            indices = stable_topk(scores + self.expert_bias, self.top_k)
+            native = lambda: stable_topk(scores + self.expert_bias, self.top_k)  # noqa: E731
+        indices = native() if self.router_replay is None else self._replayed(scores, native)
         weights = scores.gather(-1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return indices, weights * self.scaling_factor
+
+
+    def _replayed(self, scores: torch.Tensor, native) -> torch.Tensor:
+        """The experts verl's RouterReplay picks (records the native ones, or returns the targets)."""
+
+        def compute_topk(s, topk, num_groups=None, group_topk=None):
+            idx = native()
+            return s.gather(-1, idx), idx
+
+        expected = (scores.shape[0], self.top_k)
+        replay = self.router_replay
+        action = getattr(getattr(replay, "router_replay_action", None), "value", None)
+        pending = getattr(replay, "replay_backward_list", None) or [None]
+        target = {"replay_forward": getattr(replay, "target_topk_idx", None), "replay_backward": pending[0]}.get(action)
+        for routes in (target,) if target is not None else ():
+            self._check_routes(routes, expected)
+        _, indices = replay.get_replay_topk(scores, self.top_k, default_compute_topk=compute_topk)
+        self._check_routes(indices, expected)
+        return indices.long()
+
+    def _check_routes(self, routes: torch.Tensor, expected: tuple[int, int]) -> None:
+        if tuple(routes.shape) != expected:
+            raise ValueError(
+                f"Router replay of layer {self.layer_number}: expected routes of shape {expected} (this rank's rows x "
+                f"top-k), got {tuple(routes.shape)}. Pack the recorded routes with this micro-batch's THD plan."
+            )
 
 
 class DS4MoE(nn.Module):
