@@ -60,7 +60,7 @@ def test_sinkhorn_is_nearly_doubly_stochastic():
 @pytest.mark.parametrize(
     "override, name",
     [
-        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),  # MTP itself is supported now
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"n_shared_experts": 2}, "n_shared_experts"),
         ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
