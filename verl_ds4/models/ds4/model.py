@@ -67,13 +67,19 @@ class DS4Model(GPTModel):
             pg_collection=pg_collection,
         )
         self.decoder = DS4TransformerBlock(config, pre_process=pre_process, post_process=post_process, pg_collection=pg_collection)
-        self.mtp = None
+        # ``model.mtp`` exists only with MTP: Megatron's schedule walks ``model.mtp.layers`` whenever
+        # the attribute exists (set_current_microbatch), as GPTModel builds it only with MTP too.
         if config.mtp_num_layers:
             from .mtp import DS4MTPBlock
 
             self.mtp = DS4MTPBlock(config, pg_collection=pg_collection)
         for param in self.parameters():  # Megatron's torch fallbacks ignore params_dtype
             param.data = param.data.to(config.params_dtype)
+
+    @property
+    def mtp_block(self):
+        """The MTP block (``model.mtp``), or ``None`` for a model without MTP."""
+        return getattr(self, "mtp", None)
 
     def forward(
         self,
@@ -96,7 +102,7 @@ class DS4Model(GPTModel):
         block_kwargs = dict(extra_block_kwargs or {})
         if ids is not None:
             block_kwargs["hash_token_ids"] = ids.transpose(0, 1)  # [s, b] like the hidden rows
-        if self.mtp is not None:
+        if self.mtp_block is not None:
             return self._forward_with_mtp(
                 input_ids, decoder_input, labels, inference_context, packed_seq_params, block_kwargs,
                 runtime_gather_output, kwargs.pop("loss_mask", None), kwargs,
@@ -188,7 +194,7 @@ def build_ds4_model(
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
     )
     if value_head:
-        if model.mtp is not None:
+        if model.mtp_block is not None:
             raise ValueError(
                 "value_head=True with num_nextn_predict_layers > 0: a critic has no next-token head for MTP; "
                 "pass allow_mtp_skip=True to build the critic without the MTP block."

@@ -82,6 +82,11 @@ class DS4MTPLayer(MegatronModule):
     """One MTP depth: ``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``mtp_model_layer`` (a ratio-0 DS4
     layer with mHC), its own ``hc_head`` and ``final_layernorm`` (dev's names; native ``mtp.N.*``)."""
 
+    @property
+    def transformer_layer(self):
+        """The inner DS4 layer under the name Megatron's schedule uses (``set_current_microbatch``)."""
+        return self.mtp_model_layer
+
     def __init__(self, config, depth: int, pg_collection=None):
         super().__init__(config=config)
         self.depth = depth
