@@ -69,7 +69,7 @@ DATA=(
     data.max_response_length="$RESPONSE_LENGTH"
     reward.custom_reward_function.path="$REWARD_FILE"
 )
-MODEL=(
+MODEL_ARGS=(
     actor_rollout_ref.model.path="$ASSETS/model"
     actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH"
     actor_rollout_ref.actor.megatron.context_parallel_size="$CP"
@@ -94,5 +94,5 @@ CONSOLE=(
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 
 "$PYTHON" -m verl_ds4.cpu.console ppo "${CONSOLE[@]}" -- \
-    "$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL[@]}" "${TRAINER[@]}" \
+    "$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" \
     ${OVERRIDES[@]+"${OVERRIDES[@]}"}
