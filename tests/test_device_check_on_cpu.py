@@ -56,5 +56,9 @@ def test_a_wrong_result_fails(monkeypatch):
 
 def test_the_import_rule_sees_a_forbidden_module(monkeypatch):
     dc = _load()
+    # this pytest process may have imported verl / megatron in earlier tests: start from none of them
+    for name in [m for m in sys.modules if m.split(".")[0] in dc.FORBIDDEN_IMPORTS]:
+        monkeypatch.delitem(sys.modules, name)
+    assert dc.forbidden_modules_loaded() == []
     monkeypatch.setitem(sys.modules, "megatron", type(sys)("megatron"))
     assert dc.forbidden_modules_loaded() == ["megatron"]
