@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import DS4AttentionSpec, DS4HybridAttention
 
-__all__ = ["DS4ProxyTransformerConfig", "DS4HybridSelfAttention", "attention_spec_for_layer"]
+__all__ = ["DS4ProxyTransformerConfig", "DS4HybridSelfAttention", "attention_spec_for_layer", "cpu_ds4_settings"]
 
 
 @dataclass
@@ -74,6 +74,33 @@ class DS4ProxyTransformerConfig(TransformerConfig):
     def min_local_rows(self) -> int:
         """Rows every CP rank must hold for all layers (max D_window over the layers)."""
         return max(attention_spec_for_layer(self, i + 1).min_local_rows for i in range(self.num_layers))
+
+
+def cpu_ds4_settings(dtype: torch.dtype, cp_size: int) -> dict:
+    """The ``TransformerConfig`` fields every CPU DS4 model (the full DS4 and the attention-only proxy)
+    shares: MQA, RMSNorm, SwiGLU without biases or dropout, CPU initialisation, no fused kernels,
+    TP = PP = 1 and the given CP size."""
+    return dict(
+        num_query_groups=1,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp_size,
+    )
 
 
 def attention_spec_for_layer(config: DS4ProxyTransformerConfig, layer_number: int) -> DS4AttentionSpec:

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
-from .mcore_attention import DS4ProxyTransformerConfig
+from .mcore_attention import DS4ProxyTransformerConfig, cpu_ds4_settings
 
 __all__ = ["DS4TransformerConfig", "UnsupportedDS4Config", "hf_config_object", "ds4_transformer_config", "MLP_LAYER_TYPES"]
 
@@ -143,26 +142,8 @@ def ds4_transformer_config(
         ffn_hidden_size=cfg.moe_intermediate_size,
         num_attention_heads=cfg.num_attention_heads,
         kv_channels=cfg.head_dim,
-        num_query_groups=1,
-        normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=cp_size,
+        **cpu_ds4_settings(dtype, cp_size),
         csa_compress_ratios=[s.compress_ratio for s in specs],
         csa_window_size=s0.window_size,
         q_lora_rank=s0.q_lora_rank,

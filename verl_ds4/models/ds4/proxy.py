@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .mcore_attention import DS4HybridSelfAttention, DS4ProxyTransformerConfig
+from .mcore_attention import DS4HybridSelfAttention, DS4ProxyTransformerConfig, cpu_ds4_settings
 
 __all__ = ["load_proxy_config", "proxy_transformer_config", "ds4_layer_spec", "ds4_gpt_model", "build_proxy_model", "ValueHead", "reset_parameters"]
 
@@ -61,26 +60,8 @@ def proxy_transformer_config(cfg: dict, dtype: torch.dtype = torch.float32, cp_s
         ffn_hidden_size=cfg["ffn_hidden_size"],
         num_attention_heads=cfg["num_attention_heads"],
         kv_channels=cfg["head_dim"],
-        num_query_groups=1,
-        normalization="RMSNorm",
         layernorm_epsilon=cfg.get("norm_epsilon", 1e-6),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=cp_size,
+        **cpu_ds4_settings(dtype, cp_size),
         csa_compress_ratios=list(cfg["compress_ratios"]),
         csa_window_size=cfg["window_size"],
         q_lora_rank=cfg["q_lora_rank"],
