@@ -32,11 +32,8 @@ from pathlib import Path
 from verl_ds4.cpu.console import (  # noqa: F401  (re-exported: this module's metrics readers live there)
     SUMMARY_COLUMNS,
     PPOConsole,
-    link_latest,
-    new_log_path,
     parse_step_metrics,
     ppo_summary_lines,
-    run_quiet,
     summary_table,
 )
 
@@ -161,37 +158,18 @@ def run_guarded(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cmd: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, cmd = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(description="Run the CPU PPO launcher's trainer with a quiet console, or "
-                                                 "summarise the console metrics of a finished run's log.")
-    parser.add_argument("--summarize", metavar="LOG", help="full log of scripts/run_ds4_proxy_ppo_cpu.sh")
-    parser.add_argument("--work-dir", default=".", help="run folder (logs/ and checkpoints/)")
-    parser.add_argument("--log", help="log file (default: WORK_DIR/logs/<timestamp>.log)")
-    parser.add_argument("--steps", type=int, default=0, help="total PPO steps (for the ETA and the summary)")
-    parser.add_argument("--fact", action="append", default=[], metavar="KEY=VALUE", help="a start-up fact to print")
-    parser.add_argument("--verbose", action="store_true", help="also show the full output on the console")
+    """``--summarize LOG``: the metrics table of a finished run. Running a command with the quiet
+    console is ``python -m verl_ds4.cpu.console ppo ...`` (what the launcher does)."""
+    parser = argparse.ArgumentParser(description="Summarise the console metrics of a finished CPU PPO run's log "
+                                                 "(run one with: python -m verl_ds4.cpu.console ppo ... -- CMD).")
+    parser.add_argument("--summarize", metavar="LOG", required=True, help="full log of scripts/run_ds4_proxy_ppo_cpu.sh")
     args = parser.parse_args(argv)
-    if args.summarize:
-        metrics = parse_step_metrics(Path(args.summarize).read_text(errors="replace"))
-        if not metrics:
-            print(f"no 'step:N - ...' metric lines in {args.summarize}")
-            return 1
-        print(summary_table(metrics))
-        return 0
-    if not cmd:
-        parser.error("expected --summarize LOG or a command after `--`")
-    facts = [tuple(f.partition("=")[::2]) for f in args.fact]
-    log_path = Path(args.log) if args.log else new_log_path(Path(args.work_dir) / "logs")
-    if not args.log:
-        link_latest(log_path)
-    view = PPOConsole(args.work_dir, args.steps, facts=facts)
-    return run_quiet(cmd, log_path, view, verbose=args.verbose)
+    metrics = parse_step_metrics(Path(args.summarize).read_text(errors="replace"))
+    if not metrics:
+        print(f"no 'step:N - ...' metric lines in {args.summarize}")
+        return 1
+    print(summary_table(metrics))
+    return 0
 
 
 if __name__ == "__main__":
