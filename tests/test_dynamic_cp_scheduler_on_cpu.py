@@ -1,0 +1,349 @@
+"""Dynamic CP through verl 0.9.1's real ``DynamicCPScheduler`` and our engine, on gloo, against CP=1.
+
+Two gloo ranks run ``forward_backward_batch`` of verl-ds4's CPU LM-head engine
+(``CPUMegatronEngineWithLMHead``: verl's ``MegatronEngine.forward_backward_batch`` with our hooks)
+with ``dynamic_context_parallel=True`` on the full tiny DS4 (mHC, sliding / CSA / HCA attention,
+DS4 MoE with a hash layer) in fp64. Everything on the way is the product's or verl's / Megatron's own
+code: verl's dynamic-CP block, its ``DynamicCPScheduler.schedule`` (through our
+``ResolvedDynamicCPScheduler``, which re-plans every micro-batch with the resolved layout), Megatron's
+``forward_backward_no_pipelining``, our forward step and ``gptmodel_forward_model_engine``, DS4
+attention on the micro-batch's ``packed_seq_params.cp_group``, verl's ``sft_loss`` and
+``postprocess_dynamic_cp_batch``. The batch (one sequence longer than ``max_seqlen_per_dp_cp_rank``,
+the rest shorter) is split by the scheduler into a micro-batch at CP=2 and one at CP=1 (a different
+sequence set on each rank). Log-probs, entropy and the loss must equal the same engine at CP=1 (no
+dynamic CP, one process) to <= 1e-10 relative.
+
+megatron-core 0.16.1 (the newest for Python 3.11) predates the dynamic-CP API verl 0.9.1 calls, so the
+test installs two stand-ins in its worker processes only (see :func:`_install_megatron_dynamic_cp_api`):
+``parallel_state.get_dynamic_data_context_parallel_groups`` (0.16.1 has its predecessor
+``get_hybrid_data_context_parallel_groups``, without size-1 groups) and
+``megatron.core.datasets.data_schedule.DefaultDynamicCPScheduler`` (0.16.1 has its predecessor
+``BalancedCPScheduler``, with another constructor and return value). Both delegate to 0.16.1's own code.
+
+Negative controls: the CP=2 micro-batch packed with the other CP rank's rows (the comparison fails);
+a micro-batch whose ranks would hold fewer rows than the model's minimum is refused with the
+numbers before any forward (the scheduler's bad input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from verl_ds4.cpu.distributed import run_distributed
+
+# max_seqlen_per_dp_cp_rank=128 (the model's minimum rows): sequence 0 needs 2 ranks, the rest fit one;
+# Megatron's scheduler puts sequence 0 on both ranks (CP=2), then sequence 2 on one rank and the other
+# three on the other (CP=1). Every micro-batch is padded to 128 rows per rank.
+LENGTHS = (150, 40, 90, 20, 30)
+MAX_SEQLEN_PER_RANK = 128
+PROMPT = 3  # loss-masked first tokens of every sequence (as an SFT prompt)
+SEED = 1234
+
+
+def _install_megatron_dynamic_cp_api(world_size: int):
+    """Stand-ins for the Megatron-Core dynamic-CP API that verl 0.9.1 calls and 0.16.1 lacks.
+
+    * ``parallel_state.get_dynamic_data_context_parallel_groups(group_size=k)``: the aligned group of
+      ``k`` consecutive DPxCP ranks holding this rank. 0.16.1 builds those groups itself
+      (``initialize_model_parallel(hybrid_context_parallel=True)``, returned by
+      ``get_hybrid_data_context_parallel_groups``) for ``1 < k < DPxCP`` and returns the DPxCP group for
+      ``k = DPxCP``; it builds no size-1 groups, which a micro-batch at CP=1 needs, so those are real
+      gloo subgroups made here with ``torch.distributed.new_group`` (every rank creates every group).
+    * ``megatron.core.datasets.data_schedule.DefaultDynamicCPScheduler``: 0.16.1's
+      ``BalancedCPScheduler`` (the same algorithm under its earlier name) behind the newer constructor
+      and a ``get_groups_and_subsamples`` that returns only the per-rank sample ids.
+
+    Called in the forked worker processes only: nothing changes in the test process.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.datasets import data_schedule
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    rank = dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(world_size)]
+
+    def get_dynamic_data_context_parallel_groups(check_initialized=True, group_size=None):
+        if group_size == 1:
+            return singles[rank]
+        return mpu.get_hybrid_data_context_parallel_groups(check_initialized=check_initialized, group_size=group_size)
+
+    class DefaultDynamicCPScheduler(BalancedCPScheduler):
+        def __init__(self, max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage=None):
+            if microbatch_group_size_per_vp_stage is not None:
+                raise NotImplementedError("virtual pipeline stages: not in megatron-core 0.16.1's scheduler")
+            total = cp_size * dp_size
+            super().__init__(max_seqlen_per_dp_cp_rank, type("Ranks", (), {"size": staticmethod(lambda: total)})())
+
+        def get_groups_and_subsamples(self, sample_id_seqlens):
+            _, sample_id_groups = super().get_groups_and_subsamples(sample_id_seqlens, None)
+            return sample_id_groups
+
+    mpu.get_dynamic_data_context_parallel_groups = get_dynamic_data_context_parallel_groups
+    data_schedule.DefaultDynamicCPScheduler = DefaultDynamicCPScheduler
+
+
+def _batch(vocab: int, lengths):
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(SEED + 2)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=gen)
+    mask = torch.ones(sum(lengths), dtype=torch.long)
+    for start in offsets[:-1].tolist():
+        mask[start : start + PROMPT] = 0
+    nested = lambda values: torch.nested.nested_tensor_from_jagged(values, offsets=offsets.clone())  # noqa: E731
+    data = TensorDict(
+        {"input_ids": nested(ids), "loss_mask": nested(mask), "temperature": torch.ones(len(lengths))},
+        batch_size=[len(lengths)],
+    )
+    tu.assign_non_tensor(data, calculate_entropy=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(lengths))
+    return data
+
+
+def _engine(model, dynamic: bool):
+    """verl-ds4's CPU LM-head engine around ``model`` (the state ``initialize`` would set; no optimizer)."""
+    from types import SimpleNamespace
+
+    from verl_ds4.cpu.engine import CPUMcoreEngineConfig, CPUMegatronEngineWithLMHead
+    from verl_ds4.engine.megatron import install_verl_hooks
+
+    install_verl_hooks()
+    engine = object.__new__(CPUMegatronEngineWithLMHead)
+    engine.engine_config = CPUMcoreEngineConfig(
+        dtype="float32",  # the config admits no float64; the model is built in float64 below
+        forward_only=True,
+        use_remove_padding=True,
+        context_parallel_size=torch.distributed.get_world_size() if dynamic else 1,
+        dynamic_context_parallel=dynamic,
+        max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK if dynamic else None,
+    )
+    engine.model_config = SimpleNamespace(
+        model_type="language_model",
+        hf_config=SimpleNamespace(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"]),
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        mtp=SimpleNamespace(enable=False, enable_train=False),
+    )
+    engine.tf_config = model.config
+    engine.module = [model]
+    engine.enable_routing_replay = False
+    engine.mini_layer_topk_idx_list = []
+    engine._resolve_cp_layout(engine.module)
+    return engine
+
+
+def _worker(rank: int, world: int, dynamic: bool):
+    import logging
+
+    from megatron.core import parallel_state as mpu
+    from verl.plugin.platform.platform_manager import set_platform
+
+    from verl_ds4.cpu.platform import PlatformCPU
+    from verl_ds4.cpu.verify import _Models
+    from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    set_platform(PlatformCPU())  # what VERL_PLATFORM=cpu selects in the CPU jobs (this forked rank only)
+    mpu.initialize_model_parallel(context_parallel_size=world, hybrid_context_parallel=dynamic)
+    try:
+        if dynamic:
+            _install_megatron_dynamic_cp_api(world)
+        models = _Models("ds4", None, seed=SEED)
+        model = models.build(torch.float64).eval()
+        engine = _engine(model, dynamic)
+        attention_cp_sizes = []  # the CP group size of every DS4 attention call
+        original_cp_group = DS4HybridSelfAttention._cp_group
+
+        def recording_cp_group(self, packed_seq_params):
+            group = original_cp_group(self, packed_seq_params)
+            attention_cp_sizes.append(1 if group is None else torch.distributed.get_world_size(group))
+            return group
+
+        DS4HybridSelfAttention._cp_group = recording_cp_group
+        data = _batch(models.vocab, LENGTHS)
+        result = {"fp32_log_probs": _run(engine, data, attention_cp_sizes)}  # verl's own log-probs (fp32)
+        with _log_probs_in_the_logits_dtype():
+            result.update(_run(engine, data, attention_cp_sizes))
+            if dynamic:
+                with _other_ranks_rows():
+                    result["other_ranks_rows"] = _run(engine, data, attention_cp_sizes)
+                with _plans_without_the_row_minimum():
+                    try:
+                        _run(engine, data, attention_cp_sizes)
+                        result["too_few_rows"] = {"error": None}
+                    except Exception as err:  # noqa: BLE001 (reported to the test)
+                        result["too_few_rows"] = {"error": f"{type(err).__name__}: {err}", "attention_calls": len(attention_cp_sizes)}
+        return result
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _run(engine, data, attention_cp_sizes) -> dict:
+    """One ``forward_backward_batch`` (forward only, verl's SFT loss); what the engine returned."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dynamic_cp_scheduler import DCP_SAMPLE_IDS
+    from verl.workers.utils.losses import sft_loss
+
+    scheduled = []  # (local_cp_size, sample ids) of every micro-batch this rank ran
+
+    def loss_function(model_output, data, dp_group=None):
+        scheduled.append((tu.get_non_tensor_data(data, "local_cp_size", None), tu.get_non_tensor_data(data, DCP_SAMPLE_IDS, None)))
+        return sft_loss(None, model_output, data, dp_group)
+
+    attention_cp_sizes.clear()
+    start = time.perf_counter()
+    with torch.no_grad():
+        output = engine.forward_backward_batch(data, loss_function, forward_only=True)
+    out = output["model_output"]  # on the engine's output rank (CP rank 0) only, as in verl
+    return {
+        "log_probs": out["log_probs"].values().numpy() if "log_probs" in out else None,
+        "log_probs_dtype": str(out["log_probs"].dtype) if "log_probs" in out else None,
+        "entropy": out["entropy"].values().numpy() if "entropy" in out else None,
+        "loss": float(sum(float(x) for x in output["loss"])),  # one loss per micro-batch (group leaders)
+        "losses": [float(x) for x in output["loss"]],
+        "scheduled": scheduled,
+        "attention_cp_sizes": sorted(set(attention_cp_sizes)),
+        "resolved": engine.resolved_cp_layout.describe(),
+        "min_local_rows": engine.resolved_cp_layout.min_local_rows,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+@contextlib.contextmanager
+def _log_probs_in_the_logits_dtype():
+    """Log-probs in the model's dtype (fp64), for a comparison at fp64.
+
+    verl's ``vocab_parallel_log_probs_from_logits`` is Megatron's ``vocab_parallel_cross_entropy``,
+    which upcasts the logits to float32: verl's log-probs (and the SFT loss from them) are fp32
+    whatever the model's dtype. In this worker only, the engine's logits processor gets the same
+    quantity at TP=1 in the logits' dtype (log-softmax gathered at the labels); the entropy is verl's.
+    """
+    from megatron.core import parallel_state as mpu
+    from verl.workers.engine.megatron import transformer_impl
+
+    assert mpu.get_tensor_model_parallel_world_size() == 1  # a full vocabulary on every rank
+    original = transformer_impl.vocab_parallel_log_probs_from_logits
+    transformer_impl.vocab_parallel_log_probs_from_logits = (
+        lambda logits, labels: torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    )
+    try:
+        yield
+    finally:
+        transformer_impl.vocab_parallel_log_probs_from_logits = original
+
+
+@contextlib.contextmanager
+def _other_ranks_rows():
+    """Negative control: a CP=2 micro-batch packs (and unpacks) the other CP rank's rows."""
+    from verl_ds4.mcore import thd
+
+    original = thd.cp_context
+
+    def swapped(local_cp_size):
+        size, rank, group, extra = original(local_cp_size)
+        return (size, size - 1 - rank, group, extra) if local_cp_size == 2 else (size, rank, group, extra)
+
+    thd.cp_context = swapped
+    try:
+        yield
+    finally:
+        thd.cp_context = original
+
+
+@contextlib.contextmanager
+def _plans_without_the_row_minimum():
+    """Bad input: micro-batches planned without the model's minimum rows per CP rank."""
+    import dataclasses
+
+    from verl_ds4.mcore.resolver import ResolvedCPLayout
+
+    original = ResolvedCPLayout.plan_options
+    ResolvedCPLayout.plan_options = lambda self, local_cp_size=None: dataclasses.replace(
+        original(self, local_cp_size), min_local_rows=0
+    )
+    try:
+        yield
+    finally:
+        ResolvedCPLayout.plan_options = original
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def _preload():
+    """Import the heavy modules once in this process, so the forked ranks start at once."""
+    import verl.workers.engine.megatron.transformer_impl  # noqa: F401
+    import verl.workers.utils.losses  # noqa: F401
+    from megatron.core.pipeline_parallel import hybrid_cp_schedule  # noqa: F401
+
+    import verl_ds4.cpu.engine  # noqa: F401
+    import verl_ds4.cpu.verify  # noqa: F401
+    import verl_ds4.models.ds4.model  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def reference():
+    _preload()
+    return run_distributed(_worker, 1, args=(False,), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def dynamic():
+    _preload()
+    return run_distributed(_worker, 2, args=(True,), timeout=300)
+
+
+def test_the_scheduler_splits_the_batch_into_cp_sizes_2_and_1(dynamic):
+    by_rank = [sorted((size, tuple(ids)) for size, ids in r["scheduled"]) for r in dynamic]
+    sizes = {size for rank in by_rank for size, _ in rank}
+    assert sizes == {1, 2}, by_rank
+    # the CP=2 micro-batch is the same sequence on both ranks; the CP=1 ones differ and hold the rest
+    assert [ids for size, ids in by_rank[0] if size == 2] == [ids for size, ids in by_rank[1] if size == 2] == [(0,)]
+    singles = [ids for rank in by_rank for size, ids in rank if size == 1]
+    assert len(singles) == 2 and sorted(i for ids in singles for i in ids) == list(range(1, len(LENGTHS)))
+    for r in dynamic:  # DS4 attention ran on each micro-batch's dynamic group: both sizes
+        assert r["attention_cp_sizes"] == [1, 2], r["attention_cp_sizes"]
+        assert "cp=dynamic" in r["resolved"] and r["min_local_rows"] == 128
+        assert len(r["losses"]) == 3  # verl collected one loss per micro-batch (CP=2, and CP=1 on each rank)
+
+
+@pytest.mark.parametrize("quantity", ["log_probs", "entropy", "loss"])
+def test_dynamic_cp_equals_cp1_at_fp64(dynamic, reference, quantity):
+    assert reference["scheduled"] == [(None, None)]  # CP=1: one micro-batch, no dynamic CP
+    ranks = dynamic if quantity == "loss" else dynamic[:1]  # per-token outputs: verl's output rank
+    for r in ranks:
+        rel = _rel(np.asarray(r[quantity]), np.asarray(reference[quantity]))
+        assert rel <= 1e-10, (quantity, rel)
+
+
+def test_verls_own_fp32_log_probs_agree_too(dynamic, reference):
+    """verl's log-probs (Megatron's cross entropy, fp32) through the same path: equal to fp32 rounding."""
+    ours, ref = dynamic[0]["fp32_log_probs"], reference["fp32_log_probs"]
+    assert ours["log_probs_dtype"] == ref["log_probs_dtype"] == "torch.float32"
+    assert dynamic[0]["log_probs_dtype"] == "torch.float64"  # the fp64 runs above
+    assert _rel(ours["log_probs"], ref["log_probs"]) <= 1e-6
+    assert _rel(np.asarray(ours["loss"]), np.asarray(ref["loss"])) <= 1e-6
+
+
+def test_rows_of_the_other_cp_rank_fail_the_comparison(dynamic, reference):
+    """Negative control: the CP=2 micro-batch's rows packed for the other rank no longer match CP=1."""
+    control = dynamic[0]["other_ranks_rows"]
+    assert sorted({size for size, _ in control["scheduled"]}) == [1, 2]
+    assert _rel(control["log_probs"], reference["log_probs"]) > 1e-3
+    assert _rel(np.asarray(control["loss"]), np.asarray(reference["loss"])) > 1e-6
+
+
+def test_a_micro_batch_with_too_few_rows_per_rank_is_refused_before_the_forward(dynamic):
+    """Planned without the 128-row minimum, the CP=2 micro-batch (150 tokens) gives 75 rows per rank."""
+    for r in dynamic:
+        refused = r["too_few_rows"]
+        assert refused["error"] is not None and refused["attention_calls"] == 0, refused  # no forward ran
+        assert refused["error"].startswith("CPLayoutError"), refused
+        assert "split over local_cp_size=2 ranks gives 75 rows per rank, but the model needs at least 128" in refused["error"]
