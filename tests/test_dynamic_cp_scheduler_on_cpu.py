@@ -170,9 +170,11 @@ def _worker(rank: int, world: int, dynamic: bool):
         result = {"fp32_log_probs": _run(engine, data, attention_cp_sizes)}  # verl's own log-probs (fp32)
         with _log_probs_in_the_logits_dtype():
             result.update(_run(engine, data, attention_cp_sizes))
+            result["train"] = _train(engine, model, data)
             if dynamic:
                 with _other_ranks_rows():
                     result["other_ranks_rows"] = _run(engine, data, attention_cp_sizes)
+                    result["other_ranks_rows_train"] = _train(engine, model, data)
                 with _plans_without_the_row_minimum():
                     try:
                         _run(engine, data, attention_cp_sizes)
@@ -213,6 +215,39 @@ def _run(engine, data, attention_cp_sizes) -> dict:
         "min_local_rows": engine.resolved_cp_layout.min_local_rows,
         "seconds": time.perf_counter() - start,
     }
+
+
+def _train(engine, model, data) -> dict:
+    """One training ``forward_backward_batch`` (verl's SFT loss); the loss and the DPxCP-mean gradients.
+
+    Megatron's schedule multiplies every micro-batch's loss by the static CP size, because its DDP
+    averages gradients over the DPxCP group; the gradients are therefore averaged over all ranks
+    here (what DDP's all-reduce gives every rank), then grouped as in the CP parity harness.
+    """
+    from verl.workers.utils.losses import sft_loss
+
+    from verl_ds4.cpu.verify import _grads
+
+    model.zero_grad(set_to_none=True)
+    output = engine.forward_backward_batch(data, lambda model_output, data, dp_group=None: sft_loss(None, model_output, data, dp_group), forward_only=False)
+    world = torch.distributed.get_world_size()
+    grads = {name: None if g is None else g / world for name, g in _grads(model, torch.distributed.group.WORLD).items()}
+    model.zero_grad(set_to_none=True)
+    return {"loss": float(sum(float(x) for x in output["loss"])), "grads": grads}
+
+
+def _grad_groups(ours: dict, ref: dict) -> dict[str, float]:
+    """Per parameter group (:func:`verl_ds4.cpu.verify.param_group`): max |ours - ref| / max |ref|."""
+    from verl_ds4.cpu.verify import param_group
+
+    diff, scale = {}, {}
+    for name, g in ref.items():
+        group = param_group(name)
+        d = np.zeros_like(g) if ours[name] is None else ours[name]
+        g = np.zeros_like(d) if g is None else g
+        diff[group] = max(diff.get(group, 0.0), float(np.max(np.abs(d - g))))
+        scale[group] = max(scale.get(group, 0.0), float(np.max(np.abs(g))))
+    return {group: diff[group] / max(scale[group], 1e-300) for group in diff}
 
 
 @contextlib.contextmanager
@@ -323,6 +358,16 @@ def test_dynamic_cp_equals_cp1_at_fp64(dynamic, reference, quantity):
         assert rel <= 1e-10, (quantity, rel)
 
 
+def test_dynamic_cp_training_step_equals_cp1_at_fp64(dynamic, reference):
+    """The training step: verl's loss and every parameter group's gradient (DPxCP mean) equal CP=1."""
+    ref = reference["train"]
+    for r in dynamic:
+        assert _rel(np.asarray(r["train"]["loss"]), np.asarray(ref["loss"])) <= 1e-10
+    groups = _grad_groups(dynamic[0]["train"]["grads"], ref["grads"])
+    assert {"embeddings", "attention", "hc", "router", "experts", "shared_experts"} <= set(groups), groups
+    assert max(groups.values()) <= 1e-10, groups
+
+
 def test_verls_own_fp32_log_probs_agree_too(dynamic, reference):
     """verl's log-probs (Megatron's cross entropy, fp32) through the same path: equal to fp32 rounding."""
     ours, ref = dynamic[0]["fp32_log_probs"], reference["fp32_log_probs"]
@@ -338,6 +383,9 @@ def test_rows_of_the_other_cp_rank_fail_the_comparison(dynamic, reference):
     assert sorted({size for size, _ in control["scheduled"]}) == [1, 2]
     assert _rel(control["log_probs"], reference["log_probs"]) > 1e-3
     assert _rel(np.asarray(control["loss"]), np.asarray(reference["loss"])) > 1e-6
+    train = dynamic[0]["other_ranks_rows_train"]
+    assert _rel(np.asarray(train["loss"]), np.asarray(reference["train"]["loss"])) > 1e-6
+    assert max(_grad_groups(train["grads"], reference["train"]["grads"]).values()) > 1e-3
 
 
 def test_a_micro_batch_with_too_few_rows_per_rank_is_refused_before_the_forward(dynamic):
