@@ -300,7 +300,7 @@ def _plans_without_the_row_minimum():
 
     original = ResolvedCPLayout.plan_options
     ResolvedCPLayout.plan_options = lambda self, local_cp_size=None: dataclasses.replace(
-        original(self, local_cp_size), min_local_rows=0
+        original(self, local_cp_size), min_local_rows=None
     )
     try:
         yield
@@ -395,3 +395,48 @@ def test_a_micro_batch_with_too_few_rows_per_rank_is_refused_before_the_forward(
         assert refused["error"] is not None and refused["attention_calls"] == 0, refused  # no forward ran
         assert refused["error"].startswith("CPLayoutError"), refused
         assert "split over local_cp_size=2 ranks gives 75 rows per rank, but the model needs at least 128" in refused["error"]
+
+
+# ------------------------------------------------------------------ the rule and the value head, in-process
+
+
+def _nested(lengths):
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    return torch.nested.nested_tensor_from_jagged(torch.arange(sum(lengths)), offsets=offsets)
+
+
+def test_check_dynamic_cp_rows_refuses_with_the_numbers():
+    """``check_dynamic_cp_rows``: fewer rows per rank than the model's minimum are refused, naming them."""
+    from verl_ds4.layout import PlanOptions
+    from verl_ds4.mcore import thd
+    from verl_ds4.mcore.model_forward import check_dynamic_cp_rows
+    from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
+
+    resolved = ResolvedCPLayout(layout="contiguous", min_local_rows=128, cp_size=2, tp_size=1, dynamic_cp=True)
+    unpadded = PlanOptions(layout="contiguous", cp_size=2)  # no minimum rows
+    short = _nested((40, 30, 20, 10))
+    with pytest.raises(CPLayoutError, match=r"4 sequences / 100 tokens split over local_cp_size=2 ranks gives 50 rows per rank, but the model needs at least 128") as err:
+        check_dynamic_cp_rows(thd.make_plan(short, unpadded), resolved, 2)
+    assert "plan_options(local_cp_size=2) pads to 2 * 128 rows" in str(err.value)  # how to fix it
+    with pytest.raises(CPLayoutError, match="gives 127 rows per rank"):  # one row short
+        check_dynamic_cp_rows(thd.make_plan(_nested((200, 54)), unpadded), resolved, 2)
+    # negative controls: the engine's own plan of the same batch, exactly the minimum, no minimum
+    check_dynamic_cp_rows(thd.make_plan(short, resolved.plan_options(local_cp_size=2)), resolved, 2)
+    check_dynamic_cp_rows(thd.make_plan(_nested((200, 56)), unpadded), resolved, 2)
+    no_minimum = ResolvedCPLayout(layout="contiguous", min_local_rows=None, cp_size=2, tp_size=1, dynamic_cp=True)
+    check_dynamic_cp_rows(thd.make_plan(short, unpadded), no_minimum, 2)
+
+
+def test_the_cpu_value_engine_keeps_refusing_dynamic_cp_at_start_up():
+    """verl 0.9.1's dynamic-CP block serves language models only; our value engines refuse it at start-up."""
+    from types import SimpleNamespace
+
+    from verl_ds4.cpu.engine import CPUMcoreEngineConfig, CPUMegatronEngineWithLMHead, CPUMegatronEngineWithValueHead
+    from verl_ds4.mcore.resolver import CPLayoutError
+
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"]))
+    config = CPUMcoreEngineConfig(dtype="float32", dynamic_context_parallel=True, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK)
+    with pytest.raises(CPLayoutError, match="not supported for value models .* dynamic_context_parallel=False"):
+        CPUMegatronEngineWithValueHead._check_startup_settings(object.__new__(CPUMegatronEngineWithValueHead), model_config, config)
+    # negative control: the LM-head engine (the one the gloo test above runs) accepts the same settings
+    CPUMegatronEngineWithLMHead._check_startup_settings(object.__new__(CPUMegatronEngineWithLMHead), model_config, config)
