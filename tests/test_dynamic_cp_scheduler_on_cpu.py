@@ -3,26 +3,33 @@
 Two gloo ranks run ``forward_backward_batch`` of verl-ds4's CPU LM-head engine
 (``CPUMegatronEngineWithLMHead``: verl's ``MegatronEngine.forward_backward_batch`` with our hooks)
 with ``dynamic_context_parallel=True`` on the full tiny DS4 (mHC, sliding / CSA / HCA attention,
-DS4 MoE with a hash layer) in fp64. Everything on the way is the product's or verl's / Megatron's own
-code: verl's dynamic-CP block, its ``DynamicCPScheduler.schedule`` (through our
-``ResolvedDynamicCPScheduler``, which re-plans every micro-batch with the resolved layout), Megatron's
+DS4 MoE with a hash layer) in fp64. On the way everything is the product's or verl's / Megatron's own
+code: verl's dynamic-CP block and ``DynamicCPScheduler.schedule`` (through our
+``ResolvedDynamicCPScheduler``, which plans every micro-batch with the resolved layout), Megatron's
 ``forward_backward_no_pipelining``, our forward step and ``gptmodel_forward_model_engine``, DS4
-attention on the micro-batch's ``packed_seq_params.cp_group``, verl's ``sft_loss`` and
-``postprocess_dynamic_cp_batch``. The batch (one sequence longer than ``max_seqlen_per_dp_cp_rank``,
-the rest shorter) is split by the scheduler into a micro-batch at CP=2 and one at CP=1 (a different
-sequence set on each rank). Log-probs, entropy and the loss must equal the same engine at CP=1 (no
-dynamic CP, one process) to <= 1e-10 relative.
+attention on the micro-batch's ``packed_seq_params.cp_group``, verl's logits processor, ``sft_loss``
+and ``postprocess_dynamic_cp_batch``. The engine object is set up as ``initialize`` would leave it
+(its own ``_resolve_cp_layout``), around a model built by the CP parity harness's builder in fp64,
+without a model folder or an optimizer.
+
+The batch (one sequence longer than ``max_seqlen_per_dp_cp_rank``, the rest shorter) is split by the
+scheduler into a micro-batch at CP=2 and one at CP=1 (different sequences on each rank). Log-probs,
+entropy, the loss and the training step's gradients (every parameter group) must equal the same
+engine at CP=1 (no dynamic CP, one process) to <= 1e-10 relative; verl's own log-probs are fp32
+(Megatron's cross entropy upcasts), so the fp64 runs compute them in the logits' dtype
+(:func:`_log_probs_in_the_logits_dtype`) and verl's fp32 ones are compared at 1e-6.
 
 megatron-core 0.16.1 (the newest for Python 3.11) predates the dynamic-CP API verl 0.9.1 calls, so the
-test installs two stand-ins in its worker processes only (see :func:`_install_megatron_dynamic_cp_api`):
+test installs two stand-ins in its worker processes only (:func:`_install_megatron_dynamic_cp_api`):
 ``parallel_state.get_dynamic_data_context_parallel_groups`` (0.16.1 has its predecessor
 ``get_hybrid_data_context_parallel_groups``, without size-1 groups) and
 ``megatron.core.datasets.data_schedule.DefaultDynamicCPScheduler`` (0.16.1 has its predecessor
-``BalancedCPScheduler``, with another constructor and return value). Both delegate to 0.16.1's own code.
+``BalancedCPScheduler``, with another constructor and return value). Both delegate to 0.16.1's code.
 
-Negative controls: the CP=2 micro-batch packed with the other CP rank's rows (the comparison fails);
-a micro-batch whose ranks would hold fewer rows than the model's minimum is refused with the
-numbers before any forward (the scheduler's bad input).
+Negative controls: the CP=2 micro-batch packed with the other CP rank's rows (log-probs, loss and
+gradients no longer match); a micro-batch whose ranks would hold fewer rows than the model's minimum
+is refused with the numbers before any forward (the bad input). The value head keeps refusing dynamic
+CP at start-up (verl 0.9.1's dynamic-CP block serves language models only).
 """
 
 from __future__ import annotations
@@ -108,7 +115,12 @@ def _batch(vocab: int, lengths):
 
 
 def _engine(model, dynamic: bool):
-    """verl-ds4's CPU LM-head engine around ``model`` (the state ``initialize`` would set; no optimizer)."""
+    """verl-ds4's CPU LM-head engine around ``model``: the state ``initialize`` would set, no optimizer.
+
+    ``forward_only=True`` in the config only means no DDP wrapper (training runs average the
+    gradients over the ranks themselves, see :func:`_train`); the layout is the engine's own
+    ``_resolve_cp_layout`` of the model.
+    """
     from types import SimpleNamespace
 
     from verl_ds4.cpu.engine import CPUMcoreEngineConfig, CPUMegatronEngineWithLMHead
@@ -192,10 +204,15 @@ def _run(engine, data, attention_cp_sizes) -> dict:
     from verl.utils.dynamic_cp_scheduler import DCP_SAMPLE_IDS
     from verl.workers.utils.losses import sft_loss
 
+    from verl_ds4.mcore.batch_plans import PLAN_KEY
+
     scheduled = []  # (local_cp_size, sample ids) of every micro-batch this rank ran
+    plan_rows = []  # rows per rank of the plan our scheduler attached to it
 
     def loss_function(model_output, data, dp_group=None):
         scheduled.append((tu.get_non_tensor_data(data, "local_cp_size", None), tu.get_non_tensor_data(data, DCP_SAMPLE_IDS, None)))
+        plan = tu.get_non_tensor_data(data, PLAN_KEY, None)
+        plan_rows.append(None if plan is None else plan.local_rows)
         return sft_loss(None, model_output, data, dp_group)
 
     attention_cp_sizes.clear()
@@ -210,6 +227,7 @@ def _run(engine, data, attention_cp_sizes) -> dict:
         "loss": float(sum(float(x) for x in output["loss"])),  # one loss per micro-batch (group leaders)
         "losses": [float(x) for x in output["loss"]],
         "scheduled": scheduled,
+        "plan_rows": plan_rows,
         "attention_cp_sizes": sorted(set(attention_cp_sizes)),
         "resolved": engine.resolved_cp_layout.describe(),
         "min_local_rows": engine.resolved_cp_layout.min_local_rows,
@@ -242,9 +260,11 @@ def _grad_groups(ours: dict, ref: dict) -> dict[str, float]:
 
     diff, scale = {}, {}
     for name, g in ref.items():
-        group = param_group(name)
-        d = np.zeros_like(g) if ours[name] is None else ours[name]
+        group, d = param_group(name), ours[name]
+        if g is None and d is None:
+            continue
         g = np.zeros_like(d) if g is None else g
+        d = np.zeros_like(g) if d is None else d
         diff[group] = max(diff.get(group, 0.0), float(np.max(np.abs(d - g))))
         scale[group] = max(scale.get(group, 0.0), float(np.max(np.abs(g))))
     return {group: diff[group] / max(scale[group], 1e-300) for group in diff}
@@ -345,13 +365,14 @@ def test_the_scheduler_splits_the_batch_into_cp_sizes_2_and_1(dynamic):
     assert len(singles) == 2 and sorted(i for ids in singles for i in ids) == list(range(1, len(LENGTHS)))
     for r in dynamic:  # DS4 attention ran on each micro-batch's dynamic group: both sizes
         assert r["attention_cp_sizes"] == [1, 2], r["attention_cp_sizes"]
+        assert r["plan_rows"] == [128, 128], r["plan_rows"]  # our plans, padded to the model's minimum
         assert "cp=dynamic" in r["resolved"] and r["min_local_rows"] == 128
         assert len(r["losses"]) == 3  # verl collected one loss per micro-batch (CP=2, and CP=1 on each rank)
 
 
 @pytest.mark.parametrize("quantity", ["log_probs", "entropy", "loss"])
 def test_dynamic_cp_equals_cp1_at_fp64(dynamic, reference, quantity):
-    assert reference["scheduled"] == [(None, None)]  # CP=1: one micro-batch, no dynamic CP
+    assert reference["scheduled"] == [(None, None)] and reference["plan_rows"] == [None]  # CP=1, no scheduler
     ranks = dynamic if quantity == "loss" else dynamic[:1]  # per-token outputs: verl's output rank
     for r in ranks:
         rel = _rel(np.asarray(r[quantity]), np.asarray(reference[quantity]))
