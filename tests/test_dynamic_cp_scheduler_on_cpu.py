@@ -192,7 +192,8 @@ def _worker(rank: int, world: int, dynamic: bool):
                         _run(engine, data, attention_cp_sizes)
                         result["too_few_rows"] = {"error": None}
                     except Exception as err:  # noqa: BLE001 (reported to the test)
-                        result["too_few_rows"] = {"error": f"{type(err).__name__}: {err}", "attention_calls": len(attention_cp_sizes)}
+                        error = f"{type(err).__name__}: {err}"
+                        result["too_few_rows"] = {"error": error, "attention_calls": len(attention_cp_sizes)}
         return result
     finally:
         mpu.destroy_model_parallel()
@@ -210,7 +211,8 @@ def _run(engine, data, attention_cp_sizes) -> dict:
     plan_rows = []  # rows per rank of the plan our scheduler attached to it
 
     def loss_function(model_output, data, dp_group=None):
-        scheduled.append((tu.get_non_tensor_data(data, "local_cp_size", None), tu.get_non_tensor_data(data, DCP_SAMPLE_IDS, None)))
+        local_cp_size = tu.get_non_tensor_data(data, "local_cp_size", None)
+        scheduled.append((local_cp_size, tu.get_non_tensor_data(data, DCP_SAMPLE_IDS, None)))
         plan = tu.get_non_tensor_data(data, PLAN_KEY, None)
         plan_rows.append(None if plan is None else plan.local_rows)
         return sft_loss(None, model_output, data, dp_group)
@@ -247,9 +249,14 @@ def _train(engine, model, data) -> dict:
     from verl_ds4.cpu.verify import _grads
 
     model.zero_grad(set_to_none=True)
-    output = engine.forward_backward_batch(data, lambda model_output, data, dp_group=None: sft_loss(None, model_output, data, dp_group), forward_only=False)
+
+    def loss_function(model_output, data, dp_group=None):
+        return sft_loss(None, model_output, data, dp_group)
+
+    output = engine.forward_backward_batch(data, loss_function, forward_only=False)
     world = torch.distributed.get_world_size()
-    grads = {name: None if g is None else g / world for name, g in _grads(model, torch.distributed.group.WORLD).items()}
+    summed = _grads(model, torch.distributed.group.WORLD)
+    grads = {name: None if g is None else g / world for name, g in summed.items()}
     model.zero_grad(set_to_none=True)
     return {"loss": float(sum(float(x) for x in output["loss"])), "grads": grads}
 
@@ -334,13 +341,17 @@ def _rel(a, b) -> float:
 
 def _preload():
     """Import the heavy modules once in this process, so the forked ranks start at once."""
-    import verl.workers.engine.megatron.transformer_impl  # noqa: F401
-    import verl.workers.utils.losses  # noqa: F401
-    from megatron.core.pipeline_parallel import hybrid_cp_schedule  # noqa: F401
+    import importlib
 
-    import verl_ds4.cpu.engine  # noqa: F401
-    import verl_ds4.cpu.verify  # noqa: F401
-    import verl_ds4.models.ds4.model  # noqa: F401
+    for name in (
+        "verl.workers.engine.megatron.transformer_impl",
+        "verl.workers.utils.losses",
+        "megatron.core.pipeline_parallel.hybrid_cp_schedule",
+        "verl_ds4.cpu.engine",
+        "verl_ds4.cpu.verify",
+        "verl_ds4.models.ds4.model",
+    ):
+        importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +447,8 @@ def test_check_dynamic_cp_rows_refuses_with_the_numbers():
     resolved = ResolvedCPLayout(layout="contiguous", min_local_rows=128, cp_size=2, tp_size=1, dynamic_cp=True)
     unpadded = PlanOptions(layout="contiguous", cp_size=2)  # no minimum rows
     short = _nested((40, 30, 20, 10))
-    with pytest.raises(CPLayoutError, match=r"4 sequences / 100 tokens split over local_cp_size=2 ranks gives 50 rows per rank, but the model needs at least 128") as err:
+    expected = r"4 sequences / 100 tokens split over local_cp_size=2 ranks gives 50 rows per rank, but the model needs at least 128"
+    with pytest.raises(CPLayoutError, match=expected) as err:
         check_dynamic_cp_rows(thd.make_plan(short, unpadded), resolved, 2)
     assert "plan_options(local_cp_size=2) pads to 2 * 128 rows" in str(err.value)  # how to fix it
     with pytest.raises(CPLayoutError, match="gives 127 rows per rank"):  # one row short
@@ -458,6 +470,8 @@ def test_the_cpu_value_engine_keeps_refusing_dynamic_cp_at_start_up():
     model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"]))
     config = CPUMcoreEngineConfig(dtype="float32", dynamic_context_parallel=True, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK)
     with pytest.raises(CPLayoutError, match="not supported for value models .* dynamic_context_parallel=False"):
-        CPUMegatronEngineWithValueHead._check_startup_settings(object.__new__(CPUMegatronEngineWithValueHead), model_config, config)
+        CPUMegatronEngineWithValueHead._check_startup_settings(
+            object.__new__(CPUMegatronEngineWithValueHead), model_config, config
+        )
     # negative control: the LM-head engine (the one the gloo test above runs) accepts the same settings
     CPUMegatronEngineWithLMHead._check_startup_settings(object.__new__(CPUMegatronEngineWithLMHead), model_config, config)
