@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from verl_ds4.cpu.distributed import free_port  # noqa: E402
+from verl_ds4.mcore.distributed import free_port  # noqa: E402
 from verl_ds4.cpu.sft_data import prepare_cpu_sft_assets  # noqa: E402
 from verl_ds4.cpu.sft_run import cpu_env  # noqa: E402
 

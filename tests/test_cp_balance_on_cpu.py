@@ -18,7 +18,7 @@ from verl_ds4.layout.cost import (
     ds4_cost_model,
     get_cost_model,
 )
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 MEGATRON_CP_LENGTHS = [5, 127, 1000, 23, 129, 900, 55, 257, 800, 95, 509, 148]
 

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 
 def _python(code: str, **env_updates) -> subprocess.CompletedProcess:

@@ -197,7 +197,7 @@ def _server_checks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server_results():
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     return run_distributed(_server_checks, world_size=1, timeout=240)[0]
 

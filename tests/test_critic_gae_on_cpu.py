@@ -69,7 +69,7 @@ def _critic_values(rank: int, world: int) -> list[torch.Tensor]:
 @functools.lru_cache(maxsize=None)
 def _values_at(cp_size: int) -> tuple[list[torch.Tensor], ...]:
     from verl_ds4.models.ds4 import proxy  # noqa: F401  (import megatron once; forked ranks start fast)
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     return tuple(run_distributed(_critic_values, world_size=cp_size, timeout=240))
 

@@ -1,11 +1,12 @@
 """CP parity of the full tiny DS4 (real Megatron-Core GPTModel: mHC, DS4 attention, DS4 MoE with a
 hash layer) on real gloo processes; the attention-only proxy stays checkable with ``model="ds4_proxy"``.
 
-Each CP size runs the actor (LM head) and critic (value head) through verl-ds4's THD path with the
-contiguous layout and must reproduce CP=1: the loss, log-probs, entropy, the gradients of every
-parameter group (hc, router, experts, shared_experts, attention, embeddings, ...), values and
-value-loss gradients (fp64: <= 1e-10 relative). Negative controls show the comparison can fail:
-zigzag rows (guard bypassed), hash ids packed one row off, a broken halo exchange, and an
+Each CP size runs the actor (LM head, one MTP depth, indexer loss on) and critic (value head)
+through verl-ds4's THD path with the contiguous layout and must reproduce CP=1: the loss, the MTP
+loss, the indexer loss, log-probs, entropy, the gradients of every parameter group (hc, router,
+experts, shared_experts, mtp, attention, embeddings, ...), values and value-loss gradients (fp64:
+<= 1e-10 relative). Negative controls show the comparison can fail: zigzag rows (guard bypassed),
+hash ids packed one row off, an MTP roll across sequence ends, a broken halo exchange, and an
 all-gather without backward.
 """
 
@@ -31,19 +32,19 @@ def _assert_parity(cp, reference):
     # Every quantity of the issue is in the table, for both batches and both precisions.
     for dtype in ("fp64", "fp32"):
         for batch in ("ragged", "short"):
-            for q in ("log_probs", "entropy", "loss", "values", "value_loss"):
+            for q in ("log_probs", "entropy", "loss", "mtp_loss", "indexer_loss", "values", "value_loss"):
                 assert f"{dtype} {batch} {q}" in names
-            for group in ("embeddings", "attention", "hc", "router", "experts", "shared_experts"):
+            for group in ("embeddings", "attention", "hc", "router", "experts", "shared_experts", "mtp"):
                 assert any(n.startswith(f"{dtype} {batch} grads {group} (") for n in names), (group, names)
             assert any(n.startswith(f"{dtype} {batch} value_grads, all (") for n in names)
-            todo = [r for r in rows if r.expect == "todo" and r.quantity.startswith(f"{dtype} {batch} ")]
-            assert sorted(r.quantity.split(" ")[2] for r in todo) == ["grads", "indexer_loss:"]  # mtp, indexer loss
-    assert "not implemented yet" in format_table(rows)
+            aux = result.results[(dtype, batch)]
+            assert aux["mtp_loss"][0] > 0 and aux["indexer_loss"][0] > 0  # both really computed
     fp64 = [r for r in rows if r.quantity.startswith("fp64") and r.expect == "match"]
     assert max(r.max_rel for r in fp64) <= 1e-10
     assert "contiguous" in result.checks["zigzag_error"]
-    hash_row = next(r for r in rows if r.quantity.startswith("hash ids packed one row off"))
-    assert hash_row.expect == "differ" and hash_row.passed
+    for control in ("hash ids packed one row off", "MTP roll across sequence ends"):
+        row = next(r for r in rows if r.quantity.startswith(control))
+        assert row.expect == "differ" and row.passed, row
     return rows
 
 

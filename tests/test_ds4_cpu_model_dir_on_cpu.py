@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 from verl_ds4.cpu.sft_data import prepare_cpu_sft_assets
 
 

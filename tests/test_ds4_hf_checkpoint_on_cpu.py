@@ -4,7 +4,7 @@
 * DeepSeek's native names: what we write is what transformers' conversion mapping reads
   (``from_pretrained`` gets the original weights back), and it round-trips too;
 * bad folders (model type, missing / unexpected tensor, wrong shape) fail naming the tensor and shapes;
-* ``verl_ds4.cpu.hf_check.hf_logits`` on a folder at CP = 2 equals transformers at fp64;
+* ``verl_ds4.models.ds4.hf_check.hf_logits`` on a folder at CP = 2 equals transformers at fp64;
 * the model's Megatron ``sharded_state_dict`` covers every tensor and a dist-checkpoint round trip
   restores the weights.
 """
@@ -27,7 +27,7 @@ from verl_ds4.testing.ds4_tiny import random_hf_model, random_sequences, tiny_hf
 def in_megatron_child(body, *args):
     """Run ``body(*args)`` in a forked gloo rank of one with Megatron's parallel state (GPTModel needs
     it); the test process itself never starts gloo, so later forks stay safe."""
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     def rank_main(rank, world):
         from megatron.core import parallel_state
@@ -136,7 +136,7 @@ def _test_bad_folders_fail_naming_the_tensor(hf_folder, tmp_path):
 def test_hf_logits_matches_transformers_at_cp2(hf_folder):
     from transformers import DeepseekV4ForCausalLM
 
-    from verl_ds4.cpu.hf_check import hf_logits
+    from verl_ds4.models.ds4 import hf_logits  # the public name
     from verl_ds4.models.ds4.hf_reference import fp64_reference, hf_model_logits
 
     seqs = random_sequences([23, 4, 40], 96, seed=5)
@@ -175,7 +175,7 @@ def _dist_ckpt_rank(rank, world, folder, ckpt_dir):
 
 
 def test_sharded_state_dict_and_dist_checkpoint_round_trip(hf_folder, tmp_path):
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     (tmp_path / "ckpt").mkdir()
     (uncovered, differs_before, equal_after), = run_distributed(_dist_ckpt_rank, 1, args=(hf_folder, str(tmp_path / "ckpt")))

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from verl_ds4.cpu.hf_check import run_on_cp_ranks  # noqa: E402
+from verl_ds4.models.ds4.hf_check import run_on_cp_ranks  # noqa: E402
 from verl_ds4.models.ds4.hf_reference import fp64_reference, hf_model_logits  # noqa: E402
 from verl_ds4.testing.ds4_tiny import file_tensors, random_hf_model, random_sequences, tiny_hf_config  # noqa: E402
 

@@ -123,7 +123,7 @@ def _child_main(rank, world, fn, args):
 
 def in_child(fn, *args):
     """``fn(*args)`` in a forked process with Megatron's parallel state (Megatron models need it)."""
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     return run_distributed(_child_main, world_size=1, args=(fn, args), timeout=300)[0]
 
@@ -136,7 +136,7 @@ def _mtp_shapes(cfg):
 
 
 def run(build, seqs, cp):
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     return run_distributed(_rank_main, world_size=cp, args=(build, list(seqs)), timeout=300)[0]
 
@@ -332,6 +332,21 @@ def test_indexer_loss_and_gradients_are_cp_exact(idx_case, idx_cp1, cp):
     grad_err = max(rel(got["grads"][n], g) for n, g in ref.items())
     print(f"indexer CP={cp}: loss rel err {loss_err:.3e}, grad rel err {grad_err:.3e} over {len(ref)} tensors")
     assert loss_err <= TOL and grad_err <= TOL
+
+
+def test_indexer_loss_counts_real_tokens_not_the_cp_padding(idx_case, monkeypatch):
+    """70 real tokens: no padding at CP 1, padding rows at CP 2. Queries and divisor are the
+    real tokens (from the plan), so the loss is the same. Negative control: counting the padded
+    rows, as Megatron-LM dev does with verl's padded cu_seqlens, makes it depend on the CP size."""
+    from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
+
+    seqs = random_sequences([3, 50, 17], idx_case["cfg"].vocab_size, seed=5)
+    cp1, cp2 = run(idx_case["builder"], seqs, 1), run(idx_case["builder"], seqs, 2)
+    assert cp1["total_rows"] == 70 < cp2["total_rows"]  # CP 2 pads (divisibility, row minimum)
+    assert cp1["indexer"] > 0 and rel(cp2["indexer"], cp1["indexer"]) <= TOL
+    monkeypatch.setattr(DS4HybridSelfAttention, "_real_seqlens", staticmethod(lambda params: None))  # forked ranks inherit it
+    padded2 = run(idx_case["builder"], seqs, 2)  # (at CP 1 there is no padding to count)
+    assert rel(padded2["indexer"], cp1["indexer"]) > 1e-3
 
 
 def test_indexer_keys_gathered_without_backward_break_the_gradients(idx_case, idx_cp1, monkeypatch):

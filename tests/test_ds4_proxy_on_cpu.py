@@ -7,7 +7,7 @@ import torch
 
 from verl_ds4.models.ds4.attention import DS4AttentionSpec, DS4HybridAttention
 from verl_ds4.models.ds4 import proxy as _proxy  # noqa: F401  (import Megatron once; forked ranks inherit it)
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 SPEC = dict(hidden_size=16, num_heads=2, head_dim=8, rope_dim=4, q_lora_rank=8, o_groups=2, o_lora_rank=4,
             window_size=8, index_n_heads=2, index_head_dim=8, index_topk=2, yarn_original_max_position_embeddings=64)

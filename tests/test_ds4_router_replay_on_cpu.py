@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 LENGTHS = (5, 127, 300, 23, 129, 55)
 

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 # max_seqlen_per_dp_cp_rank=128 (the model's minimum rows): sequence 0 needs 2 ranks, the rest fit one;
 # Megatron's scheduler puts sequence 0 on both ranks (CP=2), then sequence 2 on one rank and the other

@@ -24,7 +24,7 @@ import io
 import pytest
 import torch
 
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 LENGTHS = [5, 37, 20]  # 62 tokens: far fewer than cp * 128 rows
 VOCAB = 128

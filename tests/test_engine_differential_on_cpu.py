@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from verl_ds4.cpu.distributed import free_port
+from verl_ds4.mcore.distributed import free_port
 from verl_ds4.cpu.sft_data import prepare_cpu_sft_assets
 from verl_ds4.cpu.sft_run import cpu_env
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl_ds4.layout import CPLayout, PlanOptions, build_plan, plan_from_offsets
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 
 
 def _flat(lengths, trailing=(), seed=0):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from verl_ds4.layout import CPLayout
-from verl_ds4.cpu.distributed import run_distributed
+from verl_ds4.mcore.distributed import run_distributed
 from verl_ds4.testing.megatron_compat import emulate_cp_partition_mode_field
 
 CASES_PER_CONFIG = 24

@@ -6,11 +6,12 @@
 * :mod:`.ds4_builder` (``deepseek_v4``: the full tiny DS4, or the proxy) and :mod:`.tiny_dense` (``llama``: the
   dense stepping stone): CPU model builders, selected with verl's ``model.external_lib``.
 * :mod:`.sft_data`, :mod:`.ds4_tokenizer`: download-free data, tokenizer and model-folder writers.
-* :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path;
+* :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path
+  (:mod:`.training_worker`: verl's ``TrainingWorker`` on the CPU engine, composed as verl does);
   :mod:`.console`: the launchers' quiet console (progress, summary, loss plot; full log to a file).
-* :mod:`.distributed`: run a function on N gloo processes (the CP checks and ``verify``).
-* :mod:`.verify` + :mod:`.verify_cli`: ``verl-ds4 verify --cp N``, the CP parity check;
-  :mod:`.hf_check` (``hf_logits``) + :mod:`.verify_hf`: ``verl-ds4 verify --hf-checkpoint DIR``.
+* :mod:`.verify` + :mod:`.verify_cli`: ``verl-ds4 verify --cp N``, the CP parity check (gloo ranks:
+  :mod:`verl_ds4.mcore.distributed`); :mod:`.verify_hf`: ``verl-ds4 verify --hf-checkpoint DIR``
+  (our model through :func:`verl_ds4.models.ds4.hf_logits` against transformers).
 * :mod:`.engine_config`, :mod:`.cuda_shim`, :mod:`.rng`, :mod:`.builders`, :mod:`.optimizer_state`,
   :mod:`.progress`: the CPU engine's pieces, one job each (see :mod:`.engine`).
 

@@ -108,7 +108,7 @@ def _build_and_save(rank: int, world: int, config: dict, folder: str, seed: int)
 
 def write_ds4_weights(folder: str | Path, hf_config, seed: int = DS4_TINY_SEED, timeout: float = 300.0) -> Path:
     """Write ``folder/model.safetensors`` for ``hf_config`` (a seeded :class:`DS4Model` init); returns the path."""
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

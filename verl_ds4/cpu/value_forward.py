@@ -25,49 +25,20 @@ def main(argv: list[str] | None = None) -> int:
     assets, cp, out_path = argv[0], int(argv[1]), argv[2]
 
     import torch
-    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
     import verl  # noqa: F401  (imports VERL_USE_EXTERNAL_MODULES: the CPU platform and engines)
     from verl.utils import tensordict_utils as tu
-    from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.dataset.dataset_utils import SFTTensorCollator
     from verl.utils.distributed import initialize_global_process_group
-    from verl.workers.config import TrainingWorkerConfig
-    from verl.workers.engine_workers import TrainingWorker
 
+    from verl_ds4.cpu.training_worker import cpu_training_worker
     from verl_ds4.models.ds4.sft_dataset import DS4ChatSFTDataset
-    from verl_ds4.cpu.sft_run import engine_dtype_args
 
     initialize_global_process_group()
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose(
-            "sft_trainer_engine",
-            overrides=[
-                "engine=megatron",
-                "optim=megatron",
-                f"model.path={assets}/model",
-                "model.external_lib=verl_ds4.cpu.ds4_builder",
-                *engine_dtype_args("float32"),
-                f"engine.context_parallel_size={cp}",
-                "engine.sequence_parallel=False",
-                "engine.use_dist_checkpointing=True",
-                "engine.forward_only=True",
-                "trainer.device=cpu",
-            ],
-        )
-    model_config = omega_conf_to_dataclass(cfg.model)
-    worker = TrainingWorker(
-        TrainingWorkerConfig(
-            model_type="value_model",
-            model_config=model_config,
-            engine_config=omega_conf_to_dataclass(cfg.engine),
-            optimizer_config=omega_conf_to_dataclass(cfg.optim),
-            checkpoint_config=omega_conf_to_dataclass(cfg.checkpoint),
-            profiler_config=omega_conf_to_dataclass(cfg.profiler),
-        )
+    worker, model_config = cpu_training_worker(
+        "value_model", f"{assets}/model", cp, overrides=["model.external_lib=verl_ds4.cpu.ds4_builder", "engine.forward_only=True"]
     )
-    worker.reset()
     dataset = DS4ChatSFTDataset(
         f"{assets}/data/train.parquet", model_config.tokenizer, OmegaConf.create({"max_length": 256})
     )

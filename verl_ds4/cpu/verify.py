@@ -2,8 +2,10 @@
 
 ``model="ds4"`` (default) is the full tiny DeepSeek-V4 of the CPU jobs
 (:func:`verl_ds4.cpu.ds4_model_dir.ds4_tiny_hf_config`: mHC, sliding / CSA / HCA attention, DS4 MoE
-with a hash layer, seeded weights and hash table); ``model="ds4_proxy"`` the attention-only proxy.
-For a CP size ``N`` the harness starts ``N`` gloo processes (:func:`verl_ds4.cpu.distributed.run_distributed`)
+with a hash layer, seeded weights and hash table) with one MTP depth and the indexer loss switched
+on (:data:`MTP_DEPTHS`, :data:`INDEXER_LOSS_COEFF`), so every part of DS4 that meets CP is checked;
+``model="ds4_proxy"`` the attention-only proxy.
+For a CP size ``N`` the harness starts ``N`` gloo processes (:func:`verl_ds4.mcore.distributed.run_distributed`)
 with Megatron's parallel state initialised (``context_parallel_size=N``), builds the same actor
 (LM head) and critic (value head) on every rank, and runs one micro-batch through the THD data path
 of :mod:`verl_ds4.mcore.thd` (plan with the contiguous layout and the model's ``min_local_rows``,
@@ -15,8 +17,9 @@ Then it computes
   its label would wrap), backward, and every parameter gradient summed over the CP group (what
   Megatron's DDP all-reduce does), compared per parameter group (:func:`param_group`: ``hc``,
   ``router``, ``experts``, ``shared_experts``, ``attention``, ``embeddings``, ``norms``,
-  ``output_layer``; ``mtp`` and ``indexer_loss`` rows say "not implemented yet" until the model
-  has them),
+  ``output_layer``, ``mtp``); the MTP loss (its gradient joins the backward, as in training; the
+  model gets the real-token ``loss_mask`` packed by the plan, as verl's engine passes it) and the
+  indexer loss (real tokens as queries, :mod:`verl_ds4.models.ds4.indexer_loss`),
 * critic values, a value loss (token-mean squared error to fixed targets), and every critic gradient.
 
 :func:`compare` puts the results of a CP size next to the CP = 1 results (max abs / max rel diff
@@ -25,8 +28,9 @@ per quantity; rel = max|a - b| / max|b|, gradients compared parameter by paramet
 It also shows what the layout guards protect: the same batch packed with the zigzag layout is
 rejected by DS4 attention, and with that guard bypassed the log-probs no longer match CP = 1; for
 the full DS4, hash layers fed ids packed with a wrong plan (this rank's ids shifted by one row)
-give log-probs that no longer match either. ``hash_ids_shift`` applies that shift to every
-forward (a test hook: the table must then fail).
+give log-probs that no longer match either, and an MTP roll that crosses sequence boundaries gives
+other MTP gradients than the correct roll (on :data:`MTP_CONTROL`, at the same CP size). ``hash_ids_shift`` applies that shift to every forward (a test hook: the table
+must then fail).
 Batches: ``RAGGED`` (lengths straddling rank boundaries) and ``SHORT`` (fewer real tokens than
 ``cp * 128``: only the minimum-rows padding makes it runnable).
 """
@@ -49,8 +53,16 @@ MODELS = ("ds4", "ds4_proxy")
 RAGGED = (5, 127, 300, 23, 129, 520, 55, 181, 95, 1)
 # 70 real tokens: below the 128-row minimum of every CP rank.
 SHORT = (3, 50, 17)
+# The MTP-roll negative control: 24 short sequences (a roll that ignores sequence ends changes the
+# MTP label of every sequence's last row; compared with the correct roll at the same CP size).
+MTP_CONTROL = (3,) * 20 + (5,) * 4
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+
+#: What the harness switches on in the CPU jobs' tiny DS4 (whose defaults are MTP off and the
+#: indexer loss at 0, as the recipes): one MTP depth and a non-zero indexer-loss coefficient.
+MTP_DEPTHS = 1
+INDEXER_LOSS_COEFF = 1e-2
 
 
 @dataclass
@@ -60,7 +72,6 @@ class Row:
     ``expect="match"``: passes when ``max_rel <= tol``. ``expect="differ"``: a negative control that
     passes when ``max_rel > tol`` (the harness must be able to see a broken layout).
     ``expect="error"``: passes when the expected error was raised (diffs are 0 then, inf otherwise).
-    ``expect="todo"``: a quantity the model does not have yet; printed, neither passed nor failed.
     """
 
     quantity: str
@@ -71,8 +82,6 @@ class Row:
 
     @property
     def passed(self) -> bool:
-        if self.expect == "todo":
-            return True
         if not math.isfinite(self.max_rel):
             return False
         return self.max_rel > self.tol if self.expect == "differ" else self.max_rel <= self.tol
@@ -119,10 +128,14 @@ def _forward(model, input_ids, layout: str, cp_rank: int, min_local_rows: int, c
     # megatron-core 0.16.1 lacks PackedSeqParams.cp_partition_mode; DS4 attention reads the attribute.
     params = packed_seq_params_for(plan, layout_consumer_checked=True)
     ids, positions = pack_input(input_ids, plan, cp_rank)
+    kwargs = {}
     if hash_ids_shift:
-        out = model(ids, positions, None, packed_seq_params=params, hash_token_ids=torch.roll(ids, hash_ids_shift, dims=1))
-    else:
-        out = model(ids, positions, None, packed_seq_params=params)
+        kwargs["hash_token_ids"] = torch.roll(ids, hash_ids_shift, dims=1)
+    if getattr(model, "mtp_block", None) is not None:
+        # The real-token mask packed by the plan (0 on padding rows), as verl's engine passes it.
+        real = torch.ones(input_ids.values().shape[0], dtype=torch.bool)
+        kwargs["loss_mask"] = plan.pack(real, cp_rank).unsqueeze(0)
+    out = model(ids, positions, None, packed_seq_params=params, **kwargs)
     return out, plan, params
 
 
@@ -190,6 +203,7 @@ class _Models:
         else:
             self.cfg = _ds4_config(cfg)
             self.vocab = self.cfg["vocab_size"]
+        self.indexer_loss_coeff = INDEXER_LOSS_COEFF
 
     def build(self, dtype, value_head: bool = False):
         seed = self.seed + (1 if value_head else 0)
@@ -200,7 +214,10 @@ class _Models:
         from verl_ds4.cpu.ds4_model_dir import hash_table
         from verl_ds4.models.ds4.model import build_ds4_model
 
-        model = build_ds4_model(self.cfg, dtype=dtype, value_head=value_head, seed=seed)
+        overrides = None if value_head else {"dsa_indexer_loss_coeff": self.indexer_loss_coeff}
+        # A critic has no next-token head: it is built without the MTP block (as verl's critic).
+        model = build_ds4_model(self.cfg, dtype=dtype, value_head=value_head, seed=seed, allow_mtp_skip=value_head,
+                                config_overrides=overrides)
         table = hash_table(self.vocab, self.cfg["n_routed_experts"], self.cfg["num_experts_per_tok"], seed + 7)
         with torch.no_grad():
             for name, buf in model.named_buffers():
@@ -227,7 +244,7 @@ def _ds4_config(cfg) -> dict:
     from verl_ds4.cpu.sft_data import padded_vocab_size, tokenizer_size
 
     if cfg is None:
-        return ds4_tiny_hf_config(vocab_size=padded_vocab_size(tokenizer_size())).to_dict()
+        return ds4_tiny_hf_config(vocab_size=padded_vocab_size(tokenizer_size()), num_nextn_predict_layers=MTP_DEPTHS).to_dict()
     if isinstance(cfg, dict):
         return dict(cfg)
     text = str(cfg)
@@ -235,6 +252,22 @@ def _ds4_config(cfg) -> dict:
         return json.loads(text)
     path = Path(text)
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+
+
+def _aux_losses(actor) -> dict[str, np.ndarray]:
+    """The last forward's MTP loss (scaled, as it joins the training loss) and indexer loss, global
+    over CP; a quantity the model does not have is left out."""
+    from verl_ds4.models.ds4.indexer_loss import indexer_loss_report
+    from verl_ds4.models.ds4.mtp import mtp_loss_report
+
+    out = {}
+    mtp = mtp_loss_report(actor)
+    if mtp:
+        out["mtp_loss"] = np.array([mtp["mtp loss (scaled)"]])
+    indexer = indexer_loss_report(actor)
+    if indexer is not None:
+        out["indexer_loss"] = np.array([indexer])
+    return out
 
 
 def param_group(name: str) -> str:
@@ -260,10 +293,8 @@ def param_group(name: str) -> str:
     return "norms"
 
 
-#: Gradient rows of the table, in order; groups a model does not have are left out, except the
-#: ones in TODO_GROUPS, which print as "not implemented yet" until the model has them.
+#: Gradient rows of the table, in order; groups a model does not have are left out.
 GRAD_GROUPS = ("embeddings", "attention", "hc", "router", "experts", "shared_experts", "mlp", "norms", "output_layer", "mtp")
-TODO_GROUPS = {"mtp": "MTP layers", "indexer_loss": "the indexer auxiliary loss"}
 
 
 def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: int, layout_checks: bool, hash_ids_shift: int):
@@ -294,7 +325,9 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 loss.backward()
                 values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world, hash_ids_shift)
                 value_loss.backward()
+                aux = _aux_losses(actor)
                 result.results[(dtype_name, batch_name)] = {
+                    **aux,
                     "log_probs": per_token[:, 0].detach().numpy(),
                     "entropy": per_token[:, 1].detach().numpy(),
                     "loss": np.array([loss.item()]),
@@ -321,6 +354,23 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 with torch.no_grad():
                     per_token, _ = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group, hash_ids_shift=1)
                 result.checks["hash_shifted_log_probs"] = per_token[:, 0].numpy()
+            if getattr(actor, "mtp_block", None) is not None:
+                from verl_ds4.models.ds4 import mtp
+
+                # Many short sequences: each sequence end is a row the bad roll gives the next one's token.
+                mtp_ids, _ = _batch(MTP_CONTROL, models.vocab, seed + 3)
+                # A random model's CE hardly depends on which label a row gets, so the control reads
+                # the MTP gradients (softmax - onehot(label): a changed label changes them by O(1)).
+                grads = []
+                for respect in (True, False):
+                    mtp._RESPECT_SEQUENCE_BOUNDARIES = respect  # this forked rank only; a negative control
+                    try:
+                        actor.zero_grad(set_to_none=True)
+                        _actor_step(actor, mtp_ids, "contiguous", cp_rank, min_rows, world, group)[1].backward()
+                    finally:
+                        mtp._RESPECT_SEQUENCE_BOUNDARIES = True
+                    grads.append({n: g for n, g in _grads(actor, group).items() if param_group(n) == "mtp"})
+                result.checks["mtp_roll"] = tuple(grads)
             result.checks["dtype"] = dtypes[0]
         return result if rank == 0 else None
     finally:
@@ -342,7 +392,7 @@ def run_parity(
 
     ``hash_ids_shift`` (a test hook) hands every hash layer this rank's ids rolled by that many rows.
     """
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     from verl_ds4.models.ds4 import model as _ds4_model  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
 
@@ -408,19 +458,17 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         ref = reference.results[key]
         tol = tolerances[dtype_name]
         prefix = f"{dtype_name} {batch_name}"
-        for q in ("loss", "log_probs", "entropy", "values", "value_loss"):
-            rows.append(Row(f"{prefix} {q}", *_diff(ours[q], ref[q]), tol))
+        for q in ("loss", "mtp_loss", "indexer_loss", "log_probs", "entropy", "values", "value_loss"):
+            if q in ref or q in ours:
+                rows.append(Row(f"{prefix} {q}", *(_diff(ours[q], ref[q]) if q in ours and q in ref else (math.inf, math.inf)), tol))
         groups = {param_group(n) for n in ref["grads"]}
         for g in GRAD_GROUPS:
             if g not in groups:
-                if g in TODO_GROUPS:
-                    rows.append(Row(f"{prefix} grads {g}: not implemented yet ({TODO_GROUPS[g]})", math.nan, math.nan, tol, expect="todo"))
                 continue
             pick = lambda d: {n: v for n, v in d.items() if param_group(n) == g}  # noqa: E731
             d_abs, d_rel, n, without = _grad_diff(pick(ours["grads"]), pick(ref["grads"]))
             note = f"; {without} without grad" + (": indexer" if g == "attention" else "") if without else ""
             rows.append(Row(f"{prefix} grads {g} ({n} params{note})", d_abs, d_rel, tol))
-        rows.append(Row(f"{prefix} indexer_loss: not implemented yet ({TODO_GROUPS['indexer_loss']})", math.nan, math.nan, tol, expect="todo"))
         d_abs, d_rel, n, without = _grad_diff(ours["value_grads"], ref["value_grads"])
         note = f"; {without} without grad: indexer" if without else ""
         rows.append(Row(f"{prefix} value_grads, all ({n} params{note})", d_abs, d_rel, tol))
@@ -437,6 +485,11 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         if "hash_shifted_log_probs" in checks:
             d_abs, d_rel = _diff(checks["hash_shifted_log_probs"], ref)
             rows.append(Row("hash ids packed one row off: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
+        if "mtp_roll" in checks:
+            within, across = checks["mtp_roll"]
+            d_abs, d_rel, _, _ = _grad_diff(across, within)
+            rows.append(Row(f"MTP roll across sequence ends ({len(MTP_CONTROL)} sequences): grads mtp must differ",
+                            d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
     return rows
 
 
@@ -453,9 +506,6 @@ def format_table(rows: list[Row], title: str = "") -> str:
     lines.append(f"{'quantity':<{width}}{'max abs diff':>14}{'max rel diff':>14}  result")
     lines.append("-" * (width + 48))
     for r in rows:
-        if r.expect == "todo":
-            lines.append(f"{r.quantity:<{width}}{'-':>14}{'-':>14}  not implemented yet")
-            continue
         bound = {"match": f"<= {r.tol:.0e}", "differ": f">  {r.tol:.0e}", "error": "ValueError raised"}[r.expect]
         lines.append(f"{r.quantity:<{width}}{r.max_abs:>14.3e}{r.max_rel:>14.3e}  {'pass' if r.passed else 'FAIL'} ({bound})")
     lines.append("rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).")

@@ -4,10 +4,11 @@ Runs the CPU jobs' tiny DS4 (``--model ds4``, default: a Megatron-Core GPTModel 
 hybrid attention (sliding, CSA and HCA layers) and the DS4 MoE with a hash layer; or
 ``--model ds4_proxy``, the attention-only proxy) at CP = 1 and at CP = N on N gloo processes,
 through verl-ds4's THD pre/post-processing with the contiguous layout, and compares the loss,
-per-token log-probs, entropy, the gradients of every parameter group, critic values and
-value-loss gradients against CP = 1 (MTP and the indexer loss print "not implemented yet"). At
-CP > 1 it also checks that DS4 attention rejects zigzag rows, that with that guard bypassed the
-log-probs differ, and that hash ids packed one row off make them differ too.
+per-token log-probs, entropy, the MTP loss (one MTP depth), the indexer loss (coefficient 1e-2),
+the gradients of every parameter group (mtp included), critic values and value-loss gradients
+against CP = 1. At CP > 1 it also checks that DS4 attention rejects zigzag rows, that with that
+guard bypassed the log-probs differ, that hash ids packed one row off make them differ too, and
+that an MTP roll across sequence ends changes the MTP gradients (negative controls).
 
 Prints a table (quantity, max abs diff, max rel diff, pass/fail); exits 1 on any failure.
 
@@ -30,7 +31,7 @@ import time
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=None, metavar="N", help="context-parallel size to compare with CP=1 (e.g. 2, 4, 8); with --hf-checkpoint the CP size of our model (default 1)")
     parser.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="compare our Megatron DS4 loaded from this HF DeepSeek-V4 folder with transformers at fp64")
-    parser.add_argument("--allow-mtp-skip", action="store_true", help="with --hf-checkpoint: drop MTP layers/tensors (not implemented) instead of refusing")
+    parser.add_argument("--allow-mtp-skip", action="store_true", help="with --hf-checkpoint: build no MTP block and ignore the folder's mtp.* tensors (transformers drops them too; the logits are the same)")
     parser.add_argument(
         "--dtype", nargs="+", default=["fp64"], choices=["fp64", "fp32"],
         help="precisions to run (default: fp64; add fp32 for the fp32 table, about twice the time)",

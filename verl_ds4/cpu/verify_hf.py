@@ -1,6 +1,6 @@
 """``verl-ds4 verify --hf-checkpoint DIR [--cp N]``: our Megatron DS4 against transformers at fp64.
 
-Loads ``DIR`` twice: into our Megatron DS4 (:func:`verl_ds4.cpu.hf_check.hf_logits`, on ``N`` gloo
+Loads ``DIR`` twice: into our Megatron DS4 (:func:`verl_ds4.models.ds4.hf_check.hf_logits`, on ``N`` gloo
 ranks, packed THD with the contiguous layout) and into transformers' ``DeepseekV4ForCausalLM``
 (fp64, its float32 steps promoted, top-k under the DS4 tie rule: equal scores in index order).
 Both score the same random sequences (ragged lengths that straddle the CP rank boundaries); the
@@ -27,7 +27,7 @@ def compare_with_transformers(folder, cp: int = 1, lengths: list[int] | None = N
     """``{"logits": max rel, "log_probs": max rel, "lengths": [...], "seconds": s}`` for ``folder`` at ``cp``."""
     from transformers import DeepseekV4ForCausalLM
 
-    from verl_ds4.cpu.hf_check import hf_logits
+    from verl_ds4.models.ds4 import hf_logits
     from verl_ds4.models.ds4.hf_checkpoint import read_config
     from verl_ds4.models.ds4.hf_reference import fp64_reference, hf_model_logits
 

@@ -31,7 +31,7 @@ def ensure_single_rank_megatron() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from verl_ds4.cpu.distributed import free_port
+    from verl_ds4.mcore.distributed import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

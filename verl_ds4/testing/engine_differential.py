@@ -54,20 +54,16 @@ def main(argv=None) -> int:
     import torch
     from functools import partial
 
-    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
     from tensordict.tensorclass import NonTensorData
 
     import verl  # noqa: F401  (VERL_USE_EXTERNAL_MODULES: the CPU platform and engines)
     from verl.utils import tensordict_utils as tu
-    from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.dataset.dataset_utils import SFTTensorCollator
     from verl.utils.distributed import initialize_global_process_group
-    from verl.workers.config import TrainingWorkerConfig
-    from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import sft_loss
 
-    from verl_ds4.cpu.sft_run import engine_dtype_args
+    from verl_ds4.cpu.training_worker import cpu_training_worker
     from verl_ds4.models.ds4.sft_dataset import DS4ChatSFTDataset
     from verl_ds4.testing.zigzag_dense import register_zigzag_dense_cpu_builder
 
@@ -76,37 +72,18 @@ def main(argv=None) -> int:
     if args.engine == "stock":
         _stock_cpu_engine()
     world = torch.distributed.get_world_size()
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose(
-            "sft_trainer_engine",
-            overrides=[
-                "engine=megatron",
-                "optim=megatron",
-                f"model.path={args.assets}/model",
-                "model.use_remove_padding=True",
-                *engine_dtype_args("float32"),
-                f"engine.context_parallel_size={args.cp}",
-                "engine.sequence_parallel=False",
-                "engine.use_distributed_optimizer=True",
-                "engine.use_dist_checkpointing=True",
-                "optim.lr=1e-3",
-                "optim.clip_grad=1.0",
-                "optim.total_training_steps=100",
-                "trainer.device=cpu",
-            ],
-        )
-    model_config = omega_conf_to_dataclass(cfg.model)
-    worker = TrainingWorker(
-        TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=model_config,
-            engine_config=omega_conf_to_dataclass(cfg.engine),
-            optimizer_config=omega_conf_to_dataclass(cfg.optim),
-            checkpoint_config=omega_conf_to_dataclass(cfg.checkpoint),
-            profiler_config=omega_conf_to_dataclass(cfg.profiler),
-        )
+    worker, model_config = cpu_training_worker(
+        "language_model",
+        f"{args.assets}/model",
+        args.cp,
+        overrides=[
+            "model.use_remove_padding=True",
+            "engine.use_distributed_optimizer=True",
+            "optim.lr=1e-3",
+            "optim.clip_grad=1.0",
+            "optim.total_training_steps=100",
+        ],
     )
-    worker.reset()
     worker.set_loss_fn(partial(sft_loss, config=None))
     engine = worker.engine
     dataset = DS4ChatSFTDataset(

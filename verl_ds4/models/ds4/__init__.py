@@ -23,6 +23,14 @@ DS4's attention and its CP contract:
   run them as an fp64 reference.
 
 Around the model: :mod:`.chat` and :mod:`.sft_dataset` (DS4 chat encoding, ``DS4ChatSFTDataset``)
-and :mod:`.provider` (the architecture numbers recipes validate against). The CP checks that run
-on gloo processes (``verl-ds4 verify``, ``hf_logits``) live one floor up, in :mod:`verl_ds4.cpu`.
+and :mod:`.provider` (the architecture numbers recipes validate against).
+
+The public check, :func:`hf_logits` (:mod:`.hf_check`): per-sequence logits of our Megatron DS4
+loaded from an HF folder, packed THD with the contiguous layout, at any CP size on gloo ranks.
+``verl-ds4 verify`` (the CP parity table and ``--hf-checkpoint``) lives one floor up, in
+:mod:`verl_ds4.cpu`.
 """
+
+from .hf_check import hf_logits
+
+__all__ = ["hf_logits"]

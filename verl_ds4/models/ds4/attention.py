@@ -285,9 +285,14 @@ class DS4HybridAttention(nn.Module):
         cu_seqlens_padded: torch.Tensor,
         cp_group: dist.ProcessGroup | None = None,
         cp_partition_mode: str | None = "contiguous",
+        real_seqlens: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """x: [T, h] this rank's packed rows; cu_seqlens_padded: global int tensor [B + 1] (identical on
-        every rank, ``cu_seqlens_padded[-1] == T * cp_size``). Returns [T, h]."""
+        every rank, ``cu_seqlens_padded[-1] == T * cp_size``). Returns [T, h].
+
+        ``real_seqlens``: ``(lengths [B] in buffer order, their sum)``, the real (unpadded) length of each
+        packed sequence; only the indexer loss reads it (its queries and divisor are the real tokens,
+        so the loss does not change with the CP padding). ``None``: every row is real."""
         spec = self.spec
         cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
@@ -364,8 +369,13 @@ class DS4HybridAttention(nn.Module):
             from .indexer_loss import indexer_kl_sum
 
             index_scores, all_visible = loss_inputs
+            queries = total
+            if real_seqlens is not None:  # padding rows are no queries (they would see real blocks)
+                lengths, queries = real_seqlens
+                real = q_pos < lengths.to(device=q_pos.device, dtype=torch.long)[rows.seq[halo:].clamp(max=lengths.numel() - 1)]
+                all_visible = all_visible & real.unsqueeze(1)
             kl = indexer_kl_sum(q, values[1], logits[0], self.attn_sink, all_visible, index_scores, scale)
-            loss = spec.indexer_loss_coeff * kl / total
+            loss = spec.indexer_loss_coeff * kl / max(int(queries), 1)
             report = loss.detach().clone()
             if cp_size > 1:
                 dist.all_reduce(report, group=cp_group)

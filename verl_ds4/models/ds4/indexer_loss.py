@@ -10,14 +10,19 @@ For each query row ``i`` and the compressed blocks ``B_i`` it may see (same sequ
     t(b)     = sum_h p_h(b) / sum_{b'} sum_h p_h(b')                 # teacher over B_i
     s(b)     = softmax_{b in B_i}(I(i, b))                           # the indexer's scores
     KL_i     = sum_b t(b) * (log t(b) - log s(b))                    # both clamped at float32 tiny
-    loss     = dsa_indexer_loss_coeff * sum_i KL_i / (global packed rows)
+    loss     = dsa_indexer_loss_coeff * sum_i KL_i / (real tokens of the micro-batch)
 
 ``(+)`` is log-add-exp: the window and the sink take their share of each head's softmax, so a
 head that mostly attends its window weighs little in the teacher (dev's
 ``_compute_unfused_csa_non_compressed_lse`` + ``_compute_indexer_teacher_probabilities`` +
-``_normalize_indexer_teacher_target``). Rows with no visible block contribute 0. The divisor is
-the number of packed rows of the whole CP group (dev's ``l_local * cp_size`` when
-``cu_seqlens_q`` is the padded one, as in our plans), so the per-rank shares sum to the CP = 1 loss.
+``_normalize_indexer_teacher_target``). Rows with no visible block contribute 0.
+
+Queries and divisor are the *real* tokens (the attention gets their lengths from the micro-batch's
+plan, ``PlannedPackedSeqParams.plan``), summed over the whole CP group, so the per-rank shares sum to
+the CP = 1 loss. This is where we differ from dev: dev divides by the packed rows
+(``l_local * cp_size``, padding included, since verl's ``cu_seqlens_q`` is the padded one) and
+counts padding rows as queries (a padding row sees the real blocks before it), so dev's loss moves
+with the CP padding (cp_size * 128-row minimum, divisibility padding); with no padding the two agree.
 
 Only the indexer is trained by it: the teacher is detached, and the indexer already reads detached
 hidden rows and a detached compressed query (its compressor, ``linear_q_up`` and ``linear_weights``

@@ -212,5 +212,20 @@ class DS4HybridSelfAttention(DS4HybridAttention, MegatronModule):
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
         mode = getattr(packed_seq_params, "cp_partition_mode", None)
-        out = DS4HybridAttention.forward(self, hidden_states[:, 0], cu, cp_group=cp_group, cp_partition_mode=mode)
+        real = self._real_seqlens(packed_seq_params) if self._indexer_loss_active() else None
+        out = DS4HybridAttention.forward(self, hidden_states[:, 0], cu, cp_group=cp_group, cp_partition_mode=mode, real_seqlens=real)
         return out.unsqueeze(1), None
+
+    @staticmethod
+    def _real_seqlens(packed_seq_params):
+        """``(real lengths [B] in buffer order, their sum)`` of a THD micro-batch, or ``None`` when every
+        row is real. verl fills every ``cu_seqlens*`` field with the padded offsets, so the real lengths
+        come from the plan the rows were packed with (no device-to-host copy); without a plan, from
+        ``cu_seqlens_q`` where it differs from ``cu_seqlens_q_padded``."""
+        plan = getattr(packed_seq_params, "plan", None)
+        if plan is not None:
+            return plan.cu_seqlens.diff(), int(plan.host_seqlens.sum())
+        cu_real, cu_padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        if cu_real is None or cu_padded is None or cu_real is cu_padded or torch.equal(cu_real, cu_padded):
+            return None
+        return cu_real.diff(), int(cu_real[-1])

@@ -1,15 +1,14 @@
 """Our Megatron DS4 on an HF DeepSeek-V4 folder: per-sequence logits at any CP size (the public check).
 
-    from verl_ds4.cpu.hf_check import hf_logits
+    from verl_ds4.models.ds4 import hf_logits
     logits = hf_logits("path/to/ds4", [ids_a, ids_b], cp=4)    # [L_i, vocab] each, input order
 
 :func:`hf_logits` loads the folder into :class:`verl_ds4.models.ds4.model.DS4Model`
 (:mod:`verl_ds4.models.ds4.hf_checkpoint`), packs the sequences THD with the contiguous CP layout
 (:mod:`verl_ds4.mcore.thd`: one plan, the model's ``min_local_rows``), runs the model on ``cp``
-ranks (real gloo processes when ``cp > 1``, :func:`verl_ds4.cpu.distributed.run_distributed`) and
+ranks (real gloo processes when ``cp > 1``, :func:`verl_ds4.mcore.distributed.run_distributed`) and
 gathers the logits in rank order. :func:`packed_logits` is the per-rank step, also used by the
-fidelity tests with in-memory models. It lives in ``verl_ds4.cpu`` (floor 5) because the gloo
-runner does; ``verl_ds4.models`` (floor 4) may not import it.
+fidelity tests with in-memory models.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ def run_on_cp_ranks(build: Callable[[int], torch.nn.Module], sequences, cp: int,
     """``build(cp_size) -> model`` on every one of ``cp`` gloo ranks, one packed forward, rank 0's
     gathered per-sequence logits (in ``dtype``). ``cp = 1`` also runs in a child process (a fresh
     Megatron parallel state)."""
-    from verl_ds4.cpu.distributed import run_distributed
+    from verl_ds4.mcore.distributed import run_distributed
 
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}.")
