@@ -54,8 +54,10 @@ setup() {
 
 # The Python 3.12 interpreter of lane 2 (empty when there is none).
 find_python312() {
-    local candidate
-    for candidate in "${PYTHON312:-}" python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python; do
+    local candidate pyenv_312
+    pyenv_312=$(printf '%s\n' "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python | sort -rV)
+    # shellcheck disable=SC2086  # pyenv_312: one path a line, no spaces (pyenv's version folders)
+    for candidate in "${PYTHON312:-}" python3.12 $pyenv_312; do
         [ -n "$candidate" ] || continue
         if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
             command -v "$candidate"
@@ -100,8 +102,7 @@ run_tests() {
     if [ "$lane2" = 1 ]; then
         python312=$(find_python312)
         if [ -z "$python312" ]; then
-            echo "[dev.sh] lane 2 needs Python 3.12, and none was found (${PYTHON312:+PYTHON312=$PYTHON312 is not one; }" \
-                 "looked for python3.12 on PATH and ${PYENV_ROOT:-$HOME/.pyenv}/versions/3.12*)." >&2
+            echo "[dev.sh] lane 2 needs Python 3.12, and none was found (${PYTHON312:+PYTHON312=$PYTHON312 is not one; }looked for python3.12 on PATH and ${PYENV_ROOT:-$HOME/.pyenv}/versions/3.12*)." >&2
             echo "[dev.sh] Install Python 3.12, point PYTHON312 at one, or run lane 1 only: LANES=1 bash scripts/dev.sh test" >&2
             exit 2
         fi

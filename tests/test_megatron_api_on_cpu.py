@@ -1,4 +1,5 @@
-"""The CP layout API probe: Megatron-LM dev's and main's spellings, and neither (megatron-core 0.16.1).
+"""The CP layout API probe: Megatron-LM dev's and main's spellings, and neither (the releases: megatron-core
+0.16.1 in lane 1, 0.19.2 in lane 2).
 
 The API that is not installed is a stand-in: a dataclass subclass of the installed ``PackedSeqParams``
 / ``TransformerConfig`` with the other spelling's fields (names from Megatron-LM main's
@@ -48,7 +49,7 @@ def _fields(api):
     return set(api.config_fields)
 
 
-def test_installed_megatron_core_0_16_has_neither():
+def test_installed_megatron_core_release_has_neither():
     api = megatron_api.installed_api()
     assert api.kind == "none" and not api.can_tell_attention
     assert megatron_api.installed_api() is api  # probed once, cached
