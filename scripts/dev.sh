@@ -3,62 +3,223 @@
 #
 #   bash scripts/dev.sh demo [args]   set up .venv, then run the main job: tiny DS4-proxy SFT on CPU
 #                                     (scripts/run_ds4_proxy_sft_cpu.sh; args are Hydra overrides)
-#   bash scripts/dev.sh test [args]   set up .venv, then run the test suite (args go to pytest)
+#   bash scripts/dev.sh test [args]   run the test suite in two lanes (args go to pytest in both):
+#                                     lane 1: .venv (PYTHON, megatron-core 0.16.1), every test;
+#                                     lane 2: .venv312 (Python 3.12, megatron-core 0.19.2), the layout,
+#                                     mcore, engine, resolver and DS4 model tests (tests/conftest.py
+#                                     LANE2_FILES; among the tests that args select)
+#
+# How `test` runs: lane 2's set-up (network-bound: torch for Python 3.12 comes from PyPI) runs in the
+# background, at low priority, while lane 1 sets up and runs its tests; lane 2's tests run after
+# lane 1's (both are CPU-bound: side by side on 2 cores they would only slow each other). The
+# summary gives each lane's set-up and test wall time and result; the exit status is non-zero if
+# any lane (or the image-pins check) failed.
 #
 # User-adjustable:
-#   PYTHON       interpreter that creates the venv (default: python3; 3.10-3.12)
-#   VENV         venv folder (default: .venv in the repository root)
+#   PYTHON       interpreter that creates .venv (default: python3; 3.10-3.12)
+#   VENV         lane 1's venv folder (default: .venv in the repository root)
+#   TORCH_SPEC   torch requirement installed first into .venv (default: torch==2.13.0, whichever build
+#                pip finds: the CPU wheel where pip is pointed at one, the CUDA build from the public
+#                index on Linux)
 #   PINS_CHECK   test: also check that the GPU image's PyPI pins resolve (default 1; 0 skips it)
-#   TORCH_SPEC   torch requirement installed first (default: torch==2.13.0, whichever build pip finds:
-#                the CPU wheel where pip is pointed at one, the CUDA build from the public index on Linux)
+#   LANES        test: the lanes to run (default "1 2"; "1" or "2" runs one)
+#   PYTHON312    lane 2's interpreter (default: python3.12 on PATH, else the newest 3.12 under pyenv);
+#                when lane 2 is asked for and no Python 3.12 is found, `test` stops before running
+#                anything and says so (install Python 3.12, set PYTHON312, or set LANES=1)
+#   VENV312      lane 2's venv folder (default: .venv312)
+#   TORCH312_SPEC torch requirement of lane 2 (default: torch==2.14.1; torch has no CPU build for
+#                Python 3.12 on PyPI, so this is the CUDA build, ~550 MB plus its CUDA wheels; it runs
+#                on a CPU)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+VENV312=${VENV312:-.venv312}
+TORCH312_SPEC=${TORCH312_SPEC:-torch==2.14.1}
+LANES=${LANES:-1 2}
 
+# setup VENV PYTHON TORCH_SPEC: create the venv if needed, install torch, then verl-ds4[test] (editable)
 setup() {
-    if [ ! -x "$VENV/bin/python" ]; then
-        echo "[dev.sh] creating $VENV with $PYTHON"
-        "$PYTHON" -m venv "$VENV"
+    local venv=$1 python=$2 torch_spec=$3
+    if [ ! -x "$venv/bin/python" ]; then
+        echo "[dev.sh] creating $venv with $python"
+        "$python" -m venv "$venv"
     fi
-    echo "[dev.sh] installing $TORCH_SPEC and verl-ds4[test] into $VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+    echo "[dev.sh] installing $torch_spec and verl-ds4[test] into $venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$torch_spec"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+}
+
+# The Python 3.12 interpreter of lane 2 (empty when there is none).
+find_python312() {
+    local candidate pyenv_312
+    pyenv_312=$(printf '%s\n' "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python | sort -rV)
+    # shellcheck disable=SC2086  # pyenv_312: one path a line, no spaces (pyenv's version folders)
+    for candidate in "${PYTHON312:-}" python3.12 $pyenv_312; do
+        [ -n "$candidate" ] || continue
+        if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+            command -v "$candidate"
+            return
+        fi
+        if [ -n "${PYTHON312:-}" ] && [ "$candidate" = "$PYTHON312" ]; then
+            return  # an explicit PYTHON312 that is not a Python 3.12 is not replaced by a guess
+        fi
+    done
+}
+
+seconds() {  # 75 -> 1m15s
+    printf '%dm%02ds' $(($1 / 60)) $(($1 % 60))
+}
+
+# versions VENV: "Python 3.11.7, megatron-core 0.16.1, torch 2.13.0+cpu"
+versions() {
+    "$1/bin/python" - <<'EOF' 2>/dev/null || echo "versions unknown"
+import platform
+from importlib.metadata import version
+print(f"Python {platform.python_version()}, megatron-core {version('megatron-core')}, torch {version('torch')}")
+EOF
+}
+
+# Last line of a pytest log that is its summary ("=== 420 passed, 3 skipped in 990.12s ===").
+pytest_summary() {
+    grep -E '^=+ .* in [0-9.]+s' "$1" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//' || true
+}
+
+run_tests() {
+    local lane1=0 lane2=0 lane
+    for lane in $LANES; do
+        case "$lane" in
+            1) lane1=1 ;;
+            2) lane2=1 ;;
+            *) echo "[dev.sh] LANES='$LANES': each lane is 1 or 2" >&2; exit 2 ;;
+        esac
+    done
+    [ $((lane1 + lane2)) -gt 0 ] || { echo "[dev.sh] LANES is empty: nothing to run" >&2; exit 2; }
+
+    local python312=""
+    if [ "$lane2" = 1 ]; then
+        python312=$(find_python312)
+        if [ -z "$python312" ]; then
+            echo "[dev.sh] lane 2 needs Python 3.12, and none was found (${PYTHON312:+PYTHON312=$PYTHON312 is not one; }looked for python3.12 on PATH and ${PYENV_ROOT:-$HOME/.pyenv}/versions/3.12*)." >&2
+            echo "[dev.sh] Install Python 3.12, point PYTHON312 at one, or run lane 1 only: LANES=1 bash scripts/dev.sh test" >&2
+            exit 2
+        fi
+    fi
+
+    local logs t_start
+    logs=$(mktemp -d)
+    t_start=$SECONDS
+    local setup2_pid="" t2_setup_start=$SECONDS
+    if [ "$lane2" = 1 ]; then
+        echo "[dev.sh] lane 2: setting up $VENV312 with $python312 in the background (log: $logs/lane2-setup.log)"
+        (
+            renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true  # lane 1's tests keep the CPUs first
+            setup "$VENV312" "$python312" "$TORCH312_SPEC"
+            echo "$SECONDS" >"$logs/lane2-setup.done"
+        ) >"$logs/lane2-setup.log" 2>&1 &
+        setup2_pid=$!
+    fi
+
+    # The image's PyPI pins must resolve together (docker/check_pins_resolve.py). The resolve is
+    # network-bound (pip fetches ~300 distributions for minutes), so it runs beside the CPU-bound
+    # test suite instead of inside it; its pytest twin is deselected here. PINS_CHECK=0 skips it.
+    local pins_pid=""
+    start_pins_check() {
+        if [ "${PINS_CHECK:-1}" = 1 ] && [ -z "$pins_pid" ]; then
+            "$1/bin/python" docker/check_pins_resolve.py >"$logs/pins.log" 2>&1 &
+            pins_pid=$!
+        fi
+    }
+
+    local status1="" status2="" setup1_s=0 tests1_s=0 setup2_s=0 tests2_s=0 t
+    if [ "$lane1" = 1 ]; then
+        t=$SECONDS
+        setup "$VENV" "$PYTHON" "$TORCH_SPEC"
+        setup1_s=$((SECONDS - t))
+        start_pins_check "$VENV"
+        echo "[dev.sh] lane 1: $(versions "$VENV"): pytest $*"
+        t=$SECONDS
+        status1=0
+        # pytest exits 5 when it collects no test: that fails here as any non-zero exit does.
+        "$VENV/bin/python" -m pytest \
+            --deselect tests/test_image_pins_resolve_on_cpu.py::test_image_pins_resolve_on_python_312 "$@" \
+            2>&1 | tee "$logs/lane1.log" || status1=${PIPESTATUS[0]}
+        tests1_s=$((SECONDS - t))
+    fi
+
+    local setup2_status=""
+    if [ "$lane2" = 1 ]; then
+        echo "[dev.sh] lane 2: waiting for the set-up of $VENV312"
+        setup2_status=0
+        wait "$setup2_pid" || setup2_status=$?
+        setup2_s=$(( $(cat "$logs/lane2-setup.done" 2>/dev/null || echo "$SECONDS") - t2_setup_start ))
+        if [ "$setup2_status" != 0 ]; then
+            echo "[dev.sh] lane 2: setting up $VENV312 failed (exit $setup2_status); the end of its log:"
+            grep -v "^WARNING: Location '" "$logs/lane2-setup.log" | tail -n 20
+            status2=$setup2_status
+        else
+            start_pins_check "$VENV312"
+            echo "[dev.sh] lane 2: $(versions "$VENV312"): the lane-2 tests among: pytest $*"
+            t=$SECONDS
+            status2=0
+            VERL_DS4_TEST_LANE=2 "$VENV312/bin/python" -m pytest "$@" 2>&1 | tee "$logs/lane2.log" \
+                || status2=${PIPESTATUS[0]}
+            tests2_s=$((SECONDS - t))
+            # Exit 5 (no test) with arguments: they selected no lane-2 test; without arguments it fails.
+            if [ "$status2" = 5 ] && [ $# -gt 0 ]; then
+                status2=none
+            fi
+        fi
+    fi
+
+    local pins_status=""
+    if [ -n "$pins_pid" ]; then
+        pins_status=0
+        wait "$pins_pid" || pins_status=$?
+        echo "[dev.sh] image pins (docker/check_pins_resolve.py, exit $pins_status):"
+        tail -n 8 "$logs/pins.log"
+    fi
+
+    local status=0 result
+    echo "[dev.sh] ------------------------------ summary ------------------------------"
+    if [ "$lane1" = 1 ]; then
+        result=$([ "$status1" = 0 ] && echo passed || echo "FAILED (exit $status1)")
+        echo "[dev.sh] lane 1 ($(versions "$VENV")): set-up $(seconds "$setup1_s"), tests $(seconds "$tests1_s"): $result"
+        echo "[dev.sh]        $(pytest_summary "$logs/lane1.log")"
+        [ "$status1" = 0 ] || status=1
+    fi
+    if [ "$lane2" = 1 ]; then
+        if [ "$setup2_status" != 0 ]; then
+            result="FAILED: set-up exit $setup2_status"
+        elif [ "$status2" = none ]; then
+            result="no lane-2 test among those selected"
+        else
+            result=$([ "$status2" = 0 ] && echo passed || echo "FAILED (exit $status2)")
+        fi
+        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s") (beside lane 1), tests $(seconds "$tests2_s"): $result"
+        [ -f "$logs/lane2.log" ] && echo "[dev.sh]        $(pytest_summary "$logs/lane2.log")"
+        [ "$status2" = 0 ] || [ "$status2" = none ] || status=1
+    fi
+    if [ -n "$pins_status" ]; then
+        echo "[dev.sh] image pins: $([ "$pins_status" = 0 ] && echo resolve || echo "FAILED (exit $pins_status)")"
+        [ "$pins_status" = 0 ] || status=1
+    fi
+    echo "[dev.sh] total $(seconds $((SECONDS - t_start)))"
+    rm -rf "$logs"
+    exit "$status"
 }
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
     demo)
-        setup
+        setup "$VENV" "$PYTHON" "$TORCH_SPEC"
         PYTHON="$VENV/bin/python" exec bash scripts/run_ds4_proxy_sft_cpu.sh "$@"
         ;;
     test)
-        setup
-        # The image's PyPI pins must resolve together (docker/check_pins_resolve.py). The resolve is
-        # network-bound (pip fetches ~300 distributions for minutes), so it runs beside the CPU-bound
-        # test suite instead of inside it; its pytest twin is deselected here. PINS_CHECK=0 skips it.
-        pins_pid=""
-        pins_log=$(mktemp)
-        if [ "${PINS_CHECK:-1}" = 1 ]; then
-            "$VENV/bin/python" docker/check_pins_resolve.py >"$pins_log" 2>&1 &
-            pins_pid=$!
-        fi
-        status=0
-        # pytest exits 5 when it collects no test: that fails here as any non-zero exit does.
-        "$VENV/bin/python" -m pytest \
-            --deselect tests/test_image_pins_resolve_on_cpu.py::test_image_pins_resolve_on_python_312 "$@" || status=$?
-        if [ -n "$pins_pid" ]; then
-            pins_status=0
-            wait "$pins_pid" || pins_status=$?
-            echo "[dev.sh] image pins (docker/check_pins_resolve.py, exit $pins_status):"
-            tail -n 8 "$pins_log"
-            [ "$pins_status" = 0 ] || status=$pins_status
-        fi
-        rm -f "$pins_log"
-        exit "$status"
+        run_tests "$@"
         ;;
     *)
         echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2

@@ -4,11 +4,61 @@
 verl (the hooks of :mod:`verl_ds4.engine.megatron`, the engine registrations of
 :mod:`verl_ds4.engine.plugin`) leave them as they found them, so the test files pass in any order
 (``tests/test_hook_order_on_cpu.py`` runs them shuffled).
+
+``LANE2_FILES``: the test files of the second test lane (``scripts/dev.sh test`` runs them again on
+Python 3.12 with megatron-core 0.19.2, in ``.venv312``): the layout, mcore, engine, resolver and DS4
+model tests. Their tests get the ``lane2`` marker, so ``pytest -m lane2`` selects that lane.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+LANE2_FILES = frozenset({
+    "test_layout_plan_on_cpu.py",
+    "test_cp_balance_on_cpu.py",
+    "test_thd_differential_on_cpu.py",
+    "test_megatron_api_on_cpu.py",
+    "test_layout_resolver_on_cpu.py",
+    "test_host_transfers_on_cpu.py",
+    "test_engine_data_paths_on_cpu.py",
+    "test_engine_differential_on_cpu.py",
+    "test_engine_plugin_on_cpu.py",
+    "test_ds4_attention_fidelity_on_cpu.py",
+    "test_ds4_model_parts_on_cpu.py",
+    "test_ds4_model_fidelity_on_cpu.py",
+    "test_ds4_cp_parity_on_cpu.py",
+    "test_ds4_mtp_indexer_loss_on_cpu.py",
+    "test_ds4_proxy_on_cpu.py",
+    "test_ds4_router_replay_on_cpu.py",
+    "test_ds4_hf_checkpoint_on_cpu.py",
+})  # fmt: skip
+
+
+def _lane2_only() -> bool:
+    return os.environ.get("VERL_DS4_TEST_LANE") == "2"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Lane 2 does not import the other test files (their imports may need what lane 1 has)."""
+    if _lane2_only() and collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return collection_path.name not in LANE2_FILES or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the lane-2 tests; with ``VERL_DS4_TEST_LANE=2`` (lane 2 of ``scripts/dev.sh test``) keep only them."""
+    for item in items:
+        if Path(str(item.fspath)).name in LANE2_FILES:
+            item.add_marker(pytest.mark.lane2)
+    if _lane2_only():
+        other = [item for item in items if Path(str(item.fspath)).name not in LANE2_FILES]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if Path(str(item.fspath)).name in LANE2_FILES]
 
 
 @pytest.fixture

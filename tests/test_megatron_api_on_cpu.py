@@ -1,4 +1,5 @@
-"""The CP layout API probe: Megatron-LM dev's and main's spellings, and neither (megatron-core 0.16.1).
+"""The CP layout API probe: Megatron-LM dev's and main's spellings, and neither (the releases: megatron-core
+0.16.1 in lane 1, 0.19.2 in lane 2).
 
 The API that is not installed is a stand-in: a dataclass subclass of the installed ``PackedSeqParams``
 / ``TransformerConfig`` with the other spelling's fields (names from Megatron-LM main's
@@ -48,7 +49,7 @@ def _fields(api):
     return set(api.config_fields)
 
 
-def test_installed_megatron_core_0_16_has_neither():
+def test_installed_megatron_core_release_has_neither():
     api = megatron_api.installed_api()
     assert api.kind == "none" and not api.can_tell_attention
     assert megatron_api.installed_api() is api  # probed once, cached
@@ -113,3 +114,25 @@ def test_doctor_names_the_api(capsys):
     doctor_cli.run(SimpleNamespace(require_ds4=False))
     out = capsys.readouterr().out
     assert "Megatron-Core CP layout API:" in out and "none:" in out
+
+
+def test_dynamic_cp_group_getter_of_either_release(monkeypatch):
+    """cp_context finds the dynamic-CP group under Megatron-LM dev's name or megatron-core 0.19's."""
+    from verl_ds4.mcore import thd
+
+    calls = []
+
+    def getter(name):
+        return lambda group_size: calls.append((name, group_size)) or "group"
+
+    monkeypatch.setattr(thd.torch.distributed, "get_rank", lambda group: 1)
+    for present in (("get_dynamic_data_context_parallel_groups",), ("get_hybrid_data_context_parallel_groups",),
+                    thd.DYNAMIC_CP_GROUP_GETTERS):  # fmt: skip
+        calls.clear()
+        monkeypatch.setattr(thd, "mpu", SimpleNamespace(**{name: getter(name) for name in present}))
+        assert thd.cp_context(2) == (2, 1, "group", {"local_cp_size": 2, "cp_group": "group"})
+        assert calls == [(present[0], 2)]  # Megatron-LM dev's name first where both exist
+    # negative control: neither name -> a clear error naming both
+    monkeypatch.setattr(thd, "mpu", SimpleNamespace())
+    with pytest.raises(ValueError, match="get_dynamic_data_context_parallel_groups / get_hybrid"):
+        thd.cp_context(2)

@@ -188,7 +188,8 @@ def test_matches_verl_on_random_batches(world_size, configs):
 
 
 def _old_megatron_world(rank: int, world_size: int) -> str:
-    """With the real megatron-core 0.16.1 PackedSeqParams: contiguous CP>1 is refused up front."""
+    """With a released megatron-core's PackedSeqParams (0.16.1, 0.19.2: no cp_partition_mode): contiguous
+    CP>1 is refused up front."""
     from megatron.core import parallel_state as mpu
 
     import verl_ds4.mcore.thd as ours
@@ -211,8 +212,15 @@ def _old_megatron_world(rank: int, world_size: int) -> str:
         plan = ours.make_plan(x, ours.PlanOptions(layout="contiguous", cp_size=2))
         params = ours.packed_seq_params_for(plan, layout_consumer_checked=True)
         assert params.cp_partition_mode == "contiguous"
-        with pytest.raises(ValueError, match="dynamic"):
-            ours.preprocess_thd_engine(x, local_cp_size=2)
+        if any(hasattr(mpu, name) for name in ours.DYNAMIC_CP_GROUP_GETTERS):
+            # megatron-core 0.19.2 (lane 2) has dynamic CP groups (its "hybrid" DPxCP groups): the
+            # size-2 group here is the DPxCP group, and the micro-batch is packed for it.
+            _, params, _ = ours.preprocess_thd_engine(x, local_cp_size=2)
+            dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+            assert params.local_cp_size == 2 and params.cp_group is dp_cp_group
+        else:  # megatron-core 0.16.1 (lane 1): none, and a clear error says so
+            with pytest.raises(ValueError, match="dynamic"):
+                ours.preprocess_thd_engine(x, local_cp_size=2)
     finally:
         ours.make_plan = original
         mpu.destroy_model_parallel()

@@ -3,8 +3,9 @@
 Megatron-Core creates ``device="cuda"`` scalars in the optimizer (found-inf, grad-norm, clip
 buffers), the schedule (``total_num_tokens``) and DDP's grad buffers, asserts
 ``param.type() == 'torch.cuda.FloatTensor'`` and calls ``torch.cuda.synchronize`` in
-dist-checkpointing. :func:`cuda_literals_on_cpu` redirects exactly those for the block; the CPU
-engines (:mod:`verl_ds4.cpu.engine`) wrap the Megatron calls that need it.
+dist-checkpointing; megatron-core 0.19's DDP grad sync (``start_grad_sync``) waits on
+``torch.cuda.current_stream()``. :func:`cuda_literals_on_cpu` redirects exactly those for the
+block; the CPU engines (:mod:`verl_ds4.cpu.engine`) wrap the Megatron calls that need it.
 """
 
 from __future__ import annotations
@@ -63,19 +64,37 @@ class _CudaLiteralsToCPU(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CPUStream:
+    """``torch.cuda.current_stream()`` on the CPU: work is already done in order, nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CPUStream()
+
+
 @contextlib.contextmanager
 def cuda_literals_on_cpu(report_cuda_types: bool = False):
     """Run Megatron-Core code that hard-codes CUDA on the CPU.
 
     Inside the block: tensors requested on ``"cuda"`` (or a device index) are created on the
     CPU, ``torch.cuda.current_device()`` returns 0 (then mapped to the CPU),
-    ``torch.cuda.synchronize()`` does nothing. Only the CPU engines use it, around the
+    ``torch.cuda.synchronize()`` does nothing and ``torch.cuda.current_stream()`` is a stream whose
+    waits do nothing. Only the CPU engines use it, around the
     Megatron calls listed in this module's docstring; it is a no-op for code that does not
     name CUDA.
     """
-    saved = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize")}
+    saved = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "current_stream")}
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
     try:
         with _CudaLiteralsToCPU(report_cuda_types):
             yield

@@ -30,7 +30,8 @@ Deliberate differences from verl 0.9.1:
    it; :func:`packed_seq_params_for` with ``layout_consumer_checked=True`` (the engine's start-up
    check passed) allows it.
 5. Dynamic CP on a Megatron-Core without dynamic CP groups raises a clear error (verl raises
-   ``AttributeError``).
+   ``AttributeError``); megatron-core 0.19's name for them (``get_hybrid_data_context_parallel_groups``)
+   is used where Megatron-LM dev's (``get_dynamic_data_context_parallel_groups``) is missing.
 6. The returned ``PackedSeqParams`` is a :class:`PlannedPackedSeqParams` whose ``plan`` field
    carries the micro-batch's plan to every consumer (post-processing, router replay), so it is
    never rebuilt. Post-processing checks that it got a micro-batch of the plan's shape (batch size
@@ -52,6 +53,13 @@ from verl_ds4.layout.plan import plan_from_padded_lengths
 #: The ``PackedSeqParams`` attribute verl 0.9.1's MTP patch reads the loss normalisation factor from
 #: (``verl/models/mcore/mtp_patch.py``); a declared field of :class:`PlannedPackedSeqParams`.
 MTP_LOSS_NORMALIZATION_FIELD = "_verl_mtp_loss_normalization_factor"
+
+
+#: Megatron-Core's getter of the DPxCP sub-group of a dynamic-CP micro-batch, by release: Megatron-LM
+#: ``dev`` (what verl 0.9.1 calls) names it "dynamic"; megatron-core 0.19.x names the same feature
+#: "hybrid context parallel" (``parallel_state.get_hybrid_data_context_parallel_groups``, same
+#: ``group_size`` keyword). The first one the installed Megatron-Core has is used.
+DYNAMIC_CP_GROUP_GETTERS = ("get_dynamic_data_context_parallel_groups", "get_hybrid_data_context_parallel_groups")
 
 
 def _has_cp_partition_mode(cls) -> bool:
@@ -90,12 +98,12 @@ def cp_context(local_cp_size: int | None):
     """
     if local_cp_size is None:
         return mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(), _static_cp_group(), {}
-    get_groups = getattr(mpu, "get_dynamic_data_context_parallel_groups", None)
+    get_groups = next((getattr(mpu, name) for name in DYNAMIC_CP_GROUP_GETTERS if hasattr(mpu, name)), None)
     if get_groups is None:
         raise ValueError(
             f"local_cp_size={local_cp_size} asks for dynamic context parallelism, but the installed "
-            "Megatron-Core has no dynamic CP groups (parallel_state.get_dynamic_data_context_parallel_groups). "
-            "Install a Megatron-Core with dynamic CP or disable dynamic CP."
+            "Megatron-Core has no dynamic CP groups (parallel_state."
+            f"{' / '.join(DYNAMIC_CP_GROUP_GETTERS)}). Install a Megatron-Core with dynamic CP or disable dynamic CP."
         )
     group = get_groups(group_size=local_cp_size)
     rank = torch.distributed.get_rank(group=group)
