@@ -196,7 +196,8 @@ class CPURolloutServer:
         self.num_forwards = 0  # packed forwards run (a request of n tokens alone takes n)
         self.max_active = 0  # most requests decoded together
         logger.info(
-            "verl-ds4 %s rollout server %d ready (eos ids %s)", ROLLOUT_NAME, replica_rank, sorted(self.eos_token_ids)
+            "verl-ds4 %s rollout server %d ready (eos ids %s; code from %s)", ROLLOUT_NAME, replica_rank,
+            sorted(self.eos_token_ids), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
 
     # -- token in, token out ----------------------------------------------------------------
@@ -324,17 +325,22 @@ class CPURolloutServer:
                         if not isinstance(err, Exception):
                             raise
                         continue
-                    for request in [r for r in active if r.done]:
-                        request.future.set_result(None)
-                    active = [r for r in active if not r.done]
+                    for request in active:
+                        if request.done and not request.future.done():  # (a cancelled caller's is done)
+                            request.future.set_result(None)
+                    active = [r for r in active if not r.done and not r.future.done()]
                     continue
                 if not self._queue:
                     break
                 job = self._queue.popleft()  # a weight update, after every earlier request finished
                 try:
-                    job.future.set_result(await asyncio.to_thread(self._load_weights, job))
+                    loaded = await asyncio.to_thread(self._load_weights, job)
                 except Exception as err:
-                    job.future.set_exception(err)
+                    if not job.future.done():
+                        job.future.set_exception(err)
+                else:
+                    if not job.future.done():
+                        job.future.set_result(loaded)
         finally:
             self._running = False
             for job in list(active) + list(self._queue):
