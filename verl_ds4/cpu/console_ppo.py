@@ -109,9 +109,9 @@ class PPOConsole(ConsoleView):
             eta = mean * max(0, self.total_steps - step)
             return [say(
                 f"step {step}/{self.total_steps} | reward {_fmt(m.get('critic/score/mean'))} | value_loss "
-                f"{_fmt(m.get('critic/vf_loss'))} | kl {_fmt(m.get('actor/kl_loss'))} | rollout/actor lp_diff_max "
-                f"{_fmt(m.get('training/rollout_log_probs_diff_max'))} k3 {_fmt(m.get('rollout_corr/k3_kl'))} | step "
-                f"{format_duration(m.get('timing_s/step', float('nan')))} | elapsed "
+                f"{_fmt(m.get('critic/vf_loss'))} | kl {_fmt(m.get('actor/kl_loss'))} | step "
+                f"{format_duration(m.get('timing_s/step', float('nan')))} | rollout/actor lp_diff_max "
+                f"{_fmt(m.get('training/rollout_log_probs_diff_max'))} k3 {_fmt(m.get('rollout_corr/k3_kl'))} | elapsed "
                 f"{format_duration(time.monotonic() - self._start)} | ETA {format_duration(eta)}"
             )]
         if (m := LAYOUT_LINE.search(line)) and m.group(1) not in self._layouts:
