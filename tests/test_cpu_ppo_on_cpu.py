@@ -177,7 +177,10 @@ def skipped_sync_run(tmp_path_factory):
     with pytest.raises(CPUPPORunError) as err:
         _launch(work, env)
     console = (work / "outer.log").read_text(errors="replace")
-    [log_line] = [line for line in console.splitlines() if line.startswith("[verl-ds4] FAILED (exit")]
+    failed = [line for line in console.splitlines() if line.startswith("[verl-ds4] FAILED (exit")]
+    if not failed:  # killed by the guard (a timeout) before the console's own report
+        pytest.fail(f"the negative-control run did not stop on its own:\n{err.value}")
+    [log_line] = failed
     log = Path(log_line.split()[-1]).read_text(errors="replace")
     print(console)
     return console, log, str(err.value)
