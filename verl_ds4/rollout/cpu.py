@@ -12,8 +12,9 @@ rollouts are not used by the v1 trainer's agent loop. This rollout lets the whol
   samples one token for each with that request's own seeded generator; new requests join at the next
   step. There is no KV cache: every step recomputes the whole sequences, exactly the forward the
   actor recomputes the log-probs with. ``update_weights`` loads the actor's weights (queued behind
-  the requests sent before it, so a response never mixes two weight versions); the trainer's control calls (``wake_up``, ``sleep``, ``abort_all_requests``, ...)
-  are no-ops because nothing is paged in or out.
+  the requests sent before it, so a response never mixes two weight versions); the trainer's
+  control calls (``wake_up``, ``sleep``, ``abort_all_requests``, ...) are no-ops because nothing is
+  paged in or out.
 * :class:`CPUServerAdapter` - the ``BaseRollout`` each actor rank holds (``_ROLLOUT_REGISTRY``):
   every step the worker hands it the actor's ``(name, tensor)`` export; every rank drains the
   generator (an export may involve collectives), rollout rank 0 sends the tensors to its server.
