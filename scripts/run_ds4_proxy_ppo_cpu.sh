@@ -3,6 +3,7 @@
 #
 #   prompts -> cpu_demo rollout (current actor weights) -> rule reward -> critic values (Megatron value head)
 #   -> GAE -> actor update (PPO + KL to the reference model) and critic update -> weight sync -> checkpoint
+# Every step the mismatch gate compares the rollout's log-probs with the actor's recompute at CP (verl_ds4/rollout/mismatch_gate.py).
 #
 # Actor, reference and critic are the full tiny DS4 (MODEL=ds4: mHC, DS4 attention, DS4 MoE with a hash layer,
 # started from the assets' DS4 checkpoint folder) or, with MODEL=ds4_proxy, the attention-only DS4 proxy, on
@@ -31,6 +32,8 @@ CP=${CP:-2}                             # context-parallel size of actor, refere
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto
+MISMATCH_MAX=${MISMATCH_MAX:-null}     # stop when rollout and actor log-probs differ by more (max abs; null: report only).
+                                        # null until the PPO actor runs fp32 (today bf16: 0.24 measured at step 1)
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
 # --------------------------------------------------------------------------------------
 
@@ -54,7 +57,7 @@ REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__fi
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
 export VERL_PLATFORM=cpu
-export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder,verl_ds4.rollout.mismatch_gate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
 
@@ -81,6 +84,7 @@ TRAINER=(
     trainer.save_freq="$SAVE_FREQ"
     trainer.resume_mode="$RESUME_MODE"
     trainer.default_local_dir="$WORK_DIR/checkpoints"
+    trainer.v1.ds4_gated_sync.max_log_prob_diff="$MISMATCH_MAX"
 )
 
 CONSOLE=(
@@ -89,6 +93,7 @@ CONSOLE=(
     --fact "model=$MODEL ($ASSETS/model; ds4: the tiny DS4 checkpoint, ds4_proxy: attention-only proxy): actor, reference, critic"
     --fact "parallel=CP $CP (actor, reference, critic), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH, response <= $RESPONSE_LENGTH tokens, $STEPS steps"
+    --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)

@@ -152,6 +152,26 @@ def _server_checks(rank: int, world: int) -> dict:
     )
     out["no_logprobs_unless_asked"] = asyncio.run(server.generate(prompt, {"temperature": 0}, "r2")).log_probs is None
 
+    # 1b. requests sent together are decoded together (one packed forward per token for all of them), and
+    #     each gets what it gets alone: the same tokens, the same log-probs to float rounding
+    prompts = [prompt, prompt[:4], [7, 7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 1, 30, 31]]
+    sampling = {"temperature": 1.0, "logprobs": True}
+    start = server.num_forwards
+    alone = [server.generate_sync(p, dict(sampling), f"b{i}") for i, p in enumerate(prompts)]
+    out["serial_forwards"] = server.num_forwards - start
+
+    async def together():
+        return await asyncio.gather(*[server.generate(p, dict(sampling), f"b{i}") for i, p in enumerate(prompts)])
+
+    start = server.num_forwards
+    batched = asyncio.run(together())
+    out["batched_forwards"] = server.num_forwards - start
+    out["batched_max_active"] = server.max_active
+    out["batched_same_tokens"] = [b.token_ids for b in batched] == [a.token_ids for a in alone]
+    out["batched_logprob_diff"] = max(
+        abs(x - y) for a, b in zip(alone, batched) for x, y in zip(a.log_probs, b.log_probs)
+    )
+
     # 2. max_tokens and eos
     out["max_tokens_3"] = len(asyncio.run(server.generate(prompt, {"temperature": 0, "max_tokens": 3}, "r3")).token_ids)
     greedy = asyncio.run(server.generate(prompt, {"temperature": 0}, "r4")).token_ids
@@ -165,7 +185,19 @@ def _server_checks(rank: int, world: int) -> dict:
     actor = MegatronCPUPolicy(hf_config).model  # the same builder the CPU engine uses -> same names
     reset_parameters(actor, seed=999, std=0.3)
     exported = [(f"module.{name}", p.detach().clone()) for name, p in actor.named_parameters()]
-    loaded = asyncio.run(server.update_weights(exported, global_steps=3))
+
+    # a weight update sent while a request runs waits for it; a request sent after the update uses the new weights
+    async def request_update_request():
+        return await asyncio.gather(
+            server.generate(prompt, {"temperature": 0}, "m1"),
+            server.update_weights(exported, global_steps=3),
+            server.generate(prompt, {"temperature": 0}, "m2"),
+        )
+
+    in_flight, loaded, queued_after = asyncio.run(request_update_request())
+    new_greedy = asyncio.run(server.generate(prompt, {"temperature": 0}, "m3")).token_ids
+    out["in_flight_keeps_old_weights"] = in_flight.token_ids == greedy
+    out["queued_after_gets_new_weights"] = queued_after.token_ids == new_greedy and new_greedy != greedy
     params = dict(policy.model.named_parameters())
     out["all_loaded"] = loaded == len(params) and all(
         torch.equal(params[name[len("module.") :]], t) for name, t in exported
@@ -179,7 +211,20 @@ def _server_checks(rank: int, world: int) -> dict:
         "global_steps"
     ]
 
-    # 4. bad exports fail clearly
+    # 4. the test-only switch (the mismatch gate's negative control) skips the sync of one global step only
+    from verl_ds4.rollout.cpu import ENV_TEST_SKIP_SYNC
+
+    halved = [(name, t * 0.5) for name, t in exported]
+    os.environ[ENV_TEST_SKIP_SYNC] = "4"
+    try:
+        skipped = asyncio.run(server.update_weights(halved, global_steps=4))
+        out["skip_loads_nothing"] = skipped == 0 and torch.equal(policy.next_token_logits(prompt), after)
+        synced = asyncio.run(server.update_weights(halved, global_steps=5))
+        out["skip_only_that_step"] = synced == len(params) and not torch.equal(policy.next_token_logits(prompt), after)
+    finally:
+        del os.environ[ENV_TEST_SKIP_SYNC]
+
+    # 5. bad exports fail clearly
     errors = {}
     for label, bad in {
         "missing": exported[1:],
@@ -207,6 +252,24 @@ def test_server_logprobs_match_a_full_forward_of_the_same_weights(server_results
     assert server_results["logprob_diff"] < 1e-4
     assert server_results["same_request_same_tokens"]
     assert server_results["no_logprobs_unless_asked"]
+
+
+def test_server_decodes_concurrent_requests_together_with_the_same_results(server_results):
+    assert server_results["serial_forwards"] == 3 * 8  # one request at a time: a forward per token each
+    assert server_results["batched_forwards"] == 8  # together: one packed forward per token for all three
+    assert server_results["batched_max_active"] == 3
+    assert server_results["batched_same_tokens"]
+    assert server_results["batched_logprob_diff"] < 1e-5
+
+
+def test_weight_updates_wait_for_running_requests(server_results):
+    assert server_results["in_flight_keeps_old_weights"]
+    assert server_results["queued_after_gets_new_weights"]
+
+
+def test_the_test_only_switch_skips_one_weight_sync(server_results):
+    assert server_results["skip_loads_nothing"]
+    assert server_results["skip_only_that_step"]
 
 
 def test_server_honours_max_tokens_and_eos(server_results):

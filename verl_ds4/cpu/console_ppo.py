@@ -11,6 +11,8 @@ from verl_ds4.cpu.console_run import ConsoleView, ANSI_ESCAPE, LAYOUT_LINE, form
 
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _ROLLOUT_READY = re.compile(r"(cpu_demo rollout server \d+ ready)")
+# verl_ds4.rollout.mismatch_gate's error (its GATE_MARK; this floor may not import the rollout package)
+_GATE_STOP = re.compile(r"(verl-ds4 mismatch gate: step \d+: .*?above the threshold \S+ \([^)]*\))")
 
 
 # ------------------------------------------------------------------------------- the PPO/GRPO job
@@ -23,6 +25,9 @@ SUMMARY_COLUMNS = (
     ("actor/pg_loss", "pg_loss"),
     ("critic/values/mean", "value_mean"),
     ("response_length/mean", "resp_len"),
+    # rollout vs actor log-probs on the sampled tokens (verl_ds4.rollout.mismatch_gate)
+    ("training/rollout_log_probs_diff_max", "lp_diff_max"),
+    ("rollout_corr/k3_kl", "k3_kl"),
     ("timing_s/gen", "gen_s"),
     ("timing_s/step", "step_s"),
 )
@@ -85,6 +90,7 @@ class PPOConsole(ConsoleView):
         self._start = time.monotonic()
         self._step_times: list[float] = []
         self._printed: set[int] = set()
+        self._gate_stopped = False
 
     def header(self, log_path: Path) -> list[str]:
         lines = [say(f"{key:<11} {value}") for key, value in self.facts]
@@ -104,12 +110,16 @@ class PPOConsole(ConsoleView):
             return [say(
                 f"step {step}/{self.total_steps} | reward {_fmt(m.get('critic/score/mean'))} | value_loss "
                 f"{_fmt(m.get('critic/vf_loss'))} | kl {_fmt(m.get('actor/kl_loss'))} | step "
-                f"{format_duration(m.get('timing_s/step', float('nan')))} | elapsed "
+                f"{format_duration(m.get('timing_s/step', float('nan')))} | rollout/actor lp_diff_max "
+                f"{_fmt(m.get('training/rollout_log_probs_diff_max'))} k3 {_fmt(m.get('rollout_corr/k3_kl'))} | elapsed "
                 f"{format_duration(time.monotonic() - self._start)} | ETA {format_duration(eta)}"
             )]
         if (m := LAYOUT_LINE.search(line)) and m.group(1) not in self._layouts:
             self._layouts.add(m.group(1))
             return [say(f"{'CP layout':<11} {m.group(2)} ({m.group(3)}), resolved by {m.group(1)}")]
+        if not self._gate_stopped and (m := _GATE_STOP.search(line)):
+            self._gate_stopped = True
+            return [say(f"{'GATE STOP':<11} {m.group(1)}")]
         if not self._ready and (m := _ROLLOUT_READY.search(line)):
             self._ready = True
             return [say(f"{'rollout':<11} {m.group(1)}")]

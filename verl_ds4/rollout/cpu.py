@@ -5,11 +5,16 @@ rollouts are not used by the v1 trainer's agent loop. This rollout lets the whol
 (rollout -> reward -> values -> GAE -> updates -> weight sync) run on a laptop:
 
 * :class:`CPURolloutServer` - the Ray actor the agent loop talks to (token in, token out):
-  ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` samples one request
-  at a time (serial, a full forward per token, no KV cache) from a
-  :class:`~verl_ds4.rollout.policy.MegatronCPUPolicy`; ``update_weights`` loads the actor's
-  weights; the trainer's control calls (``wake_up``, ``sleep``, ``abort_all_requests``, ...)
-  are no-ops because nothing is paged in or out.
+  ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` samples from a
+  :class:`~verl_ds4.rollout.policy.MegatronCPUPolicy`. Requests are batched continuously: each
+  decode step runs one packed THD forward over every active request (at most
+  ``rollout.max_num_batched_tokens`` rows a forward, ``rollout.max_num_seqs`` requests at once) and
+  samples one token for each with that request's own seeded generator; new requests join at the next
+  step. There is no KV cache: every step recomputes the whole sequences, exactly the forward the
+  actor recomputes the log-probs with. ``update_weights`` loads the actor's weights (queued behind
+  the requests sent before it, so a response never mixes two weight versions); the trainer's
+  control calls (``wake_up``, ``sleep``, ``abort_all_requests``, ...) are no-ops because nothing is
+  paged in or out.
 * :class:`CPUServerAdapter` - the ``BaseRollout`` each actor rank holds (``_ROLLOUT_REGISTRY``):
   every step the worker hands it the actor's ``(name, tensor)`` export; every rank drains the
   generator (an export may involve collectives), rollout rank 0 sends the tensors to its server.
@@ -23,9 +28,11 @@ must use vLLM or SGLang. :func:`verl_ds4.rollout.register` makes verl know the n
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import zlib
+from dataclasses import dataclass, field
 from typing import Any, Generator, Optional
 
 import torch
@@ -41,6 +48,8 @@ SERVER_NAME_PREFIX = "verl_ds4_cpu_demo_server"
 DEFAULT_POLICY = "verl_ds4.rollout.policy.MegatronCPUPolicy"
 # Env var naming another policy class (module.Class) with the same interface (tests).
 ENV_POLICY = "VERL_DS4_CPU_ROLLOUT_POLICY"
+# TEST ONLY (the mismatch gate's negative control): the global step whose weight sync the server skips.
+ENV_TEST_SKIP_SYNC = "VERL_DS4_TEST_SKIP_WEIGHT_SYNC_AT_STEP"
 
 __all__ = [
     "ROLLOUT_NAME",
@@ -57,7 +66,7 @@ def refuse_cuda(where: str) -> None:
     """Raise if CUDA devices are visible: this rollout is for CPU tests and demos only."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         raise RuntimeError(
-            f"rollout.name={ROLLOUT_NAME!r} ({where}) is a CPU test/demo rollout (serial, no KV cache) and refuses "
+            f"rollout.name={ROLLOUT_NAME!r} ({where}) is a CPU test/demo rollout (no KV cache) and refuses "
             f"to run where CUDA devices are visible ({torch.cuda.device_count()} found). On GPUs set "
             "actor_rollout_ref.rollout.name=vllm (or sglang)."
         )
@@ -121,6 +130,31 @@ def _eos_token_ids(model_config) -> set[int]:
     return ids
 
 
+@dataclass(eq=False)
+class _Request:
+    """One generate call in the scheduler: its prompt, sampling settings and what it has sampled so far."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    want_logprobs: bool
+    ignore_eos: bool
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    future: Any = None
+
+
+@dataclass(eq=False)
+class _WeightJob:
+    weights: list
+    global_steps: Optional[int]
+    future: Any = None
+
+
 class CPURolloutServer:
     """The rollout server (a Ray actor in a run; a plain object in unit tests).
 
@@ -154,9 +188,17 @@ class CPURolloutServer:
         self.eos_token_ids = _eos_token_ids(model_config)
         self.global_steps: Optional[int] = None
         self.num_weight_updates = 0
-        self._lock = asyncio.Lock()  # serial: one request at a time, weights never change mid-request
+        # The scheduler (see _run): FIFO of requests and weight updates, drained by one task at a time.
+        self.max_batch_tokens = max(1, int(getattr(config, "max_num_batched_tokens", 0) or 8192))
+        self.max_num_seqs = max(1, int(getattr(config, "max_num_seqs", 0) or 1024))
+        self.admission_wait_s = 0.01
+        self._queue: collections.deque = collections.deque()
+        self._running = False
+        self.num_forwards = 0  # packed forwards run (a request of n tokens alone takes n)
+        self.max_active = 0  # most requests decoded together
         logger.info(
-            "verl-ds4 %s rollout server %d ready (eos ids %s)", ROLLOUT_NAME, replica_rank, sorted(self.eos_token_ids)
+            "verl-ds4 %s rollout server %d ready (eos ids %s; code from %s)", ROLLOUT_NAME, replica_rank,
+            sorted(self.eos_token_ids), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
 
     # -- token in, token out ----------------------------------------------------------------
@@ -184,36 +226,57 @@ class CPURolloutServer:
             seed = (int(self.config.seed or 0) * 1_000_003 + zlib.crc32(str(request_id).encode())) & 0x7FFFFFFF
         return torch.Generator().manual_seed(int(seed))
 
-    def generate_sync(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> TokenOutput:
-        """Sample a response for one prompt (what :meth:`generate` runs)."""
+    def _request(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> "_Request":
         params = dict(sampling_params or {})
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("generate needs a non-empty prompt_ids.")
         max_tokens = self._max_tokens(len(prompt), params)
-        temperature = float(params.get("temperature", 1.0) or 0.0)
-        top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
-        top_p = float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0)
-        want_logprobs = bool(params.get("logprobs", False))
-        ignore_eos = bool(params.get("ignore_eos", False))
-        generator = self._generator(request_id, params)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        stop_reason = "completed"
-        for _ in range(max_tokens):
-            logits = self.policy.next_token_logits(prompt + tokens)
-            token, logprob = sample_next_token(logits, temperature, top_k, top_p, generator)
-            tokens.append(token)
-            logprobs.append(logprob)
-            if token in self.eos_token_ids and not ignore_eos:
-                break
+        return _Request(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=float(params.get("temperature", 1.0) or 0.0),
+            top_k=int(params.get("top_k", -1) if params.get("top_k") is not None else -1),
+            top_p=float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0),
+            want_logprobs=bool(params.get("logprobs", False)),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+            generator=self._generator(request_id, params),
+        )
+
+    def _output(self, request: "_Request") -> TokenOutput:
         return TokenOutput(
-            token_ids=tokens,
-            log_probs=logprobs if want_logprobs else None,
-            stop_reason=stop_reason,
+            token_ids=request.tokens,
+            log_probs=request.logprobs if request.want_logprobs else None,
+            stop_reason="completed",
             num_preempted=0,
             extra_fields={"global_steps": self.global_steps},
         )
+
+    def decode_step(self, requests: list["_Request"]) -> None:
+        """One token for each unfinished request: packed forwards of at most ``max_batch_tokens`` rows each."""
+        chunk: list[_Request] = []
+        rows = 0
+        for request in requests + [None]:
+            length = 0 if request is None else len(request.prompt) + len(request.tokens)
+            if chunk and (request is None or rows + length > self.max_batch_tokens):
+                logits = self.policy.next_token_logits_batch([r.prompt + r.tokens for r in chunk])
+                self.num_forwards += 1
+                for r, row in zip(chunk, logits):
+                    token, logprob = sample_next_token(row, r.temperature, r.top_k, r.top_p, r.generator)
+                    r.tokens.append(token)
+                    r.logprobs.append(logprob)
+                    r.done = len(r.tokens) >= r.max_tokens or (token in self.eos_token_ids and not r.ignore_eos)
+                chunk, rows = [], 0
+            if request is not None:
+                chunk.append(request)
+                rows += length
+
+    def generate_sync(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> TokenOutput:
+        """Sample a response for one prompt, on its own (the batched path runs the same steps)."""
+        request = self._request(prompt_ids, sampling_params, request_id)
+        while not request.done:
+            self.decode_step([request])
+        return self._output(request)
 
     async def generate(
         self,
@@ -226,15 +289,82 @@ class CPURolloutServer:
     ) -> TokenOutput:
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise ValueError(f"rollout.name={ROLLOUT_NAME!r} generates text only; this request carries media.")
-        async with self._lock:
-            return await asyncio.to_thread(self.generate_sync, prompt_ids, sampling_params, request_id)
+        request = self._request(prompt_ids, sampling_params, request_id)
+        await self._submit(request)
+        return self._output(request)
+
+    # -- the scheduler: requests that arrive together are decoded together ---------------------
+
+    async def _submit(self, job: "_Request | _WeightJob"):
+        job.future = asyncio.get_running_loop().create_future()
+        self._queue.append(job)
+        if not self._running:
+            self._running = True
+            asyncio.get_running_loop().create_task(self._run())
+        return await job.future
+
+    async def _run(self) -> None:
+        """Continuous batching: every decode step takes every active request one token further in one
+        packed forward; new requests join at the next step. A weight update waits until the requests
+        queued before it have finished, and requests queued after it wait for the update (FIFO), so
+        one response is always sampled from one set of weights."""
+        active: list[_Request] = []
+        try:
+            await asyncio.sleep(self.admission_wait_s)  # let requests sent together arrive together
+            while True:
+                while self._queue and isinstance(self._queue[0], _Request) and len(active) < self.max_num_seqs:
+                    active.append(self._queue.popleft())
+                if active:
+                    self.max_active = max(self.max_active, len(active))
+                    try:
+                        await asyncio.to_thread(self.decode_step, active)
+                    except BaseException as err:  # every waiting request gets the error
+                        for request in active:
+                            if not request.future.done():
+                                request.future.set_exception(err)
+                        active = []
+                        if not isinstance(err, Exception):
+                            raise
+                        continue
+                    for request in active:
+                        if request.done and not request.future.done():  # (a cancelled caller's is done)
+                            request.future.set_result(None)
+                    active = [r for r in active if not r.done and not r.future.done()]
+                    continue
+                if not self._queue:
+                    break
+                job = self._queue.popleft()  # a weight update, after every earlier request finished
+                try:
+                    loaded = await asyncio.to_thread(self._load_weights, job)
+                except Exception as err:
+                    if not job.future.done():
+                        job.future.set_exception(err)
+                else:
+                    if not job.future.done():
+                        job.future.set_result(loaded)
+        finally:
+            self._running = False
+            for job in list(active) + list(self._queue):
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(RuntimeError("the CPU rollout's scheduler stopped"))
+            self._queue.clear()
 
     # -- weights --------------------------------------------------------------------------
 
+    def _load_weights(self, job: "_WeightJob") -> int:
+        skip = os.environ.get(ENV_TEST_SKIP_SYNC, "").strip()
+        if skip and job.global_steps is not None and int(skip) == int(job.global_steps):
+            logger.warning(
+                "verl-ds4 %s rollout: TEST SWITCH %s=%s: NOT loading the actor's weights synced at global step %s "
+                "(negative control of the rollout/actor mismatch gate)", ROLLOUT_NAME, ENV_TEST_SKIP_SYNC, skip,
+                job.global_steps,
+            )
+            return 0
+        return self.policy.load_weights(job.weights)
+
     async def update_weights(self, weights: list[tuple[str, torch.Tensor]], global_steps: Optional[int] = None) -> int:
         """Load the actor's weights (all of them, every step); returns how many tensors were loaded."""
-        async with self._lock:
-            count = await asyncio.to_thread(self.policy.load_weights, weights)
+        count = await self._submit(_WeightJob(weights=weights, global_steps=global_steps))
         self.num_weight_updates += 1
         if global_steps is not None:
             self.global_steps = global_steps
@@ -358,7 +488,7 @@ class CPURolloutReplica(RolloutReplica):
             options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 node_id=node_id, soft=False
             )
-        env = {key: os.environ[key] for key in ("VERL_PLATFORM", ENV_POLICY) if key in os.environ}
+        env = {key: os.environ[key] for key in ("VERL_PLATFORM", ENV_POLICY, ENV_TEST_SKIP_SYNC) if key in os.environ}
         if env:
             options["runtime_env"] = {"env_vars": env}
         server = server_cls.options(**options).remote(

@@ -5,7 +5,7 @@
 dense GPT for ``llama``), so its parameter names are exactly the names of the actor's Megatron
 module; :meth:`MegatronCPUPolicy.load_weights` therefore takes the actor's ``(name, tensor)``
 export as is (strictly: a missing, unexpected or mis-shaped tensor is an error). It runs the
-forward through verl-ds4's THD forward function (one packed sequence, CP=1).
+forward through verl-ds4's THD forward function (a batch of sequences packed into one THD buffer, CP=1).
 
 Megatron needs a process group and its parallel state; a rollout server is its own process, so
 the policy starts a private one-rank gloo group there when none exists (:func:`ensure_single_rank_megatron`).
@@ -50,7 +50,7 @@ def ensure_single_rank_megatron() -> None:
 
 
 class MegatronCPUPolicy:
-    """The actor's Megatron model on one CPU rank: next-token logits for one sequence at a time."""
+    """The actor's Megatron model on one CPU rank: next-token logits for a batch of sequences (one packed forward)."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, share_embeddings: bool | None = None):
         import importlib
@@ -130,12 +130,27 @@ class MegatronCPUPolicy:
     @torch.no_grad()
     def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits ``[vocab]`` for the token after ``token_ids``."""
+        return self.next_token_logits_batch([token_ids])[0]
+
+    @torch.no_grad()
+    def next_token_logits_batch(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Float32 logits ``[len(sequences), vocab]`` for the token after each sequence.
+
+        One forward of the sequences packed into one THD buffer (``cu_seqlens`` keeps them apart: a
+        sequence's logits do not depend on the others), the same packed forward the actor's engine runs.
+        """
         from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
 
-        if not token_ids:
-            raise ValueError("next_token_logits needs at least one token.")
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        nested = torch.nested.nested_tensor_from_jagged(ids, offsets=torch.tensor([0, len(token_ids)]))
+        if not sequences or any(len(seq) == 0 for seq in sequences):
+            raise ValueError("next_token_logits_batch needs at least one sequence, each of at least one token.")
+        lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
+        offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(lengths, dim=0)
+        ids = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)
+        nested = torch.nested.nested_tensor_from_jagged(ids, offsets=offsets)
         logits = gptmodel_forward_model_engine(self.model, nested, {}, value_model=False)
-        last = logits.values()[-1] if logits.is_nested else logits[0, -1]
-        return last[: self.vocab_size].float()
+        if logits.is_nested:
+            last = logits.values()[offsets[1:] - 1]
+        else:  # one sequence returned as [1, T, vocab]
+            last = logits[:, -1]
+        return last[:, : self.vocab_size].float()

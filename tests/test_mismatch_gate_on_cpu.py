@@ -1,0 +1,121 @@
+"""The rollout/actor mismatch gate (verl_ds4/rollout/mismatch_gate.py): its figures, its stop, its knob, its trainer mode.
+
+The end-to-end checks (every step of a real PPO run within 1e-5; a run whose weight sync is skipped for one
+step stopped by the gate) are in tests/test_cpu_ppo_on_cpu.py. Real parts here: verl's
+``compute_offpolicy_metrics`` (the k3 figure), verl's trainer registry and sync trainer, the recipe file,
+the launcher's console.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl_ds4.rollout import mismatch_gate as gate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=gen) * 3
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    return old, mask
+
+
+def test_figures_are_the_max_abs_log_prob_difference_and_verls_k3_on_the_response_tokens():
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+
+    old, mask = _batch()
+    rollout = old.clone()
+    rollout[0, 2] += 3e-3
+    rollout[2, 5] -= 1e-3
+    rollout[1, 5] += 10.0  # padding: outside the mask, not counted
+    figures = gate.mismatch_metrics(old, rollout, mask)
+    assert figures[gate.MAX_DIFF_METRIC] == pytest.approx(3e-3, rel=1e-4)
+    expected_k3 = compute_offpolicy_metrics(old.double(), rollout.double(), mask.double())["k3_kl"]
+    assert figures[gate.K3_METRIC] == pytest.approx(expected_k3, rel=1e-9) and figures[gate.K3_METRIC] > 0
+    # negative control: the same padding difference counts once the mask includes it
+    assert gate.mismatch_metrics(old, rollout, torch.ones_like(mask))[gate.MAX_DIFF_METRIC] == pytest.approx(10.0)
+    same = gate.mismatch_metrics(old, old.clone(), mask)
+    assert same == {gate.MAX_DIFF_METRIC: 0.0, gate.K3_METRIC: 0.0}
+
+
+def test_bad_inputs_fail_clearly():
+    old, mask = _batch()
+    with pytest.raises(ValueError, match="must have one shape"):
+        gate.mismatch_metrics(old, old[:, :5], mask)
+    with pytest.raises(ValueError, match="selects no token"):
+        gate.mismatch_metrics(old, old, torch.zeros_like(mask))
+
+
+def test_the_gate_stops_above_the_threshold_naming_step_figure_and_knob():
+    ok = {gate.MAX_DIFF_METRIC: 8e-6, gate.K3_METRIC: 1e-12}
+    gate.check_mismatch(ok, step=3, threshold=1e-5)  # passes
+    gate.check_mismatch({gate.MAX_DIFF_METRIC: 5.0, gate.K3_METRIC: 1.0}, step=3, threshold=None)  # report only
+    with pytest.raises(gate.MismatchGateError) as err:
+        gate.check_mismatch({gate.MAX_DIFF_METRIC: 0.25, gate.K3_METRIC: 0.01}, step=2, threshold=1e-5)
+    message = str(err.value)
+    for part in ("step 2:", "2.500e-01", "1.000e-05", gate.KNOB, gate.MAX_DIFF_METRIC, "weight sync"):
+        assert part in message, (part, message)
+    with pytest.raises(gate.MismatchGateError, match="nan"):
+        gate.check_mismatch({gate.MAX_DIFF_METRIC: float("nan")}, step=1, threshold=1e-5)
+
+
+def test_the_knob_comes_from_the_recipe_and_is_checked():
+    recipe = OmegaConf.load(REPO / "recipes" / "recipe" / "ds4_proxy_ppo_cpu.yaml")
+    assert recipe.trainer.v1.trainer_mode == gate.TRAINER_MODE
+    assert gate.gate_threshold(recipe) is None  # report-only until the PPO actor runs fp32 (see the recipe)
+
+    def config(**settings):
+        return OmegaConf.create({"trainer": {"v1": {gate.TRAINER_MODE: settings}}})
+
+    assert gate.gate_threshold(config(max_log_prob_diff=None)) is None
+    assert gate.gate_threshold(config(max_log_prob_diff="2e-4")) == 2e-4
+    with pytest.raises(ValueError, match="needs trainer.v1.ds4_gated_sync.max_log_prob_diff"):
+        gate.gate_threshold(config())
+    for bad in (0, -1e-5, "abc", float("inf")):
+        with pytest.raises(ValueError, match="must be a positive float or null"):
+            gate.gate_threshold(config(max_log_prob_diff=bad))
+
+
+def test_the_trainer_mode_is_verls_sync_trainer_and_needs_rollout_log_probs():
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    cls = get_trainer_cls(gate.TRAINER_MODE)
+    assert cls is gate.GatedPPOTrainerSync and issubclass(cls, PPOTrainerSync)
+    assert gate.register() is cls  # idempotent
+    assert cls._compute_old_log_prob is not PPOTrainerSync._compute_old_log_prob
+    config = OmegaConf.create({
+        "trainer": {"v1": {gate.TRAINER_MODE: {"max_log_prob_diff": 1e-5}}},
+        "actor_rollout_ref": {"rollout": {"calculate_log_probs": False}},
+    })  # fmt: skip
+    with pytest.raises(ValueError, match="calculate_log_probs=True"):
+        cls(config)
+
+
+def test_the_console_shows_the_figures_and_the_gate_stop():
+    from verl_ds4.cpu.console_ppo import PPOConsole, summary_table
+
+    console = PPOConsole("w", 2)
+    [line] = console.on_line(
+        "(TaskRunnerV1 pid=1) step:1 - critic/vf_loss:0.1 - training/rollout_log_probs_diff_max:4.7e-07 - "
+        "rollout_corr/k3_kl:1.2e-13 - timing_s/step:30"
+    )
+    assert "lp_diff_max 4.7e-07 k3 1.2e-13" in line
+    assert "lp_diff_max" in summary_table({1: {gate.MAX_DIFF_METRIC: 4.7e-7, gate.K3_METRIC: 1e-13}}).splitlines()[0]
+    try:
+        gate.check_mismatch({gate.MAX_DIFF_METRIC: 0.3, gate.K3_METRIC: 0.02}, step=2, threshold=1e-5)
+    except gate.MismatchGateError as err:
+        message = f"(TaskRunnerV1 pid=1) ray.exceptions.RayTaskError: {type(err).__name__}: {err}"
+    [stop] = console.on_line(message)
+    assert stop.startswith("[verl-ds4] GATE STOP") and "step 2:" in stop and gate.KNOB in stop
+    assert console.on_line(message) == []  # once
+    # the per-step report line is not a stop
+    assert PPOConsole("w", 2).on_line(f"{gate.GATE_MARK}: step 1: {gate.MAX_DIFF_METRIC}=4.7e-07") == []

@@ -1,0 +1,165 @@
+"""The rollout/actor mismatch gate: every PPO step, the rollout's log-probs against the actor's recompute.
+
+With the ``cpu_demo`` rollout (fp32, the actor's weights synced every step) the log-probs the rollout
+returns for the tokens it sampled (``rollout_log_probs``, verl's field) and the log-probs the actor
+recomputes for the same tokens at context parallel size 2 (``old_log_probs``) must agree to float
+rounding. The gate reports, per step:
+
+* ``training/rollout_log_probs_diff_max``: max |old_log_probs - rollout_log_probs| over the response
+  tokens (verl-ds4's name: verl's ``training/rollout_probs_diff_max`` is the same figure on
+  probabilities, ``exp(log p)``; verl reports that one itself);
+* ``rollout_corr/k3_kl``: the mean k3 KL estimator, computed by verl's own
+  ``compute_offpolicy_metrics`` (verl reports it under that name when ``algorithm.rollout_correction``
+  is set; the gate computes it even when it is not).
+
+:class:`GatedPPOTrainerSync` (``trainer.v1.trainer_mode=ds4_gated_sync``) is verl's synchronous v1
+trainer plus the gate after the actor's old-log-prob recompute; with
+``trainer.v1.ds4_gated_sync.max_log_prob_diff`` set, a step whose max difference exceeds it stops the
+run with :class:`MismatchGateError` naming the step, the figure and the knob (``null`` reports only).
+Importing this module registers the trainer mode; the CPU launcher loads it in every process
+(``VERL_USE_EXTERNAL_MODULES``), the trainer's included.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODE = "ds4_gated_sync"
+KNOB = f"trainer.v1.{TRAINER_MODE}.max_log_prob_diff"
+MAX_DIFF_METRIC = "training/rollout_log_probs_diff_max"
+K3_METRIC = "rollout_corr/k3_kl"
+GATE_MARK = "verl-ds4 mismatch gate"
+
+__all__ = [
+    "GATE_MARK",
+    "K3_METRIC",
+    "KNOB",
+    "MAX_DIFF_METRIC",
+    "TRAINER_MODE",
+    "MismatchGateError",
+    "check_mismatch",
+    "gate_threshold",
+    "mismatch_metrics",
+    "GatedPPOTrainerSync",
+    "register",
+]
+
+
+class MismatchGateError(RuntimeError):
+    """The rollout's log-probs and the actor's recompute disagree by more than the configured threshold."""
+
+
+def mismatch_metrics(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """The gate's figures on ``[batch, response]`` tensors (``response_mask``: 1 on the sampled tokens)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+
+    if old_log_probs.shape != rollout_log_probs.shape or old_log_probs.shape != response_mask.shape:
+        raise ValueError(
+            f"mismatch gate: old_log_probs {tuple(old_log_probs.shape)}, rollout_log_probs "
+            f"{tuple(rollout_log_probs.shape)} and response_mask {tuple(response_mask.shape)} must have one shape."
+        )
+    mask = response_mask.bool()
+    if not mask.any():
+        raise ValueError("mismatch gate: the response mask selects no token; there is nothing to compare.")
+    old, rollout = old_log_probs.double(), rollout_log_probs.double()
+    diff = (old - rollout).abs()[mask]
+    k3 = compute_offpolicy_metrics(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask.double())["k3_kl"]
+    return {MAX_DIFF_METRIC: float(diff.max()), K3_METRIC: float(k3)}
+
+
+def check_mismatch(metrics: dict[str, float], step: int, threshold: float | None) -> None:
+    """Raise :class:`MismatchGateError` when the step's max difference exceeds ``threshold`` (``None``: never)."""
+    value = metrics[MAX_DIFF_METRIC]
+    if threshold is None:
+        return
+    if not math.isfinite(value) or value > threshold:
+        raise MismatchGateError(
+            f"{GATE_MARK}: step {step}: the rollout's log-probs and the actor's recomputed log-probs of the same "
+            f"sampled tokens differ by up to {value:.3e} ({MAX_DIFF_METRIC}; mean k3 KL {metrics.get(K3_METRIC, float('nan')):.3e}), "
+            f"above the threshold {threshold:.3e} ({KNOB}). Expected: the rollout samples with the actor's current "
+            "weights (synced every step) in fp32, so the two agree to float rounding. Check that the weight sync ran "
+            "this step and that rollout and actor build the same model and dtype; raise the knob (or set it to "
+            "null to report only) if a larger gap is expected."
+        )
+
+
+def gate_threshold(config) -> float | None:
+    """The configured threshold (``None``: report only); a clear error for anything but a positive number or null."""
+    section = (config.get("trainer", {}) or {}).get("v1", {}) or {}
+    settings = section.get(TRAINER_MODE, None) or {}
+    if "max_log_prob_diff" not in settings:
+        raise ValueError(
+            f"trainer.v1.trainer_mode={TRAINER_MODE} needs {KNOB} (a positive float, or null to report the "
+            "mismatch without stopping); the recipe recipes/recipe/ds4_proxy_ppo_cpu.yaml sets it."
+        )
+    value = settings.get("max_log_prob_diff")
+    if value is None:
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{KNOB} must be a positive float or null, got {settings.get('max_log_prob_diff')!r}.")
+    return value
+
+
+def _gated_trainer_class():
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    class GatedPPOTrainerSync(PPOTrainerSync):
+        """verl's synchronous v1 trainer plus the mismatch gate after the old-log-prob recompute."""
+
+        def __init__(self, config, *args: Any, **kwargs: Any):
+            self.mismatch_threshold = gate_threshold(config)
+            if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+                raise ValueError(
+                    f"trainer.v1.trainer_mode={TRAINER_MODE} compares the rollout's log-probs with the actor's: set "
+                    "actor_rollout_ref.rollout.calculate_log_probs=True (verl's default)."
+                )
+            super().__init__(config, *args, **kwargs)
+
+        def _compute_old_log_prob(self, batch, metrics: dict):
+            import transfer_queue as tq
+            from verl.protocol import DataProto
+
+            batch = super()._compute_old_log_prob(batch, metrics=metrics)
+            fields = ["old_log_probs", "rollout_log_probs", "response_mask"]
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            data = DataProto(batch=data.to_padded_tensor())
+            figures = mismatch_metrics(
+                data.batch["old_log_probs"], data.batch["rollout_log_probs"], data.batch["response_mask"]
+            )
+            metrics.update(figures)
+            logger.warning(
+                "%s: step %s: %s=%.3e %s=%.3e (threshold %s)", GATE_MARK, self.global_steps, MAX_DIFF_METRIC,
+                figures[MAX_DIFF_METRIC], K3_METRIC, figures[K3_METRIC], self.mismatch_threshold,
+            )
+            check_mismatch(figures, self.global_steps, self.mismatch_threshold)
+            return batch
+
+    GatedPPOTrainerSync.__module__ = __name__
+    GatedPPOTrainerSync.__qualname__ = "GatedPPOTrainerSync"
+    return GatedPPOTrainerSync
+
+
+def register() -> type:
+    """Register ``trainer.v1.trainer_mode=ds4_gated_sync`` with verl (idempotent); returns the class."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+    existing = TRAINER_REGISTRY.get(TRAINER_MODE)
+    if existing is not None and getattr(existing, "__module__", None) == __name__:
+        return existing
+    return register_trainer(TRAINER_MODE)(_gated_trainer_class())
+
+
+# Importing this module registers the trainer mode (the CPU launcher lists it in VERL_USE_EXTERNAL_MODULES).
+GatedPPOTrainerSync = register()
