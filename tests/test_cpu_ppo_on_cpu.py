@@ -1,28 +1,44 @@
-"""verl's own PPO trainer (main_ppo, v1, Ray) on CPU: tiny DS4 actor/ref/critic (the full model, MODEL=ds4) at CP=2, 2 steps.
+"""verl's own PPO trainer (main_ppo, v1, Ray) on CPU: tiny DS4 actor/ref/critic (the full model, MODEL=ds4) at CP=2, 3 steps.
 
-The real run: ``scripts/run_ds4_proxy_ppo_cpu.sh`` (the README's laptop launcher) with STEPS=2, under
+The real run: ``scripts/run_ds4_proxy_ppo_cpu.sh`` (the README's laptop launcher) with STEPS=3, a checkpoint
+after every step and tiny settings (:data:`TINY`), under
 :func:`verl_ds4.rollout.cpu_ppo_run.run_guarded`: a 6-minute wall-clock limit (verl's TransferQueue waits
 forever instead of failing when Ray lacks logical CPUs) and a 12 GB limit on the RSS of the whole process
 tree. Everything in it is real: Ray, TransferQueue, verl's agent loop and trainer, the Megatron engines
 with the full tiny DS4, the ``cpu_demo`` rollout, the rule reward, GAE, the checkpoint. The launcher's
 console is quiet: the checks read verl's metrics from the full log it names (``WORK_DIR/logs/``), and
 check that the console itself shows one line per step and the summary.
+
+Kill and resume: the same command in another work folder is SIGKILLed (its whole process group: the
+launcher, the console, verl's driver, Ray and every worker) once the step-1 checkpoint exists; the same
+command again with RESUME_MODE=auto resumes from it, and its steps 2 and 3 equal the uninterrupted run's
+exactly (reward, pg loss, value loss, KL: ``==`` on verl's printed float64 repr of the fp32 metrics). The
+same folder with CP=1 is then refused at start-up, before Ray starts, naming the changed field.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from verl_ds4.recipes.resume_check import RECORD_NAME
 from verl_ds4.rollout.cpu_ppo_run import CPUPPORunError, parse_step_metrics, run_guarded, summary_table
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 360
 RSS_LIMIT_GB = 12.0
+STEPS = 3
+# Tiny settings (the batch stays 8: the recipe's micro-batches are 8 and CP=2 leaves one data-parallel rank).
+TINY = {"STEPS": str(STEPS), "SAVE_FREQ": "1", "N_TRAIN": "32", "RESPONSE_LENGTH": "8"}
+# The metrics a resumed step must reproduce exactly.
+RESUME_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/kl_loss", "critic/values/mean")
 
 
 def test_guard_turns_a_hang_into_a_clear_error(tmp_path):
@@ -58,18 +74,19 @@ def test_parse_step_metrics_reads_verls_console_lines():
     assert table.splitlines()[0].split()[:4] == ["step", "reward", "value_loss", "kl(actor|ref)"]
 
 
-@pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("ppo")
-    env = dict(os.environ, PYTHON=sys.executable, WORK_DIR=str(work), STEPS="2", N_TRAIN="64")
+LAUNCHER = ["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")]
+
+
+def _env(work: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, WORK_DIR=str(work), **TINY, **extra)
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _launch(work: Path, name: str, **extra: str):
+    """The launcher under :func:`run_guarded`; the result carries the console and the full log's metrics."""
     result = run_guarded(
-        ["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")],
-        work / "outer.log",
-        timeout_s=TIMEOUT_S,
-        rss_limit_gb=RSS_LIMIT_GB,
-        env=env,
-        cwd=REPO,
+        LAUNCHER, work / f"{name}.log", timeout_s=TIMEOUT_S, rss_limit_gb=RSS_LIMIT_GB, env=_env(work, **extra), cwd=REPO
     )
     console = result.log
     [log_line] = [line for line in console.splitlines() if line.startswith("[verl-ds4] full log")]
@@ -77,25 +94,31 @@ def ppo_run(tmp_path_factory):
     assert full_log.parent == work / "logs" and full_log.is_file(), log_line
     result.log = full_log.read_text(errors="replace")
     result.metrics = parse_step_metrics(result.log)
-    print(f"\nCPU PPO: 2 steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
-    print(console)
     result.console = console
-    return work, result
+    print(f"\nCPU PPO ({name}): {len(result.metrics)} steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
+    print(console)
+    return result
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ppo")
+    return work, _launch(work, "outer")
 
 
 def test_the_console_is_quiet_with_a_line_per_step_and_the_summary(ppo_run):
     _, result = ppo_run
     lines = result.console.splitlines()
     assert max(map(len, lines)) <= 300 and len(lines) < 60, result.console
-    assert [line.split()[2] for line in lines if line.startswith("[verl-ds4] step ")] == ["1/2", "2/2"]
-    assert any(line.startswith("[verl-ds4] result      the RL path ran: 2 PPO steps") for line in lines)
+    assert [line.split()[2] for line in lines if line.startswith("[verl-ds4] step ")] == ["1/3", "2/3", "3/3"]
+    assert any(line.startswith("[verl-ds4] result      the RL path ran: 3 PPO steps") for line in lines)
     assert "step:1 - " not in result.console and "step:1 - " in result.log  # verl's own lines: log only
     assert "UserWarning" not in result.console and "UserWarning" in result.log
 
 
-def test_two_ppo_steps_report_reward_value_loss_kl_and_time(ppo_run):
+def test_three_ppo_steps_report_reward_value_loss_kl_and_time(ppo_run):
     _, result = ppo_run
-    assert sorted(result.metrics) == [1, 2], "verl printed no metrics for steps 1 and 2"
+    assert sorted(result.metrics) == [1, 2, 3], "verl printed no metrics for steps 1 to 3"
     for step, m in result.metrics.items():
         for key in ("critic/score/mean", "critic/vf_loss", "actor/kl_loss", "actor/pg_loss", "timing_s/step"):
             assert key in m and math.isfinite(m[key]), f"step {step}: {key} missing or not finite"
@@ -122,7 +145,71 @@ def test_engines_ran_contiguous_cp2_and_saved_a_checkpoint(ppo_run):
     for engine in ("CPUMegatronEngineWithLMHead", "CPUMegatronEngineWithValueHead"):
         assert f"{engine}: contiguous CP layout (cp=2" in result.log
     assert "cpu_demo rollout server 0 ready" in result.log
-    step_dir = work / "checkpoints" / "global_step_2"
+    step_dir = work / "checkpoints" / f"global_step_{STEPS}"
     for role in ("actor", "critic"):
         assert (step_dir / role / "model").is_dir(), f"no {role} checkpoint in {step_dir}"
-    assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (step_dir / RECORD_NAME).is_file(), "the run record (verl_ds4.recipes.resume_check) is missing"
+    assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+
+
+def _sigkill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group, and any process of its tree that left the group (Ray's daemons)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=60)
+    psutil.wait_procs(tree, timeout=30)
+
+
+def test_sigkill_after_a_checkpoint_then_the_same_command_resumes_exactly(ppo_run, tmp_path):
+    _, reference = ppo_run
+    work = tmp_path / "killed"
+    tracker = work / "checkpoints" / "latest_checkpointed_iteration.txt"
+    log = tmp_path / "killed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(LAUNCHER, env=_env(work), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not (tracker.exists() and tracker.read_text().strip() == "1"):
+                assert proc.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, "no step-1 checkpoint in time"
+                time.sleep(0.2)
+        finally:
+            _sigkill_tree(proc)  # mid-run: step 2 has started (or is about to)
+    assert tracker.read_text().strip() == "1" and not (work / "checkpoints" / "global_step_2").exists()
+
+    resumed = _launch(work, "resumed", RESUME_MODE="auto")
+    assert "resume: " + str(work / "checkpoints" / "global_step_1") in resumed.console
+    assert sorted(resumed.metrics) == [2, 3], f"the resumed run should run steps 2 and 3, got {sorted(resumed.metrics)}"
+    for step in (2, 3):
+        got = {key: resumed.metrics[step][key] for key in RESUME_KEYS}
+        want = {key: reference.metrics[step][key] for key in RESUME_KEYS}
+        print(f"step {step}: uninterrupted {want}\n        resumed       {got}")
+        assert got == want, f"step {step} after the resume differs from the uninterrupted run"
+    # Negative control: the compared metrics change from step to step (equal values are not a constant).
+    assert all(reference.metrics[2][key] != reference.metrics[3][key] for key in ("critic/vf_loss", "actor/kl_loss"))
+
+    # The same folder with another CP size is refused at start-up, before Ray starts.
+    start = time.monotonic()
+    changed = subprocess.run(LAUNCHER, env=_env(work, RESUME_MODE="auto", CP="1"), cwd=REPO, capture_output=True,
+                             text=True, timeout=TIMEOUT_S)
+    wall = time.monotonic() - start
+    assert changed.returncode == 2, changed.stdout + changed.stderr
+    assert "refusing to resume from" in changed.stderr and "[verl-ds4] job" not in changed.stdout  # no console: no run
+    assert "  - actor_rollout_ref.actor.megatron.context_parallel_size: checkpoint 2, now 1" in changed.stderr
+    assert "RESUME_MODE=disable" in changed.stderr
+    assert not (work / "checkpoints" / f"global_step_{STEPS + 1}").exists()
+    print(f"refused in {wall:.0f} s:\n{changed.stderr[-1500:]}")
