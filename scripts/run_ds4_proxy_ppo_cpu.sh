@@ -31,9 +31,8 @@ RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
 CP=${CP:-2}                             # context-parallel size of actor, reference and critic
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
-RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto
-MISMATCH_MAX=${MISMATCH_MAX:-null}     # stop when rollout and actor log-probs differ by more (max abs; null: report only).
-                                        # null until the PPO actor runs fp32 (today bf16: 0.24 measured at step 1)
+RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
+MISMATCH_MAX=${MISMATCH_MAX:-1e-5}     # stop when rollout and actor log-probs differ by more (max abs; null: report only)
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
 # --------------------------------------------------------------------------------------
 
@@ -87,6 +86,19 @@ TRAINER=(
     trainer.v1.ds4_gated_sync.max_log_prob_diff="$MISMATCH_MAX"
 )
 
+# Resuming: refuse at start-up, before Ray starts, a checkpoint another run wrote (a changed CP size,
+# model config or task; verl_ds4/recipes/resume_check.py). The trainer checks again (the recipe's
+# trainer.checkpoint_callback_class), also when the resume is asked for by an override instead.
+if [ "$RESUME_MODE" != disable ]; then
+    if ! check_out=$("$PYTHON" -W ignore -m verl_ds4.recipes.resume_check ppo -- "${RECIPE[@]}" "${DATA[@]}" "${MODEL_ARGS[@]}" \
+            "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"} 2>&1); then
+        printf '%s\n' "$check_out" >&2
+        echo "[verl-ds4] FAILED: RESUME_MODE=$RESUME_MODE would resume a checkpoint in $WORK_DIR/checkpoints that another run wrote" >&2
+        exit 2
+    fi
+    RESUME_FACT="; ${check_out##*$'\n'}"
+fi
+
 CONSOLE=(
     --work-dir "$WORK_DIR" --steps "$STEPS"
     --fact "job=PPO with a GAE critic, verl.trainer.main_ppo on CPU (Ray, recipe ds4_proxy_ppo_cpu)"
@@ -94,7 +106,7 @@ CONSOLE=(
     --fact "parallel=CP $CP (actor, reference, critic), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH, response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)"
-    --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
+    --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 

@@ -108,6 +108,50 @@ def test_sampling_greedy_top_k_top_p_and_seeded():
     assert a == b
 
 
+class _UniformPolicy:
+    """Equal logits over 1000 tokens: what is sampled depends on the request's generator only."""
+
+    def next_token_logits(self, token_ids):
+        return torch.zeros(1000)
+
+
+def _fresh_server(global_steps, seed=42):
+    server = CPURolloutServer(
+        _rollout_config(seed=seed), SimpleNamespace(hf_config=None, tokenizer=None, generation_config=None),
+        policy=_UniformPolicy(),
+    )
+    server.global_steps = global_steps  # what the trainer's weight sync sets (update_weights(global_steps=...))
+    return server
+
+
+def _sample(server, request_id):
+    return asyncio.run(server.generate([5, 6, 7], {"temperature": 1.0, "max_tokens": 8}, request_id=request_id)).token_ids
+
+
+def test_sampling_is_a_function_of_seed_step_and_request_id_not_of_the_process(caplog):
+    """A resumed run's fresh server samples step N as the uninterrupted run's long-lived server did."""
+    from verl_ds4.rollout.cpu import request_seed
+
+    assert request_seed(42, 2, "det-0") == request_seed(42, 2, "det-0")
+    assert len({request_seed(42, 2, "det-0"), request_seed(42, 3, "det-0"), request_seed(42, 2, "det-1"),
+                request_seed(43, 2, "det-0"), request_seed(42, None, "det-0")}) == 5
+    long_lived = _fresh_server(2)
+    _sample(long_lived, "det-5")  # earlier requests in the same process change nothing
+    first = _sample(long_lived, "det-0")
+    assert _sample(_fresh_server(2), "det-0") == first  # a restarted process at the same step
+    # Negative controls: another step, another index, another rollout seed sample differently.
+    assert _sample(_fresh_server(3), "det-0") != first
+    assert _sample(_fresh_server(2), "det-1") != first
+    assert _sample(_fresh_server(2, seed=7), "det-0") != first
+    # Random request ids (full_determinism=false) are named once, with the fix.
+    with caplog.at_level("WARNING", logger="verl_ds4.rollout.cpu"):
+        server = _fresh_server(2)
+        _sample(server, "0f3a9c")
+        _sample(server, "77aa01")
+    warnings = [r.getMessage() for r in caplog.records if "not reproducible" in r.getMessage()]
+    assert len(warnings) == 1 and "full_determinism=true" in warnings[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # the server on the real DS4 proxy (one forked gloo process: Megatron needs a process group)
 # ------------------------------------------------------------------------------------------------

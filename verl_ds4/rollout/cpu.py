@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import os
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Generator, Optional
 
@@ -57,6 +57,7 @@ __all__ = [
     "CPURolloutServer",
     "CPUServerAdapter",
     "refuse_cuda",
+    "request_seed",
     "sample_next_token",
     "server_actor_name",
 ]
@@ -106,6 +107,23 @@ def sample_next_token(
     probs = torch.softmax(masked, dim=-1)
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logprobs[token])
+
+
+# verl's agent loops name requests "det-<index in the batch>" under rollout.full_determinism (else a uuid).
+DETERMINISTIC_REQUEST_PREFIX = "det-"
+
+
+def request_seed(rollout_seed: int, weight_version: Optional[int], request_id: str) -> int:
+    """The sampling seed of one request: a pure function of the rollout seed, the weight version
+    (``global_steps`` of the last weight sync: the PPO step before the one sampling) and the request id.
+
+    Nothing in it depends on the process's history, so a run resumed from a checkpoint samples
+    step N exactly as an uninterrupted run does (the resumed trainer syncs the checkpoint's weights
+    with the checkpoint's ``global_steps``), and the same prompt index samples differently at every step.
+    """
+    version = -1 if weight_version is None else int(weight_version)
+    digest = hashlib.sha256(f"{int(rollout_seed)}/{version}/{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _load_class(path: str):
@@ -196,6 +214,7 @@ class CPURolloutServer:
         self._running = False
         self.num_forwards = 0  # packed forwards run (a request of n tokens alone takes n)
         self.max_active = 0  # most requests decoded together
+        self._warned_random_ids = False
         logger.info(
             "verl-ds4 %s rollout server %d ready (eos ids %s; code from %s)", ROLLOUT_NAME, replica_rank,
             sorted(self.eos_token_ids), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -221,9 +240,19 @@ class CPURolloutServer:
         return max(1, min(requested, budget))
 
     def _generator(self, request_id: str, sampling_params: dict) -> torch.Generator:
+        """A generator of its own per request: the request's ``seed`` when it has one, else
+        :func:`request_seed` of the rollout seed, the weight version and the request id."""
         seed = sampling_params.get("seed")
         if seed is None:
-            seed = (int(self.config.seed or 0) * 1_000_003 + zlib.crc32(str(request_id).encode())) & 0x7FFFFFFF
+            if not str(request_id).startswith(DETERMINISTIC_REQUEST_PREFIX) and not self._warned_random_ids:
+                self._warned_random_ids = True
+                logger.warning(
+                    "verl-ds4 %s rollout: request id %r is random (actor_rollout_ref.rollout.full_determinism=false), "
+                    "so sampling is not reproducible and a resumed run will not repeat an uninterrupted one; set "
+                    "actor_rollout_ref.rollout.full_determinism=true for request ids 'det-<index in the batch>'.",
+                    ROLLOUT_NAME, request_id,
+                )
+            seed = request_seed(int(self.config.seed or 0), self.global_steps, request_id)
         return torch.Generator().manual_seed(int(seed))
 
     def _request(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> "_Request":
