@@ -12,15 +12,12 @@ check that the console itself shows one line per step and the summary.
 from __future__ import annotations
 
 import math
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from verl_ds4.rollout.cpu_ppo_run import CPUPPORunError, parse_step_metrics, run_guarded, summary_table
-
-REPO = Path(__file__).resolve().parents[1]
+from verl_ds4.testing.cpu_rl import run_cpu_rl_launcher
 TIMEOUT_S = 360
 RSS_LIMIT_GB = 12.0
 
@@ -61,25 +58,9 @@ def test_parse_step_metrics_reads_verls_console_lines():
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("ppo")
-    env = dict(os.environ, PYTHON=sys.executable, WORK_DIR=str(work), STEPS="2", N_TRAIN="64")
-    env.pop("RAY_ADDRESS", None)
-    result = run_guarded(
-        ["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")],
-        work / "outer.log",
-        timeout_s=TIMEOUT_S,
-        rss_limit_gb=RSS_LIMIT_GB,
-        env=env,
-        cwd=REPO,
-    )
-    console = result.log
-    [log_line] = [line for line in console.splitlines() if line.startswith("[verl-ds4] full log")]
-    full_log = Path(log_line.split()[-1])
-    assert full_log.parent == work / "logs" and full_log.is_file(), log_line
-    result.log = full_log.read_text(errors="replace")
-    result.metrics = parse_step_metrics(result.log)
+    result = run_cpu_rl_launcher(work, {"STEPS": "2", "N_TRAIN": "64"}, timeout_s=TIMEOUT_S, rss_limit_gb=RSS_LIMIT_GB)
     print(f"\nCPU PPO: 2 steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
-    print(console)
-    result.console = console
+    print(result.console)
     return work, result
 
 
