@@ -74,15 +74,24 @@ for algo in $ALGOS; do
         *) echo "ALGOS: $algo is not ppo or grpo" >&2; exit 2 ;;
     esac
     note "3/3 $algo from the SFT hand-over: $RL_STEPS steps, batch $BATCH, response <= $RESPONSE_LENGTH ($(load))"
-    t0=$(date +%s)
-    set +e
-    DS4_RL_RECIPE=$algo MODEL_PATH="$HF_DIR" WORK_DIR="$WORK_DIR/$algo" STEPS="$RL_STEPS" SAVE_FREQ="$RL_STEPS" \
-        BATCH="$BATCH" RESPONSE_LENGTH="$RESPONSE_LENGTH" REWARD_RISE="$REWARD_RISE" N_TRAIN=512 \
-        bash scripts/run_ds4_proxy_ppo_cpu.sh \
-        actor_rollout_ref.actor.optim.lr="$ACTOR_LR" actor_rollout_ref.actor.kl_loss_coef="$KL_COEF" \
-        "${EXTRA[@]}" "$@" | tee "$WORK_DIR/$algo.console.txt"
-    rc=${PIPESTATUS[0]}
-    set -e
+    for attempt in 1 2; do
+        t0=$(date +%s)
+        set +e
+        DS4_RL_RECIPE=$algo MODEL_PATH="$HF_DIR" WORK_DIR="$WORK_DIR/$algo" STEPS="$RL_STEPS" SAVE_FREQ="$RL_STEPS" \
+            BATCH="$BATCH" RESPONSE_LENGTH="$RESPONSE_LENGTH" REWARD_RISE="$REWARD_RISE" N_TRAIN=512 \
+            bash scripts/run_ds4_proxy_ppo_cpu.sh \
+            actor_rollout_ref.actor.optim.lr="$ACTOR_LR" actor_rollout_ref.actor.kl_loss_coef="$KL_COEF" \
+            "${EXTRA[@]}" "$@" | tee "$WORK_DIR/$algo.console.txt"
+        rc=${PIPESTATUS[0]}
+        set -e
+        # Ray gives its raylet a fixed 30 s to register; on an overloaded machine that start-up can fail.
+        if [ "$rc" != 0 ] && [ "$attempt" = 1 ] && grep -q "The current node timed out during startup" \
+                "$WORK_DIR/$algo/logs/latest.log" 2>/dev/null; then
+            note "$algo: Ray's node start-up timed out (machine overloaded: $(load)); trying once more"
+            continue
+        fi
+        break
+    done
     wall=$(( $(date +%s) - t0 ))
     end_load=$(load)
     note "$algo: exit $rc, wall time ${wall} s ($end_load at the end)" | tee -a "$WORK_DIR/$algo.console.txt"
