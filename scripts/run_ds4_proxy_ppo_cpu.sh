@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# Tiny DeepSeek-V4 PPO with a GAE critic on CPU, through verl's own main_ppo (v1 trainer, Ray).
+# Tiny DeepSeek-V4 PPO with a GAE critic, or GRPO, on CPU, through verl's own main_ppo (v1 trainer, Ray).
 #
-#   prompts -> cpu_demo rollout (current actor weights) -> rule reward -> critic values (Megatron value head)
-#   -> GAE -> actor update (PPO + KL to the reference model) and critic update -> weight sync -> checkpoint
+#   PPO  (DS4_RL_RECIPE=ppo, default): prompts -> cpu_demo rollout (current actor weights) -> rule reward
+#        -> critic values (Megatron value head) -> GAE -> actor update (PPO + KL to the reference model)
+#        and critic update -> weight sync -> checkpoint
+#   GRPO (DS4_RL_RECIPE=grpo): rollout.n responses per prompt -> rule reward -> group-relative advantages
+#        (no critic) -> actor update (PPO clip + KL loss to the reference model) -> weight sync -> checkpoint
 # Every step the mismatch gate compares the rollout's log-probs with the actor's recompute at CP (verl_ds4/rollout/mismatch_gate.py).
 #
 # Actor, reference and critic are the full tiny DS4 (MODEL=ds4: mHC, DS4 attention, DS4 MoE with a hash layer,
 # started from the assets' DS4 checkpoint folder) or, with MODEL=ds4_proxy, the attention-only DS4 proxy, on
-# verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout.
-# The recipe is recipes/recipe/ds4_proxy_ppo_cpu.yaml; every CPU-only setting is in configs/cpu/laptop.yaml.
-# A test/demo: no GPU, about 2 cores and a few GB of memory; the model is random, so do not expect learning.
+# verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout. MODEL_PATH=<HF DS4 folder>
+# starts them from that folder instead (e.g. the SFT job's checkpoint converted by
+# `python -m verl_ds4.cpu.sft_to_hf`; benchmarks/bench_rl_learning.sh does SFT -> convert -> RL).
+# The recipes are recipes/recipe/ds4_proxy_{ppo,grpo}_cpu.yaml; every CPU-only setting is in configs/cpu/laptop.yaml.
+# A test/demo: no GPU, about 2 cores and a few GB of memory; the default model is random, so do not expect
+# learning from it (the learning benchmark starts from an SFT checkpoint).
 #
 # Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [--verbose] [extra Hydra overrides...]
+#         DS4_RL_RECIPE=grpo bash scripts/run_ds4_proxy_ppo_cpu.sh
 #
-# The console is quiet (verl_ds4.cpu.console): start-up facts, one line per PPO step with an
-# ETA, and a summary table. The full output of verl, Ray and the workers goes to
+# The console is quiet (verl_ds4.cpu.console): start-up facts, one line per step with an
+# ETA, and a summary table with the line `reward: first 5 steps mean A, last 5 steps mean B`; the
+# per-step reward, value loss, KL and rollout/trainer mismatch are plotted to $WORK_DIR/rl_metrics.png
+# (matplotlib, the `plot` extra). The full output of verl, Ray and the workers goes to
 # $WORK_DIR/logs/<timestamp>.log (also logs/latest.log); VERBOSE=1 or --verbose shows it on the
 # console too. On a failure the last 40 lines of that log are printed and the script exits non-zero.
 set -euo pipefail
@@ -23,9 +32,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # ---------------------------------- user-adjustable ----------------------------------
 PYTHON=${PYTHON:-python}
+DS4_RL_RECIPE=${DS4_RL_RECIPE:-ppo}     # ppo (GAE critic) | grpo (group-relative advantages, no critic)
 MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4 checkpoint folder) | ds4_proxy (attention-only proxy)
-WORK_DIR=${WORK_DIR:-runs/${MODEL}_ppo_cpu}
-STEPS=${STEPS:-3}                       # PPO steps (each: rollout, reward, values, GAE, updates, weight sync)
+MODEL_PATH=${MODEL_PATH:-}              # an HF DS4 folder to start from (default: the assets' seeded $MODEL)
+WORK_DIR=${WORK_DIR:-runs/${MODEL}_${DS4_RL_RECIPE}_cpu}
+STEPS=${STEPS:-3}                       # RL steps (each: rollout, reward, [values, GAE,] updates, weight sync)
 BATCH=${BATCH:-8}                       # prompts per step
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
 CP=${CP:-2}                             # context-parallel size of actor, reference and critic
@@ -34,7 +45,19 @@ SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
 MISMATCH_MAX=${MISMATCH_MAX:-1e-5}     # stop when rollout and actor log-probs differ by more (max abs; null: report only)
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
+REWARD_RISE=${REWARD_RISE:-}            # e.g. 0.3: the summary says whether the last-5 mean reward beat the first-5 by that
 # --------------------------------------------------------------------------------------
+
+case "$DS4_RL_RECIPE" in
+    ppo) RECIPE_NAME=ds4_proxy_ppo_cpu; JOB="PPO with a GAE critic"; ROLES="actor, reference, critic" ;;
+    grpo) RECIPE_NAME=ds4_proxy_grpo_cpu; JOB="GRPO (group-relative advantages, no critic)"; ROLES="actor, reference" ;;
+    *) echo "DS4_RL_RECIPE=$DS4_RL_RECIPE: expected ppo or grpo" >&2; exit 2 ;;
+esac
+if [ -n "$MODEL_PATH" ] && [ ! -f "$MODEL_PATH/config.json" ]; then
+    echo "MODEL_PATH=$MODEL_PATH: expected an HF DS4 folder (config.json + *.safetensors + tokenizer), e.g. one written by" \
+         "python -m verl_ds4.cpu.sft_to_hf --checkpoint SFT_WORK_DIR/checkpoints --model-dir SFT_WORK_DIR/assets/model --out DIR" >&2
+    exit 2
+fi
 
 OVERRIDES=()
 for arg in "$@"; do
@@ -44,6 +67,19 @@ for arg in "$@"; do
     esac
 done
 
+if [ "$DS4_RL_RECIPE" = grpo ]; then
+    for arg in ${OVERRIDES[@]+"${OVERRIDES[@]}"}; do
+        case "$arg" in
+            actor_rollout_ref.rollout.n=*)
+                if [ "${arg#*=}" -le 1 ] 2>/dev/null; then
+                    echo "$arg: GRPO needs actor_rollout_ref.rollout.n > 1 (a group of one response has zero" \
+                         "group-relative advantage); use n >= 2 (the recipe's default is 4) or DS4_RL_RECIPE=ppo" >&2
+                    exit 2
+                fi ;;
+        esac
+    done
+fi
+
 ASSETS="$WORK_DIR/assets"
 if [ "$VERBOSE" = 1 ]; then
     "$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
@@ -52,6 +88,7 @@ elif ! assets_out=$("$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
 fi
+START_MODEL=${MODEL_PATH:-$ASSETS/model}
 REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__file__)')
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
@@ -62,7 +99,7 @@ export TOKENIZERS_PARALLELISM=false
 
 RECIPE=(
     'hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]'
-    +recipe=ds4_proxy_ppo_cpu
+    +recipe="$RECIPE_NAME"
 )
 DATA=(
     data.train_files="$ASSETS/data/train.parquet"
@@ -72,12 +109,12 @@ DATA=(
     reward.custom_reward_function.path="$REWARD_FILE"
 )
 MODEL_ARGS=(
-    actor_rollout_ref.model.path="$ASSETS/model"
+    actor_rollout_ref.model.path="$START_MODEL"
     actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH"
     actor_rollout_ref.actor.megatron.context_parallel_size="$CP"
     actor_rollout_ref.ref.megatron.context_parallel_size="$CP"
-    critic.megatron.context_parallel_size="$CP"
 )
+[ "$DS4_RL_RECIPE" = ppo ] && MODEL_ARGS+=(critic.megatron.context_parallel_size="$CP")
 TRAINER=(
     trainer.total_training_steps="$STEPS"
     trainer.save_freq="$SAVE_FREQ"
@@ -99,15 +136,21 @@ if [ "$RESUME_MODE" != disable ]; then
     RESUME_FACT="; ${check_out##*$'\n'}"
 fi
 
+if [ -n "$MODEL_PATH" ]; then
+    MODEL_FACT=(--fact "model=$MODEL_PATH (MODEL_PATH): $ROLES" --from-checkpoint)
+else
+    MODEL_FACT=(--fact "model=$MODEL ($ASSETS/model; ds4: the tiny DS4 checkpoint, ds4_proxy: attention-only proxy): $ROLES")
+fi
 CONSOLE=(
-    --work-dir "$WORK_DIR" --steps "$STEPS"
-    --fact "job=PPO with a GAE critic, verl.trainer.main_ppo on CPU (Ray, recipe ds4_proxy_ppo_cpu)"
-    --fact "model=$MODEL ($ASSETS/model; ds4: the tiny DS4 checkpoint, ds4_proxy: attention-only proxy): actor, reference, critic"
-    --fact "parallel=CP $CP (actor, reference, critic), TP 1, PP 1"
+    --work-dir "$WORK_DIR" --steps "$STEPS" --algo "$DS4_RL_RECIPE"
+    --fact "job=$JOB, verl.trainer.main_ppo on CPU (Ray, recipe $RECIPE_NAME)"
+    "${MODEL_FACT[@]}"
+    --fact "parallel=CP $CP ($ROLES), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH, response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )
+[ -n "$REWARD_RISE" ] && CONSOLE+=(--reward-rise "$REWARD_RISE")
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 
 "$PYTHON" -m verl_ds4.cpu.console ppo "${CONSOLE[@]}" -- \

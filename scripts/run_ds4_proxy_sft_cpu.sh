@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tiny DeepSeek-V4 SFT on CPU with verl's own SFT trainer and verl-ds4's Megatron engine.
 #
-#   data (arithmetic chats) -> DS4 chat encoding (DS4ChatSFTDataset) -> THD packing, contiguous CP
+#   data (arithmetic chats; TASK=digits: the CPU RL task's demonstrations) -> DS4 chat encoding (DS4ChatSFTDataset) -> THD packing, contiguous CP
 #   -> the full tiny DS4 (Megatron GPTModel: mHC, DS4 attention, DS4 MoE with a hash layer) -> loss
 #   -> optimizer step -> checkpoint
 #
@@ -34,6 +34,7 @@ PYTHON=${PYTHON:-python}
 NPROC=${NPROC:-2}                       # processes (CPU "devices")
 CP=${CP:-2}                             # context-parallel size; data-parallel size = NPROC / CP
 MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4) | ds4_proxy (attention-only) | tiny_dense
+TASK=${TASK:-arithmetic}                # arithmetic (Q/A chats) | digits (the CPU RL task's demonstrations)
 WORK_DIR=${WORK_DIR:-runs/${MODEL}_sft_cpu}
 N_TRAIN=${N_TRAIN:-400}                 # conversations written to the training parquet
 STEPS=${STEPS:-80}                      # optimizer steps
@@ -59,8 +60,8 @@ done
 
 ASSETS="$WORK_DIR/assets"
 if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN"
-elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --n-train "$N_TRAIN" 2>&1); then
+    "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"
+elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
@@ -130,7 +131,7 @@ CONSOLE=(
     --fact "job=SFT, verl.trainer.sft_trainer on $NPROC CPU processes (torchrun, engine=megatron, $DTYPE)"
     --fact "model=$MODEL ($ASSETS/model)"
     --fact "parallel=CP $CP x DP $(( NPROC / CP )), TP 1, PP 1"
-    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN conversations), batch $BATCH, $STEPS steps, lr $LR"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN $TASK conversations), batch $BATCH, $STEPS steps, lr $LR"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)

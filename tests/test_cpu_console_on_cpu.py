@@ -25,6 +25,7 @@ import pytest
 from verl_ds4.cpu.console import SFTConsole, log_tail, parse_progress, plot_losses, run_quiet, sft_summary_lines, summarize_sft
 from verl_ds4.cpu.progress import progress_line
 from verl_ds4.cpu.sft_run import free_port, parse_losses
+from verl_ds4.cpu.console_ppo import plot_rl_metrics, reward_trend_line
 from verl_ds4.rollout.cpu_ppo_run import PPOConsole, ppo_summary_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,6 +181,46 @@ def test_ppo_console_lines_and_summary(tmp_path):
     assert "the RL path ran: 2 PPO steps" in done and "value_loss" in done
     assert "INCOMPLETE: the run stopped at PPO step 2 of 3" in "\n".join(ppo_summary_lines(metrics, 3))
     assert "NOT FINITE: critic/vf_loss" in "\n".join(ppo_summary_lines({1: {"critic/vf_loss": math.nan}}, 1))
+
+
+def _rewards(values):
+    return {step: {"critic/score/mean": value} for step, value in enumerate(values, start=1)}
+
+
+def test_reward_trend_line_and_learning_verdict():
+    rising = _rewards([0.1, 0.1, 0.2, 0.2, 0.2] + [0.3] * 10 + [0.5, 0.6, 0.6, 0.7, 0.6])
+    assert reward_trend_line(rising) == "reward: first 5 steps mean 0.160, last 5 steps mean 0.600"
+    assert reward_trend_line(_rewards([0.2, 0.4, 0.3])) == "reward: first 1 steps mean 0.200, last 1 steps mean 0.300"
+    assert reward_trend_line(_rewards([0.2])).startswith("reward: fewer than 2 steps")
+    learned = "\n".join(ppo_summary_lines(rising, 20, reward_rise=0.3, algo="grpo"))
+    assert "LEARNED: the mean reward rose by 0.440 (>= 0.3) in 20 GRPO steps" in learned
+    assert "[verl-ds4] reward: first 5 steps mean 0.160, last 5 steps mean 0.600" in learned
+    flat = _rewards([0.3, 0.35] * 10)  # negative control: noise, no trend
+    assert "DID NOT LEARN ENOUGH: the mean reward rose by 0.010 in 20 PPO steps, expected >= 0.3" in "\n".join(
+        ppo_summary_lines(flat, 20, reward_rise=0.3))
+    # without a bar the verdict is about the RL path, and says where the model came from
+    assert "all metrics finite; started from the given checkpoint" in "\n".join(
+        ppo_summary_lines(flat, 20, from_checkpoint=True))
+    assert "(rollout, reward, group-relative advantages, actor update" in "\n".join(ppo_summary_lines(flat, 20, algo="grpo"))
+
+
+def test_rl_metrics_plot_says_what_was_not_reported(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    texts = []
+    real_text = matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, *a, **k: texts.append(a[2]) or real_text(self, *a, **k))
+    grpo = {1: {"critic/score/mean": 0.1, "actor/kl_loss": 0.0, "training/rollout_probs_diff_max": 0.01},
+            2: {"critic/score/mean": 0.2, "actor/kl_loss": 0.01, "training/rollout_probs_diff_max": 0.02}}
+    note = plot_rl_metrics(grpo, tmp_path / "rl.png")
+    assert note == str(tmp_path / "rl.png") and (tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
+    assert texts == ["not reported"]  # GRPO has no value loss; reward, KL and the mismatch are drawn
+    texts.clear()
+    plot_rl_metrics({1: {"critic/score/mean": 0.1}}, tmp_path / "rl2.png")
+    assert texts == ["not reported"] * 3  # the control: a run without KL, value loss and mismatch metrics
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot_rl_metrics(grpo, tmp_path / "none.png").startswith("no plot: matplotlib is not installed")
 
 
 # ---------------------------------------------------------------------------- real launcher runs

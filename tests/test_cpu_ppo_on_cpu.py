@@ -36,8 +36,8 @@ import pytest
 
 from verl_ds4.recipes.resume_check import RECORD_NAME
 from verl_ds4.rollout.cpu_ppo_run import CPUPPORunError, parse_step_metrics, run_guarded, summary_table
+from verl_ds4.testing.cpu_rl import LAUNCHER, REPO, launcher_env, run_cpu_rl_launcher
 
-REPO = Path(__file__).resolve().parents[1]
 # Per launch; a shared, loaded machine may need more (VERL_DS4_CPU_PPO_TIMEOUT_S).
 TIMEOUT_S = int(os.environ.get("VERL_DS4_CPU_PPO_TIMEOUT_S", "600"))
 GATE_MAX = 1e-5  # the mismatch gate's threshold (the recipe's default)
@@ -83,42 +83,15 @@ def test_parse_step_metrics_reads_verls_console_lines():
     assert table.splitlines()[0].split()[:4] == ["step", "reward", "value_loss", "kl(actor|ref)"]
 
 
-LAUNCHER = ["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")]
-RAY_NODE_TIMEOUT = "The current node timed out during startup"
-
-
 def _env(work: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHON=sys.executable, WORK_DIR=str(work), **TINY)
-    env.pop("RAY_ADDRESS", None)
-    env.pop("VERL_DS4_TEST_SKIP_WEIGHT_SYNC_AT_STEP", None)
-    env.update(extra)
-    # the Ray workers must run this checkout's verl_ds4 (they inherit the driver's environment)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
+    return launcher_env(work, {**TINY, **extra})
 
 
 def _launch(work: Path, name: str, **extra: str):
-    """The launcher under :func:`run_guarded`; the result carries the console and the full log's metrics."""
-    for attempt in (1, 2):
-        try:
-            result = run_guarded(LAUNCHER, work / f"{name}.log", timeout_s=TIMEOUT_S, rss_limit_gb=RSS_LIMIT_GB,
-                                 env=_env(work, **extra), cwd=REPO)
-            break
-        except CPUPPORunError as err:
-            # Ray gives its node 30 s (hard-coded) to register; an overloaded shared machine can miss that.
-            # Nothing has run yet then, so the same command once more is the same run.
-            if attempt == 2 or RAY_NODE_TIMEOUT not in str(err):
-                raise
-            print(f"\n{name}: Ray's node start-up timed out (machine overloaded); launching once more")
-    console = result.log
-    [log_line] = [line for line in console.splitlines() if line.startswith("[verl-ds4] full log")]
-    full_log = Path(log_line.split()[-1])
-    assert full_log.parent == work / "logs" and full_log.is_file(), log_line
-    result.log = full_log.read_text(errors="replace")
-    result.metrics = parse_step_metrics(result.log)
-    result.console = console
+    """The launcher under :func:`run_guarded` (:func:`verl_ds4.testing.cpu_rl.run_cpu_rl_launcher`)."""
+    result = run_cpu_rl_launcher(work, {**TINY, **extra}, timeout_s=TIMEOUT_S, rss_limit_gb=RSS_LIMIT_GB, name=name)
     print(f"\nCPU PPO ({name}): {len(result.metrics)} steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
-    print(console)
+    print(result.console)
     return result
 
 

@@ -6,6 +6,7 @@
 * :mod:`.ds4_builder` (``deepseek_v4``: the full tiny DS4, or the proxy) and :mod:`.tiny_dense` (``llama``: the
   dense stepping stone): CPU model builders, selected with verl's ``model.external_lib``.
 * :mod:`.sft_data`, :mod:`.ds4_tokenizer`: download-free data, tokenizer and model-folder writers.
+* :mod:`.sft_to_hf`: the SFT -> RL hand-over, the SFT job's Megatron dist-checkpoint -> an HF DS4 folder.
 * :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path
   (:mod:`.training_worker`: verl's ``TrainingWorker`` on the CPU engine, composed as verl does);
   :mod:`.console`: the launchers' quiet console (progress, summary, loss plot; full log to a file).

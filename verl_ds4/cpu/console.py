@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=0, help="print every N steps (0: about 20 lines per run)")
     parser.add_argument("--fact", action="append", default=[], metavar="KEY=VALUE", help="a start-up fact to print")
     parser.add_argument("--verbose", action="store_true", help="also show the full output on the console")
-    parser.add_argument("--no-plot", action="store_true", help="do not write loss.png")
+    parser.add_argument("--no-plot", action="store_true", help="do not write loss.png (sft) / rl_metrics.png (ppo)")
+    parser.add_argument("--algo", choices=["ppo", "grpo"], default="ppo", help="ppo job: the RL algorithm (ppo or grpo)")
+    parser.add_argument("--from-checkpoint", action="store_true",
+                        help="ppo job: the run started from a given checkpoint (MODEL_PATH), not the random model")
+    parser.add_argument("--reward-rise", type=float, metavar="X",
+                        help="ppo job: the verdict says whether the last-5 mean reward beat the first-5 mean by X")
     args = parser.parse_args(argv)
 
     if args.summarize:
@@ -106,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.log:
         link_latest(log_path)
     if args.job == "ppo":
-        view: ConsoleView = PPOConsole(args.work_dir, args.steps, facts=_facts(args.fact))
+        view: ConsoleView = PPOConsole(args.work_dir, args.steps, facts=_facts(args.fact), algo=args.algo,
+                                       from_checkpoint=args.from_checkpoint, reward_rise=args.reward_rise,
+                                       plot=not args.no_plot)
     else:
         view = SFTConsole(args.work_dir, args.steps, facts=_facts(args.fact), every=args.every,
                           plot=not args.no_plot)

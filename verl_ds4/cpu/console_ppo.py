@@ -1,4 +1,5 @@
-"""The CPU PPO/GRPO launcher's console view: one line per PPO step from verl's console metrics, a summary table."""
+"""The CPU PPO/GRPO launcher's console view: one line per RL step from verl's console metrics, a summary table,
+the reward trend line and a PNG of reward, value loss, KL and the rollout/trainer mismatch per step."""
 
 from __future__ import annotations
 
@@ -31,6 +32,72 @@ SUMMARY_COLUMNS = (
     ("timing_s/gen", "gen_s"),
     ("timing_s/step", "step_s"),
 )
+
+REWARD_KEY = "critic/score/mean"
+#: verl's rollout-vs-trainer log-prob mismatch metrics, the first one found is plotted.
+MISMATCH_KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean")
+#: Steps averaged at each end of the run for the reward trend line.
+TREND_STEPS = 5
+ALGOS = ("ppo", "grpo")
+
+
+def reward_trend(metrics: dict[int, dict[str, float]], k: int = TREND_STEPS) -> tuple[int, float, float] | None:
+    """``(k, first-k mean, last-k mean)`` of the mean reward; ``k`` shrinks to half the steps of a short
+    run (``None`` with fewer than 2 steps that report a reward)."""
+    rewards = [metrics[s][REWARD_KEY] for s in sorted(metrics) if REWARD_KEY in metrics[s]]
+    k = min(k, len(rewards) // 2)
+    if k < 1:
+        return None
+    return k, sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def reward_trend_line(metrics: dict[int, dict[str, float]]) -> str:
+    """``reward: first 5 steps mean A, last 5 steps mean B`` (see :func:`reward_trend`)."""
+    trend = reward_trend(metrics)
+    if trend is None:
+        return "reward: fewer than 2 steps with a reward, no trend"
+    k, first, last = trend
+    return f"reward: first {k} steps mean {first:.3f}, last {k} steps mean {last:.3f}"
+
+
+def plot_rl_metrics(metrics: dict[int, dict[str, float]], path: str | Path, *, title: str = "") -> str:
+    """Write a PNG with reward, value loss, KL and the mismatch per step; returns a one-line note (the
+    path, or why there is no plot). A metric the run did not report is drawn as "not reported"."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install 'verl-ds4[plot]')"
+    if not metrics:
+        return "no plot: no steps"
+    mismatch = next((k for k in MISMATCH_KEYS if any(k in m for m in metrics.values())), MISMATCH_KEYS[0])
+    panels = [
+        (REWARD_KEY, "mean reward"),
+        ("critic/vf_loss", "value loss"),
+        ("actor/kl_loss", "KL(actor | ref)"),
+        (mismatch, "rollout vs trainer\n" + mismatch.rpartition("/")[2]),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), dpi=100)
+    for ax, (key, label) in zip(axes, panels):
+        points = [(s, metrics[s][key]) for s in sorted(metrics) if key in metrics[s]]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, lw=1.2)
+        else:
+            ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
 
 
 def parse_step_metrics(text: str) -> dict[int, dict[str, float]]:
@@ -81,10 +148,17 @@ class PPOConsole(ConsoleView):
 
     name = "ppo"
 
-    def __init__(self, work_dir: str | Path, total_steps: int, *, facts=()):
+    def __init__(self, work_dir: str | Path, total_steps: int, *, facts=(), algo: str = "ppo",
+                 from_checkpoint: bool = False, reward_rise: float | None = None, plot: bool = True):
+        if algo not in ALGOS:
+            raise ValueError(f"algo={algo!r}; expected one of {ALGOS}.")
         self.work_dir = Path(work_dir)
         self.total_steps = total_steps
         self.facts = list(facts)
+        self.algo = algo
+        self.from_checkpoint = from_checkpoint
+        self.reward_rise = reward_rise
+        self.plot = plot
         self._layouts: set[str] = set()
         self._ready = False
         self._start = time.monotonic()
@@ -127,13 +201,28 @@ class PPOConsole(ConsoleView):
 
     def summary(self, log_path: Path, returncode: int, wall_s: float) -> list[str]:
         metrics = parse_step_metrics(log_path.read_text(errors="replace"))
+        plot_note = None
+        if self.plot and metrics:
+            plot_note = plot_rl_metrics(metrics, self.work_dir / "rl_metrics.png",
+                                        title=f"{self.algo.upper()} on CPU, {self.work_dir.name}")
         return ppo_summary_lines(metrics, self.total_steps, self.work_dir / "checkpoints", wall_s=wall_s,
-                                 log_path=log_path)
+                                 log_path=log_path, algo=self.algo, from_checkpoint=self.from_checkpoint,
+                                 reward_rise=self.reward_rise, plot_note=plot_note)
+
+
+_PATH = {
+    "ppo": "rollout, reward, values, GAE, updates, weight sync",
+    "grpo": "rollout, reward, group-relative advantages, actor update, weight sync",
+}
 
 
 def ppo_summary_lines(metrics: dict[int, dict[str, float]], total_steps: int | None, ckpt_dir: Path | None = None,
-                      *, wall_s: float | None = None, log_path: str | Path | None = None) -> list[str]:
-    """The summary: a verdict on the RL path (not on learning: the model is random), the table, paths."""
+                      *, wall_s: float | None = None, log_path: str | Path | None = None, algo: str = "ppo",
+                      from_checkpoint: bool = False, reward_rise: float | None = None,
+                      plot_note: str | None = None) -> list[str]:
+    """The summary: a verdict on the RL path (and, with ``reward_rise``, on learning: did the last-5 mean
+    reward beat the first-5 mean by that much), the table, the reward trend line, paths."""
+    name = algo.upper()
     lines = [say("-" * 26 + " summary " + "-" * 26)]
     if not metrics:
         lines.append(say("result      NO PPO STEPS: no 'step:N - ...' metric line in the log"))
@@ -141,16 +230,28 @@ def ppo_summary_lines(metrics: dict[int, dict[str, float]], total_steps: int | N
         last = max(metrics)
         bad = sorted({k for m in metrics.values() for k, v in m.items() if not math.isfinite(v)} & {
             k for k, _ in SUMMARY_COLUMNS})
+        trend = reward_trend(metrics)
         if total_steps and last < total_steps:
-            verdict = f"INCOMPLETE: the run stopped at PPO step {last} of {total_steps}"
+            verdict = f"INCOMPLETE: the run stopped at {name} step {last} of {total_steps}"
         elif bad:
             verdict = f"NOT FINITE: {', '.join(bad)}"
+        elif reward_rise is not None:
+            rise = float("nan") if trend is None else trend[2] - trend[1]
+            if trend is not None and rise >= reward_rise:
+                verdict = f"LEARNED: the mean reward rose by {rise:.3f} (>= {reward_rise:g}) in {len(metrics)} {name} steps"
+            else:
+                verdict = (f"DID NOT LEARN ENOUGH: the mean reward rose by {rise:.3f} in {len(metrics)} {name} steps, "
+                           f"expected >= {reward_rise:g}")
         else:
-            verdict = (f"the RL path ran: {len(metrics)} PPO step{'s' * (len(metrics) != 1)} (rollout, reward, "
-                       "values, GAE, updates, weight sync), all metrics finite; the model is random, so this "
-                       "is not a test of learning")
+            start = ("started from the given checkpoint" if from_checkpoint
+                     else "the model is random, so this is not a test of learning")
+            verdict = (f"the RL path ran: {len(metrics)} {name} step{'s' * (len(metrics) != 1)} ({_PATH[algo]}), "
+                       f"all metrics finite; {start}")
         lines.append(say(f"result      {verdict}"))
         lines += [say("  " + row) for row in summary_table(metrics).splitlines()]
+        lines.append(say(reward_trend_line(metrics)))
+    if plot_note is not None:
+        lines.append(say(f"{'plot':<11} {plot_note}"))
     if wall_s is not None:
         lines.append(say(f"wall time   {format_duration(wall_s)}"))
     if ckpt_dir is not None:

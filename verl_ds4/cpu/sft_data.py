@@ -2,6 +2,9 @@
 
 * :func:`arithmetic_conversations` - a few hundred short chat conversations (integer
   arithmetic questions and their answers), a pure function of ``(n, seed)``.
+* :func:`digit_conversations` - demonstrations of the CPU RL task (``"Repeat the digit 7."`` ->
+  ``"7777"``, :data:`DIGIT_PROMPT`, the prompt :mod:`verl_ds4.rollout.demo_task` asks), for the SFT
+  that starts the RL learning benchmark (``task="digits"``).
 * :func:`write_sft_parquet` - verl's SFT format: a parquet file with a ``messages`` column.
 * :func:`build_char_tokenizer` - a character-level ``PreTrainedTokenizerFast`` (HF
   ``tokenizers`` WordLevel model over single characters) with a tiny chat template; built
@@ -31,7 +34,10 @@ __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "arithmetic_conversations",
+    "DIGIT_PROMPT",
+    "SFT_TASKS",
     "build_char_tokenizer",
+    "digit_conversations",
     "ds4_control_tokens",
     "ds4_proxy_hf_config",
     "padded_vocab_size",
@@ -93,6 +99,30 @@ def arithmetic_conversations(n: int = 400, seed: int = 0) -> list[list[dict[str,
             turns.append({"role": "user", "content": question})
             turns.append({"role": "assistant", "content": f"{a} {op} {b} = {fn(a, b)}."})
         conversations.append(turns)
+    return conversations
+
+
+#: The CPU RL task's prompt (verl_ds4.rollout.demo_task asks it; the SFT "digits" task demonstrates it).
+DIGIT_PROMPT = "Repeat the digit {digit}."
+#: The SFT datasets: arithmetic chats (the main job) or the RL task's demonstrations.
+SFT_TASKS = ("arithmetic", "digits")
+
+
+def digit_conversations(n: int = 400, seed: int = 0, min_repeat: int = 3, max_repeat: int = 6) -> list[list[dict[str, str]]]:
+    """``n`` demonstrations of the RL task: the asked digit repeated ``min_repeat..max_repeat`` times
+    (deterministic in ``(n, seed)``)."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    if not 1 <= min_repeat <= max_repeat:
+        raise ValueError(f"need 1 <= min_repeat <= max_repeat, got {min_repeat}, {max_repeat}")
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(n):
+        digit = str(rng.randrange(10))
+        conversations.append([
+            {"role": "user", "content": DIGIT_PROMPT.format(digit=digit)},
+            {"role": "assistant", "content": digit * rng.randint(min_repeat, max_repeat)},
+        ])
     return conversations
 
 
@@ -293,9 +323,12 @@ def model_hf_config(model: str):
 
 
 def prepare_cpu_sft_assets(
-    out_dir: str | Path, *, model: str = "ds4", n_train: int = 400, n_val: int = 0, seed: int = 0
+    out_dir: str | Path, *, model: str = "ds4", n_train: int = 400, n_val: int = 0, seed: int = 0, task: str = "arithmetic"
 ) -> dict[str, str]:
     """Create ``model/`` (tokenizer + HF config; for ``ds4`` also the weights) and ``data/train.parquet``.
+
+    ``task``: ``arithmetic`` (:func:`arithmetic_conversations`, the main job) or ``digits``
+    (:func:`digit_conversations`, the RL task's demonstrations).
 
     Returns strings: ``model``, ``train``, (if ``n_val``) ``val``, and ``external_lib`` (the
     module to pass as verl's ``model.external_lib`` so the CPU engine can build the model).
@@ -304,13 +337,16 @@ def prepare_cpu_sft_assets(
     out_dir = Path(out_dir)
     if model not in MODELS:
         raise ValueError(f"model={model!r}; expected one of {MODELS}.")
+    if task not in SFT_TASKS:
+        raise ValueError(f"task={task!r}; expected one of {SFT_TASKS}.")
     hf_config = model_hf_config(model)
     model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
     if model == "ds4":
         from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
 
         write_ds4_weights(model_dir, hf_config)
-    conversations = arithmetic_conversations(n_train + n_val, seed=seed)
+    make = arithmetic_conversations if task == "arithmetic" else digit_conversations
+    conversations = make(n_train + n_val, seed=seed)
     used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
     unknown = used - set(ALPHABET)
     if unknown:
@@ -323,7 +359,7 @@ def prepare_cpu_sft_assets(
     if n_val:
         paths["val"] = str(write_sft_parquet(out_dir / "data" / "val.parquet", conversations[n_train:]))
     (out_dir / "assets.json").write_text(
-        json.dumps({"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}) + "\n"
+        json.dumps({"model": model, "task": task, "n_train": n_train, "n_val": n_val, "seed": seed}) + "\n"
     )
     return paths
 
@@ -333,15 +369,19 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m verl_ds4.cpu.sft_data",
-        description="Write the CPU demo's model folder (char tokenizer + HF config) and arithmetic SFT parquet.",
+        description="Write the CPU demo's model folder (char tokenizer + HF config) and an SFT parquet (arithmetic chats or the RL task's demonstrations).",
     )
     parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")
     parser.add_argument("--model", choices=MODELS, default="ds4", help="ds4: the full tiny DS4 checkpoint (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped")
+    parser.add_argument("--task", choices=SFT_TASKS, default="arithmetic",
+                        help="arithmetic: integer Q/A chats (default); digits: demonstrations of the CPU RL task "
+                             "('Repeat the digit 7.' -> '7777'), the SFT before the RL learning benchmark")
     parser.add_argument("--n-train", type=int, default=400, help="training conversations (default 400)")
     parser.add_argument("--n-val", type=int, default=0, help="validation conversations (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = parser.parse_args(argv)
-    paths = prepare_cpu_sft_assets(args.out, model=args.model, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+    paths = prepare_cpu_sft_assets(args.out, model=args.model, n_train=args.n_train, n_val=args.n_val, seed=args.seed,
+                                   task=args.task)
     for key, value in paths.items():
         print(f"{key}={value}")
     return 0

@@ -36,6 +36,7 @@ from verl_ds4.cpu.console import (  # noqa: F401  (re-exported: this module's me
     ppo_summary_lines,
     summary_table,
 )
+from verl_ds4.cpu.console_ppo import reward_trend_line
 
 __all__ = ["CPUPPORunError", "PPOConsole", "RunResult", "parse_step_metrics", "run_guarded", "summary_table"]
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no 'step:N - ...' metric lines in {args.summarize}")
         return 1
     print(summary_table(metrics))
+    print(reward_trend_line(metrics))
     return 0
 
 

@@ -41,6 +41,8 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 
 def digit_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` RL rows (a pure function of ``n`` and ``seed``)."""
+    from verl_ds4.cpu.sft_data import DIGIT_PROMPT
+
     rng = random.Random(seed)
     rows = []
     for index in range(n):
@@ -48,7 +50,7 @@ def digit_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
         rows.append(
             {
                 "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"Repeat the digit {digit}."}],
+                "prompt": [{"role": "user", "content": DIGIT_PROMPT.format(digit=digit)}],
                 "ability": "copy",
                 "reward_model": {"style": "rule", "ground_truth": digit},
                 "extra_info": {"index": index, "digit": digit},

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# A run that learns: SFT on the CPU RL task's demonstrations -> HF hand-over -> PPO (GAE critic) and GRPO.
+#
+#   1. SFT   scripts/run_ds4_proxy_sft_cpu.sh with TASK=digits ("Repeat the digit 7." -> "7777"): the tiny
+#            full DS4 through verl's SFT trainer at CP=2, only briefly (SFT_STEPS), so that the policy has
+#            the format but often the wrong digit: RL has room to raise the reward.
+#   2. hand-over  python -m verl_ds4.cpu.sft_to_hf: the SFT's last Megatron dist-checkpoint -> an HF DS4
+#            folder ($WORK_DIR/sft_hf: config.json + model.safetensors + tokenizer + generation_config.json
+#            with DS4's end-of-sentence token as an EOS id), read as actor_rollout_ref.model.path.
+#   3. its reward before RL (benchmarks/rl_task_reward.py, sampled like the cpu_demo rollout).
+#   4. RL    scripts/run_ds4_proxy_ppo_cpu.sh with MODEL_PATH=$WORK_DIR/sft_hf, DS4_RL_RECIPE=ppo and =grpo,
+#            RL_STEPS steps each, with the learning knobs below (the CI defaults stay as they are).
+#            Each run's console ends with the summary table, the line
+#            `reward: first 5 steps mean A, last 5 steps mean B` and a verdict against REWARD_RISE; its
+#            reward / value loss / KL / mismatch plot is $WORK_DIR/<algo>/rl_metrics.png.
+#
+# Usage:  bash benchmarks/bench_rl_learning.sh                       # SFT (once), then PPO and GRPO
+#         ALGOS=grpo bash benchmarks/bench_rl_learning.sh            # one of them
+#         RESULTS=benchmarks/results bash benchmarks/bench_rl_learning.sh   # also copy summaries + PNGs there
+# Extra arguments are Hydra overrides for both RL runs. The SFT and its hand-over are reused when
+# $WORK_DIR/sft_hf exists (FRESH_SFT=1 redoes them). Exit status: 0 when every RL run met REWARD_RISE.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# ---------------------------------- user-adjustable ----------------------------------
+PYTHON=${PYTHON:-python}
+WORK_DIR=${WORK_DIR:-runs/rl_learning}
+ALGOS=${ALGOS:-ppo grpo}                # which RL runs, in order
+SFT_STEPS=${SFT_STEPS:-30}              # brief on purpose (see above): mean reward about 0.2 after it
+SFT_LR=${SFT_LR:-3e-3}
+RL_STEPS=${RL_STEPS:-60}
+PPO_BATCH=${PPO_BATCH:-8}               # prompts per PPO step (one response each)
+GRPO_BATCH=${GRPO_BATCH:-4}             # prompts per GRPO step ...
+GRPO_N=${GRPO_N:-4}                     # ... times GRPO_N responses each
+RESPONSE_LENGTH=${RESPONSE_LENGTH:-8}   # the demonstrations are 3-6 digits + EOS
+ACTOR_LR=${ACTOR_LR:-3e-3}
+CRITIC_LR=${CRITIC_LR:-3e-3}
+KL_COEF=${KL_COEF:-0.001}
+REWARD_RISE=${REWARD_RISE:-0.3}         # the bar: last-5 mean reward - first-5 mean reward
+FRESH_SFT=${FRESH_SFT:-0}
+RESULTS=${RESULTS:-}                    # a folder to copy each run's summary and PNG to
+# --------------------------------------------------------------------------------------
+
+export PYTHON
+mkdir -p "$WORK_DIR"
+WORK_DIR=$(cd "$WORK_DIR" && pwd)
+SFT_DIR="$WORK_DIR/sft"
+HF_DIR="$WORK_DIR/sft_hf"
+note() { printf '[bench-rl] %s\n' "$*"; }
+load() { uptime | sed 's/.*load average: /load /'; }
+
+if [ "$FRESH_SFT" = 1 ] || [ ! -f "$HF_DIR/config.json" ]; then
+    rm -rf "$SFT_DIR" "$HF_DIR"
+    note "1/3 SFT on the RL task's demonstrations: $SFT_STEPS steps, lr $SFT_LR ($(load))"
+    t0=$(date +%s)
+    TASK=digits STEPS="$SFT_STEPS" SAVE_FREQ="$SFT_STEPS" LR="$SFT_LR" RESUME_MODE=disable WORK_DIR="$SFT_DIR" \
+        bash scripts/run_ds4_proxy_sft_cpu.sh
+    note "SFT took $(( $(date +%s) - t0 )) s"
+    note "2/3 hand-over: the SFT's Megatron checkpoint -> HF DS4 folder $HF_DIR"
+    "$PYTHON" -m verl_ds4.cpu.sft_to_hf --checkpoint "$SFT_DIR/checkpoints" --model-dir "$SFT_DIR/assets/model" --out "$HF_DIR" 2>/dev/null
+    "$PYTHON" benchmarks/rl_task_reward.py --model "$SFT_DIR/assets/model" --model "$HF_DIR" \
+        --max-tokens "$RESPONSE_LENGTH" --json "$WORK_DIR/start_reward.json" 2>/dev/null | grep ': mean reward ' \
+        | sed 's/^/[bench-rl] reward before RL: /'
+else
+    note "1-2/3 reusing the SFT hand-over $HF_DIR (FRESH_SFT=1 redoes it)"
+fi
+
+status=0
+for algo in $ALGOS; do
+    case "$algo" in
+        ppo) BATCH=$PPO_BATCH; EXTRA=(critic.optim.lr="$CRITIC_LR") ;;
+        grpo) BATCH=$GRPO_BATCH; EXTRA=(actor_rollout_ref.rollout.n="$GRPO_N") ;;
+        *) echo "ALGOS: $algo is not ppo or grpo" >&2; exit 2 ;;
+    esac
+    note "3/3 $algo from the SFT hand-over: $RL_STEPS steps, batch $BATCH, response <= $RESPONSE_LENGTH ($(load))"
+    for attempt in 1 2; do
+        t0=$(date +%s)
+        set +e
+        DS4_RL_RECIPE=$algo MODEL_PATH="$HF_DIR" WORK_DIR="$WORK_DIR/$algo" STEPS="$RL_STEPS" SAVE_FREQ="$RL_STEPS" \
+            BATCH="$BATCH" RESPONSE_LENGTH="$RESPONSE_LENGTH" REWARD_RISE="$REWARD_RISE" N_TRAIN=512 \
+            bash scripts/run_ds4_proxy_ppo_cpu.sh \
+            actor_rollout_ref.actor.optim.lr="$ACTOR_LR" actor_rollout_ref.actor.kl_loss_coef="$KL_COEF" \
+            "${EXTRA[@]}" "$@" | tee "$WORK_DIR/$algo.console.txt"
+        rc=${PIPESTATUS[0]}
+        set -e
+        # Ray gives its raylet a fixed 30 s to register; on an overloaded machine that start-up can fail.
+        if [ "$rc" != 0 ] && [ "$attempt" = 1 ] && grep -q "The current node timed out during startup" \
+                "$WORK_DIR/$algo/logs/latest.log" 2>/dev/null; then
+            note "$algo: Ray's node start-up timed out (machine overloaded: $(load)); trying once more"
+            continue
+        fi
+        break
+    done
+    wall=$(( $(date +%s) - t0 ))
+    end_load=$(load)
+    note "$algo: exit $rc, wall time ${wall} s ($end_load at the end)" | tee -a "$WORK_DIR/$algo.console.txt"
+    grep -q "result      LEARNED" "$WORK_DIR/$algo.console.txt" || status=1
+    if [ -n "$RESULTS" ]; then
+        mkdir -p "$RESULTS"
+        cp "$WORK_DIR/$algo.console.txt" "$RESULTS/rl_learning_$algo.txt"
+        [ -f "$WORK_DIR/$algo/rl_metrics.png" ] && cp "$WORK_DIR/$algo/rl_metrics.png" "$RESULTS/rl_learning_$algo.png"
+    fi
+done
+exit $status

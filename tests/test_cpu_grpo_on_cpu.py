@@ -1,0 +1,83 @@
+"""verl's own PPO trainer (main_ppo, v1, Ray) with the GRPO recipe on CPU: tiny DS4 actor/ref at CP=2, 2 steps, no critic.
+
+The real run: ``DS4_RL_RECIPE=grpo scripts/run_ds4_proxy_ppo_cpu.sh`` (recipe ``ds4_proxy_grpo_cpu``: the
+GPU GRPO recipe's knobs, ``algorithm.adv_estimator=grpo``, ``rollout.n > 1``, ``critic.enable=false``, KL loss
+to the reference model) with 4 prompts x 2 responses, under the same guard as the PPO test
+(:func:`verl_ds4.rollout.cpu_ppo_run.run_guarded`: a wall-clock limit and a 12 GB limit on the RSS of the
+whole process tree). Negative controls: the PPO run of ``test_cpu_ppo_on_cpu.py`` reports a critic where this
+one must not, and the launcher refuses GRPO with one response per prompt before starting anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_ds4.testing.cpu_rl import REPO, run_cpu_rl_launcher
+
+# The guard against a hang; a loaded shared machine may need more (VERL_DS4_CPU_RL_TIMEOUT_S).
+TIMEOUT_S = float(os.environ.get("VERL_DS4_CPU_RL_TIMEOUT_S", "360"))
+RSS_LIMIT_GB = 12.0
+ROLLOUT_N = 2
+BATCH = 4
+
+
+def test_launcher_refuses_grpo_with_one_response_per_prompt(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DS4_RL_RECIPE": "grpo", "WORK_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh"), "actor_rollout_ref.rollout.n=1"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "GRPO needs actor_rollout_ref.rollout.n > 1" in proc.stderr
+    assert not (tmp_path / "assets").exists(), "refused at start-up, before writing anything"
+    # The control for this refusal is the run below: GRPO with n=2 starts and trains.
+    env["DS4_RL_RECIPE"] = "reinforce"
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "DS4_RL_RECIPE=reinforce: expected ppo or grpo" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("grpo")
+    env = {"DS4_RL_RECIPE": "grpo", "STEPS": "2", "N_TRAIN": "32", "BATCH": str(BATCH), "RESPONSE_LENGTH": "8"}
+    result = run_cpu_rl_launcher(work, env, timeout_s=TIMEOUT_S, rss_limit_gb=RSS_LIMIT_GB,
+                                 args=[f"actor_rollout_ref.rollout.n={ROLLOUT_N}"])
+    print(f"\nCPU GRPO: 2 steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
+    print(result.console)
+    return work, result
+
+
+def test_grpo_console_has_a_line_per_step_the_summary_and_the_reward_line(grpo_run):
+    _, result = grpo_run
+    lines = result.console.splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("[verl-ds4] step ")] == ["1/2", "2/2"]
+    assert any(line.startswith("[verl-ds4] result      the RL path ran: 2 GRPO steps (rollout, reward, group-relative")
+               for line in lines), result.console
+    assert any(line.startswith("[verl-ds4] reward: first 1 steps mean ") for line in lines), result.console
+    assert "recipe ds4_proxy_grpo_cpu" in result.console
+
+
+def test_grpo_runs_without_a_critic_with_group_advantages_and_kl(grpo_run):
+    work, result = grpo_run
+    assert sorted(result.metrics) == [1, 2], "verl printed no metrics for steps 1 and 2"
+    for step, m in result.metrics.items():
+        for key in ("critic/score/mean", "actor/kl_loss", "actor/pg_loss", "critic/advantages/mean", "timing_s/step"):
+            assert key in m and math.isfinite(m[key]), f"step {step}: {key} missing or not finite"
+        assert 0.0 <= m["critic/score/min"] <= m["critic/score/mean"] <= m["critic/score/max"] <= 1.0
+        # No critic: verl reports no value loss and no values (the PPO run reports both).
+        assert not any(k.startswith(("critic/vf_", "critic/values/", "timing_s/update_critic")) for k in m), sorted(m)
+    assert "'adv_estimator': 'grpo'" in result.log, "the resolved config should show adv_estimator grpo"
+    assert "'n': 2" in result.log, "the resolved config should show rollout.n=2"
+    assert result.metrics[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert result.metrics[2]["actor/kl_loss"] > 1e-6
+    # rollout and trainer agree on the log-probs after the weight sync (verl's mismatch metric)
+    assert result.metrics[2]["training/rollout_probs_diff_max"] < 0.05
+    assert "CPUMegatronEngineWithLMHead: contiguous CP layout (cp=2" in result.log
+    assert "CPUMegatronEngineWithValueHead" not in result.log, "GRPO must not build a critic"
+    step_dir = work / "checkpoints" / "global_step_2"
+    assert (step_dir / "actor" / "model").is_dir() and not (step_dir / "critic").exists()
+    assert result.peak_rss_gb < RSS_LIMIT_GB and result.wall_s < TIMEOUT_S
