@@ -114,6 +114,9 @@ class _UniformPolicy:
     def next_token_logits(self, token_ids):
         return torch.zeros(1000)
 
+    def next_token_logits_batch(self, sequences):  # the batched server's call
+        return torch.zeros(len(sequences), 1000)
+
 
 def _fresh_server(global_steps, seed=42):
     server = CPURolloutServer(
