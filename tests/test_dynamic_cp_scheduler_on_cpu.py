@@ -157,7 +157,7 @@ def _worker(rank: int, world: int, dynamic: bool):
     from verl.plugin.platform.platform_manager import set_platform
 
     from verl_ds4.cpu.platform import PlatformCPU
-    from verl_ds4.cpu.verify import _Models
+    from verl_ds4.cpu.verify import _Models, _ds4_config
     from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -166,7 +166,9 @@ def _worker(rank: int, world: int, dynamic: bool):
     try:
         if dynamic:
             _install_megatron_dynamic_cp_api(world)
-        models = _Models("ds4", None, seed=SEED)
+        # The CPU jobs' tiny DS4 as the engine runs it: no MTP, indexer loss off (verify's harness turns both on).
+        models = _Models("ds4", {**_ds4_config(None), "num_nextn_predict_layers": 0}, seed=SEED)
+        models.indexer_loss_coeff = 0.0
         model = models.build(torch.float64).eval()
         engine = _engine(model, dynamic)
         attention_cp_sizes = []  # the CP group size of every DS4 attention call
