@@ -70,7 +70,7 @@ def test_the_gate_stops_above_the_threshold_naming_step_figure_and_knob():
 def test_the_knob_comes_from_the_recipe_and_is_checked():
     recipe = OmegaConf.load(REPO / "recipes" / "recipe" / "ds4_proxy_ppo_cpu.yaml")
     assert recipe.trainer.v1.trainer_mode == gate.TRAINER_MODE
-    assert gate.gate_threshold(recipe) is None  # report-only until the PPO actor runs fp32 (see the recipe)
+    assert gate.gate_threshold(recipe) == 1e-5  # the default: fp32 rollout and fp32 engines (configs/cpu/laptop.yaml)
 
     def config(**settings):
         return OmegaConf.create({"trainer": {"v1": {gate.TRAINER_MODE: settings}}})
