@@ -8,7 +8,7 @@ import re
 import time
 from pathlib import Path
 
-from verl_ds4.cpu.console_run import ConsoleView, ANSI_ESCAPE, LAYOUT_LINE, format_duration, say
+from verl_ds4.cpu.console_run import ConsoleView, ANSI_ESCAPE, LAYOUT_LINE, format_duration, layout_fact, say
 
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _ROLLOUT_READY = re.compile(r"(cpu_demo rollout server \d+ ready)")
@@ -190,7 +190,7 @@ class PPOConsole(ConsoleView):
             )]
         if (m := LAYOUT_LINE.search(line)) and m.group(1) not in self._layouts:
             self._layouts.add(m.group(1))
-            return [say(f"{'CP layout':<11} {m.group(2)} ({m.group(3)}), resolved by {m.group(1)}")]
+            return [layout_fact(m)]
         if not self._gate_stopped and (m := _GATE_STOP.search(line)):
             self._gate_stopped = True
             return [say(f"{'GATE STOP':<11} {m.group(1)}")]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from verl_ds4.cpu.console_run import ConsoleView, PREFIX, ANSI_ESCAPE, LAYOUT_LINE, format_duration, say
+from verl_ds4.cpu.console_run import ConsoleView, PREFIX, ANSI_ESCAPE, LAYOUT_LINE, format_duration, layout_fact, say
 
 WINDOW = 20  # steps in the first/last loss means of the summary
 FELL_BELOW = -0.05
@@ -242,7 +242,7 @@ class SFTConsole(ConsoleView):
             return self._progress(line[line.index(PREFIX):])
         if not self._seen_layout and (m := LAYOUT_LINE.search(line)):
             self._seen_layout = True
-            return [say(f"{'CP layout':<11} {m.group(2)} ({m.group(3)}), resolved by {m.group(1)}")]
+            return [layout_fact(m)]
         if not self._seen_params and (m := _PARAMS.search(line)):
             self._seen_params = True
             return [say(f"{'parameters':<11} {m.group(1)}")]
