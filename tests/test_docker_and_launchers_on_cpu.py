@@ -51,8 +51,18 @@ def _tool(name: str) -> str:
 
 
 def _repo_files():
+    """The repository's own files: git's tracked and untracked-but-not-ignored ones, so a venv
+    (lane 2 creates .venv312 while lane 1 runs) or any other ignored output is never scanned. Without
+    git (an exported tree), a walk that skips SKIP_DIRS and every .venv* folder."""
+    if shutil.which("git") and (REPO / ".git").exists():
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, text=True, cwd=REPO, check=True)
+        for rel in out.stdout.split("\0"):
+            if rel and (REPO / rel).is_file():
+                yield REPO / rel
+        return
     for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".venv") and not d.endswith(".egg-info")]
         for f in files:
             yield Path(root) / f
 
