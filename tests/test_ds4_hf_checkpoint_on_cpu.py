@@ -191,3 +191,62 @@ def test_verify_cli_compares_a_folder_with_transformers(hf_folder, capsys):
     assert "logits     max rel error" in out and "PASSED" in out
     # negative control: a tolerance no fp64 computation meets fails the run
     assert main(["verify", "--hf-checkpoint", str(hf_folder), "--fp64-rtol", "0"]) == 1
+
+
+# Megatron-LM dev's DSv4 attention parameters (csa.py at the image's pin, 12eed0a5: the layer's
+# projections and norms on self_attention; attn_sink, compressor and indexer on its core_attention,
+# a CompressedSparseAttention). Sliding layers have no compressor, HCA no indexer.
+DEV_ATTENTION_NAMES = {
+    "sliding": {"linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight", "linear_kv_proj.weight",
+                "kv_layernorm.weight", "linear_o_group_proj", "linear_proj.weight", "core_attention.attn_sink"},
+}
+_COMPRESSOR = {"linear_wkv.weight", "linear_wgate.weight", "ape", "norm.weight"}
+DEV_ATTENTION_NAMES["hca"] = DEV_ATTENTION_NAMES["sliding"] | {f"core_attention.compressor.{n}" for n in _COMPRESSOR}
+DEV_ATTENTION_NAMES["csa"] = DEV_ATTENTION_NAMES["hca"] | {f"core_attention.indexer.compressor.{n}" for n in _COMPRESSOR} | {
+    "core_attention.indexer.linear_wq_b.weight", "core_attention.indexer.linear_weights_proj.weight"}
+
+
+def _doc_table_names() -> set[str]:
+    """Every name of the 'ours' column of docs/ds4-model.md section 5, braces expanded, prefix kept."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ds4-model.md").read_text()
+    section = text[text.index("## 5. Checkpoint names"):text.index("## 6.")]
+    names = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[-1].startswith("`"):
+            continue
+        for tick in re.findall(r"`([^`]+)`", cells[-1]):
+            m = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", tick)
+            for name in ([m.group(1) + part + m.group(3) for part in m.group(2).split(",")] if m else [tick]):
+                names.add(name.replace("…", "").lstrip("."))
+    return names
+
+
+def _attention_names_by_kind(model) -> dict[str, set[str]]:
+    by_kind = {}
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        by_kind.setdefault(attn.spec.kind, {n for n, _ in attn.named_parameters()})
+    return by_kind
+
+
+def test_attention_parameter_names_are_megatron_dev_names(hf_folder):
+    in_megatron_child(_test_attention_parameter_names_are_megatron_dev_names, hf_folder)
+
+
+def _test_attention_parameter_names_are_megatron_dev_names(hf_folder):
+    model, _ = load_hf_checkpoint(hf_folder, dtype=torch.float64, cp_size=1)
+    by_kind = _attention_names_by_kind(model)
+    assert set(by_kind) == {"sliding", "csa", "hca"}
+    for kind, names in by_kind.items():
+        assert names == DEV_ATTENTION_NAMES[kind], (kind, sorted(names ^ DEV_ATTENTION_NAMES[kind]))
+    # ... and each is in the docs' name table, under self_attention.
+    documented = _doc_table_names()
+    for name in by_kind["csa"]:
+        assert f"self_attention.{name}" in documented, f"self_attention.{name} missing from docs/ds4-model.md section 5"
+    # negative control: the names before the rename (ours, not dev's) are neither dev's nor documented
+    for old in ("attn_sink", "compressor.linear_kv.weight", "indexer.linear_q_up.weight", "indexer.linear_weights.weight"):
+        assert old not in DEV_ATTENTION_NAMES["csa"] and f"self_attention.{old}" not in documented

@@ -140,8 +140,8 @@ class GatedPoolCompressor(nn.Module):
         super().__init__()
         self.out_dim, self.ratio, self.overlap = out_dim, ratio, overlap
         width = 2 * out_dim if overlap else out_dim
-        self.linear_kv = nn.Linear(hidden, width, bias=False, dtype=dtype)
-        self.linear_gate = nn.Linear(hidden, width, bias=False, dtype=dtype)
+        self.linear_wkv = nn.Linear(hidden, width, bias=False, dtype=dtype)
+        self.linear_wgate = nn.Linear(hidden, width, bias=False, dtype=dtype)
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=dtype))
         self.norm = _RMSNorm(out_dim, eps, dtype=dtype)
 
@@ -149,7 +149,7 @@ class GatedPoolCompressor(nn.Module):
         """x: [E, h] rows; block_end: [nb] row index (into x) of each block's last row; block_idx: [nb]
         block number inside its sequence; cos/sin: [nb, r/2] at position block_idx * ratio. -> [nb, out]."""
         m, d = self.ratio, self.out_dim
-        a, s = self.linear_kv(x), self.linear_gate(x)
+        a, s = self.linear_wkv(x), self.linear_wgate(x)
         cur = block_end.unsqueeze(1) - (m - 1) + torch.arange(m, device=x.device)  # [nb, m]
         if self.overlap:
             has_prev = (block_idx >= 1).view(-1, 1, 1)
@@ -177,16 +177,35 @@ class LightningIndexer(nn.Module):
         self.compressor = GatedPoolCompressor(
             spec.hidden_size, spec.index_head_dim, spec.compress_ratio, overlap=True, eps=spec.rms_norm_eps, dtype=dtype
         )
-        self.linear_q_up = nn.Linear(spec.q_lora_rank, spec.index_n_heads * spec.index_head_dim, bias=False, dtype=dtype)
-        self.linear_weights = nn.Linear(spec.hidden_size, spec.index_n_heads, bias=False, dtype=dtype)
+        self.linear_wq_b = nn.Linear(spec.q_lora_rank, spec.index_n_heads * spec.index_head_dim, bias=False, dtype=dtype)
+        self.linear_weights_proj = nn.Linear(spec.hidden_size, spec.index_n_heads, bias=False, dtype=dtype)
 
     def scores(self, x: torch.Tensor, q_r: torch.Tensor, keys: torch.Tensor, cos_q, sin_q) -> torch.Tensor:
         """x: [T, h]; q_r: [T, q_lora]; keys: [NB, d_I]; cos/sin [T, r/2] -> [T, NB]."""
-        q = self.linear_q_up(q_r).view(q_r.shape[0], self.n_heads, self.head_dim)
+        q = self.linear_wq_b(q_r).view(q_r.shape[0], self.n_heads, self.head_dim)
         q = apply_interleaved_rope(q, cos_q.unsqueeze(1), sin_q.unsqueeze(1))
-        weights = self.linear_weights(x) * self.n_heads**-0.5  # [T, nI]
+        weights = self.linear_weights_proj(x) * self.n_heads**-0.5  # [T, nI]
         per_head = torch.einsum("thd,bd->thb", q, keys).relu() * self.head_dim**-0.5
         return (per_head * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class CoreAttention(nn.Module):
+    """The parameters Megatron-LM dev keeps in its ``CompressedSparseAttention`` (the DS4 layer's
+    ``core_attention``): the per-head ``attn_sink`` on every layer, the block ``compressor`` for
+    compressed layers (m > 1) and the ``indexer`` for CSA. Holding them here gives our state dict dev's
+    names (``self_attention.core_attention.*``); the computation stays in :class:`DS4HybridAttention`."""
+
+    def __init__(self, spec: DS4AttentionSpec, dtype=None):
+        super().__init__()
+        self.attn_sink = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype))
+        self.compressor = None
+        self.indexer = None
+        if spec.kind != "sliding":
+            self.compressor = GatedPoolCompressor(
+                spec.hidden_size, spec.head_dim, spec.compress_ratio, overlap=spec.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype
+            )
+        if spec.kind == "csa":
+            self.indexer = LightningIndexer(spec, dtype=dtype)
 
 
 @dataclass
@@ -202,10 +221,11 @@ class _Rows:
 class DS4HybridAttention(nn.Module):
     """DeepSeek-V4 hybrid attention on packed rows, optionally split contiguously over a CP group.
 
-    Parameters (names follow Megatron-LM's DSv4 attention where it has them):
-    ``linear_q_down_proj`` [q_lora, h], ``q_layernorm`` [q_lora], ``linear_q_up_proj`` [n*d, q_lora],
-    ``linear_kv_proj`` [d, h], ``kv_layernorm`` [d], ``attn_sink`` [n], ``linear_o_group_proj``
-    [g*o_lora, n*d/g], ``linear_proj`` [h, g*o_lora]; for m > 1 ``compressor.*``; for CSA ``indexer.*``.
+    Parameters (Megatron-LM dev's names): ``linear_q_down_proj`` [q_lora, h], ``q_layernorm`` [q_lora],
+    ``linear_q_up_proj`` [n*d, q_lora], ``linear_kv_proj`` [d, h], ``kv_layernorm`` [d],
+    ``linear_o_group_proj`` [g*o_lora, n*d/g], ``linear_proj`` [h, g*o_lora]; under ``core_attention``:
+    ``attn_sink`` [n], for m > 1 ``compressor.{linear_wkv, linear_wgate, ape, norm}``, for CSA
+    ``indexer.{linear_wq_b, linear_weights_proj, compressor.*}``.
     """
 
     #: The CP partition mode this attention consumes (the protocol of verl_ds4.mcore.requirements,
@@ -225,19 +245,11 @@ class DS4HybridAttention(nn.Module):
         self.linear_q_up_proj = nn.Linear(spec.q_lora_rank, n * d, bias=False, dtype=dtype)
         self.linear_kv_proj = nn.Linear(h, d, bias=False, dtype=dtype)
         self.kv_layernorm = _RMSNorm(d, spec.rms_norm_eps, dtype=dtype)
-        self.attn_sink = nn.Parameter(torch.zeros(n, dtype=dtype))
         self.linear_o_group_proj = nn.Parameter(torch.empty(spec.o_groups * spec.o_lora_rank, n * d // spec.o_groups, dtype=dtype))
         nn.init.normal_(self.linear_o_group_proj, std=0.02)
         self.linear_proj = nn.Linear(spec.o_groups * spec.o_lora_rank, h, bias=False, dtype=dtype)
-        self.compressor = None
-        self.indexer = None
+        self.core_attention = CoreAttention(spec, dtype=dtype)
         self.last_indexer_loss: torch.Tensor | None = None  # global over CP, detached (indexer_loss_report)
-        if spec.kind != "sliding":
-            self.compressor = GatedPoolCompressor(
-                h, d, spec.compress_ratio, overlap=spec.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype
-            )
-        if spec.kind == "csa":
-            self.indexer = LightningIndexer(spec, dtype=dtype)
         if spec.kind == "sliding":
             inv_freq = default_inv_freq(spec.rope_dim, spec.rope_theta)
         elif spec.yarn_factor is None:
@@ -252,6 +264,18 @@ class DS4HybridAttention(nn.Module):
                 spec.yarn_beta_slow,
             )
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float64 on purpose
+
+    @property
+    def attn_sink(self) -> nn.Parameter:
+        return self.core_attention.attn_sink
+
+    @property
+    def compressor(self) -> GatedPoolCompressor | None:
+        return self.core_attention.compressor
+
+    @property
+    def indexer(self) -> LightningIndexer | None:
+        return self.core_attention.indexer
 
     # -- layout contract -----------------------------------------------------------------------
     @property

@@ -25,7 +25,7 @@ counts padding rows as queries (a padding row sees the real blocks before it), s
 with the CP padding (cp_size * 128-row minimum, divisibility padding); with no padding the two agree.
 
 Only the indexer is trained by it: the teacher is detached, and the indexer already reads detached
-hidden rows and a detached compressed query (its compressor, ``linear_q_up`` and ``linear_weights``
+hidden rows and a detached compressed query (its compressor, ``linear_wq_b`` and ``linear_weights_proj``
 get the gradient; nothing else does).
 """
 

@@ -156,7 +156,7 @@ class DS4HybridSelfAttention(DS4HybridAttention, MegatronModule):
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                     param.fill_(1.0)
-                elif name in ("attn_sink",) or name.endswith(".ape"):
+                elif name.endswith("attn_sink") or name.endswith(".ape"):
                     param.zero_()
                 elif name == "linear_proj.weight":
                     config.output_layer_init_method(param)
