@@ -258,6 +258,29 @@ def _same_logits(mtp_case):
     assert with_mtp.mtp.last_losses is not None and torch.equal(a, b)
 
 
+def test_mtp_model_takes_the_router_padding_mask_verls_engine_passes(mtp_case):
+    in_child(_padding_mask_accepted, mtp_case)
+
+
+def _padding_mask_accepted(mtp_case):
+    """verl's engine passes ``padding_mask`` (the router padding mask) to every MoE model; with MTP on,
+    the forward takes it (it has no effect: this MoE has no auxiliary loss) and still refuses others."""
+    from verl_ds4.models.ds4.hf_checkpoint import load_into
+    from verl_ds4.models.ds4.model import build_ds4_model
+
+    model = build_ds4_model(mtp_case["cfg"].to_dict(), dtype=torch.float64)
+    load_into(model, mtp_case["tensors"])
+    ids = torch.cat(mtp_case["seqs"]).view(1, -1)
+    plain = model(ids, None, None)
+    plain_mtp = model.mtp.last_losses
+    masked = model(ids, None, None, padding_mask=torch.zeros_like(ids, dtype=torch.bool))
+    assert torch.equal(plain, masked) and model.mtp.last_losses is not None
+    assert torch.equal(plain_mtp, model.mtp.last_losses)
+    # negative control: a keyword the MTP forward does not implement is still refused, by name
+    with pytest.raises(TypeError, match="does not take \\['not_a_kwarg'\\]"):
+        model(ids, None, None, not_a_kwarg=torch.ones(1))
+
+
 def test_mtp_checkpoint_tensors_load_and_save_bit_exact(mtp_case):
     in_child(_checkpoint_checks, mtp_case)
 

@@ -127,6 +127,10 @@ class DS4Model(GPTModel):
         carry it)."""
         if inference_context is not None:
             raise NotImplementedError("The CPU DS4 model scores and trains only (no KV cache / inference context).")
+        # verl's engine passes the router padding mask of MoE models; GPTModel hands it to Megatron's
+        # router for its auxiliary losses. This model's MoE has none (DS4 balances with the selection
+        # bias), so the mask changes nothing here, with or without MTP: accepted and not used.
+        unused.pop("padding_mask", None)
         bad = sorted(k for k, v in unused.items() if v is not None)
         if bad:
             raise TypeError(f"DS4Model.forward with MTP does not take {bad}; drop them (or build without MTP).")
