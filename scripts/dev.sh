@@ -9,11 +9,13 @@
 #                                     mcore, engine, resolver and DS4 model tests (tests/conftest.py
 #                                     LANE2_FILES; among the tests that args select)
 #
-# How `test` runs: lane 2's set-up (network-bound: torch for Python 3.12 comes from PyPI) runs in the
-# background, at low priority, while lane 1 sets up and runs its tests; lane 2's tests run after
-# lane 1's (both are CPU-bound: side by side on 2 cores they would only slow each other). The
-# summary gives each lane's set-up and test wall time and result; the exit status is non-zero if
-# any lane (or the image-pins check) failed.
+# How `test` runs: lane 2 (its set-up, network-bound: torch for Python 3.12 comes from PyPI, then its
+# tests) runs in the background at low priority (nice 10) while lane 1 sets up and runs its tests in
+# the foreground. Lane 1 leaves about a third of 2 cores idle (its Ray and torchrun start-ups wait on
+# each other); lane 2 runs in that slack instead of after lane 1, and lane 1 keeps the CPUs it
+# wants. Lane 2's output goes to its log, shown (the failures, or its summary line) once lane 1 is
+# done. The summary gives each lane's set-up and test wall time and result; the exit status is
+# non-zero if any lane (or the image-pins check) failed.
 #
 # User-adjustable:
 #   PYTHON       interpreter that creates .venv (default: python3; 3.10-3.12)
@@ -111,20 +113,39 @@ run_tests() {
     local logs t_start
     logs=$(mktemp -d)
     t_start=$SECONDS
-    local setup2_pid="" t2_setup_start=$SECONDS
+    local lane2_pid="" t2_start=$SECONDS
     if [ "$lane2" = 1 ]; then
-        echo "[dev.sh] lane 2: setting up $VENV312 with $python312 in the background (log: $logs/lane2-setup.log)"
+        # The pins check runs from lane 1's venv; from lane 2's when lane 1 is not run.
+        local pins_in_lane2=0
+        [ "$lane1" = 0 ] && [ "${PINS_CHECK:-1}" = 1 ] && pins_in_lane2=1
+        echo "[dev.sh] lane 2: set-up of $VENV312 with $python312, then its tests, in the background at nice 10"
         (
-            renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true  # lane 1's tests keep the CPUs first
-            setup "$VENV312" "$python312" "$TORCH312_SPEC"
-            echo "$SECONDS" >"$logs/lane2-setup.done"
-        ) >"$logs/lane2-setup.log" 2>&1 &
-        setup2_pid=$!
+            renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true  # lane 1 keeps the CPUs first
+            rc=0
+            setup "$VENV312" "$python312" "$TORCH312_SPEC" >"$logs/lane2-setup.log" 2>&1 || rc=$?
+            echo "$rc $SECONDS" >"$logs/lane2-setup.done"
+            [ "$rc" = 0 ] || exit 0
+            pins=""
+            if [ "$pins_in_lane2" = 1 ]; then
+                "$VENV312/bin/python" docker/check_pins_resolve.py >"$logs/pins.log" 2>&1 &
+                pins=$!
+            fi
+            rc=0
+            VERL_DS4_TEST_LANE=2 "$VENV312/bin/python" -m pytest "$@" >"$logs/lane2.log" 2>&1 || rc=$?
+            echo "$rc $SECONDS" >"$logs/lane2.done"
+            if [ -n "$pins" ]; then
+                rc=0
+                wait "$pins" || rc=$?
+                echo "$rc" >"$logs/pins.done"
+            fi
+        ) &
+        lane2_pid=$!
     fi
 
     # The image's PyPI pins must resolve together (docker/check_pins_resolve.py). The resolve is
     # network-bound (pip fetches ~300 distributions for minutes), so it runs beside the CPU-bound
-    # test suite instead of inside it; its pytest twin is deselected here. PINS_CHECK=0 skips it.
+    # test suite instead of inside it (started by lane 1 after its set-up, or by lane 2 when lane 1
+    # is not run); its pytest twin is deselected here. PINS_CHECK=0 skips it.
     local pins_pid=""
     start_pins_check() {
         if [ "${PINS_CHECK:-1}" = 1 ] && [ -z "$pins_pid" ]; then
@@ -151,22 +172,26 @@ run_tests() {
 
     local setup2_status=""
     if [ "$lane2" = 1 ]; then
-        echo "[dev.sh] lane 2: waiting for the set-up of $VENV312"
-        setup2_status=0
-        wait "$setup2_pid" || setup2_status=$?
-        setup2_s=$(( $(cat "$logs/lane2-setup.done" 2>/dev/null || echo "$SECONDS") - t2_setup_start ))
+        [ -f "$logs/lane2.done" ] || echo "[dev.sh] lane 2: waiting for it to finish (running in the background since the start)"
+        wait "$lane2_pid" || true
+        local setup_done tests_done
+        read -r setup2_status setup_done < "$logs/lane2-setup.done" || { setup2_status=unknown; setup_done=$SECONDS; }
+        setup2_s=$((setup_done - t2_start))
         if [ "$setup2_status" != 0 ]; then
             echo "[dev.sh] lane 2: setting up $VENV312 failed (exit $setup2_status); the end of its log:"
             grep -v "^WARNING: Location '" "$logs/lane2-setup.log" | tail -n 20
             status2=$setup2_status
         else
-            start_pins_check "$VENV312"
+            read -r status2 tests_done < "$logs/lane2.done" || { status2=unknown; tests_done=$SECONDS; }
+            tests2_s=$((tests_done - setup_done))
             echo "[dev.sh] lane 2: $(versions "$VENV312"): the lane-2 tests among: pytest $*"
-            t=$SECONDS
-            status2=0
-            VERL_DS4_TEST_LANE=2 "$VENV312/bin/python" -m pytest "$@" 2>&1 | tee "$logs/lane2.log" \
-                || status2=${PIPESTATUS[0]}
-            tests2_s=$((SECONDS - t))
+            if [ "$status2" = 0 ]; then
+                echo "[dev.sh] lane 2: $(pytest_summary "$logs/lane2.log")"
+            else
+                # pytest's failure report: from its FAILURES (or ERRORS) section to the end
+                sed -n '/^=\{5,\} \(FAILURES\|ERRORS\) =\{5,\}$/,$p' "$logs/lane2.log" | tail -n 300
+                grep -q -E '^=+ (FAILURES|ERRORS) =+$' "$logs/lane2.log" || tail -n 60 "$logs/lane2.log"
+            fi
             # Exit 5 (no test) with arguments: they selected no lane-2 test; without arguments it fails.
             if [ "$status2" = 5 ] && [ $# -gt 0 ]; then
                 status2=none
@@ -178,6 +203,10 @@ run_tests() {
     if [ -n "$pins_pid" ]; then
         pins_status=0
         wait "$pins_pid" || pins_status=$?
+    elif [ -f "$logs/pins.done" ]; then
+        read -r pins_status < "$logs/pins.done"
+    fi
+    if [ -n "$pins_status" ]; then
         echo "[dev.sh] image pins (docker/check_pins_resolve.py, exit $pins_status):"
         tail -n 8 "$logs/pins.log"
     fi
@@ -198,7 +227,7 @@ run_tests() {
         else
             result=$([ "$status2" = 0 ] && echo passed || echo "FAILED (exit $status2)")
         fi
-        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s") (beside lane 1), tests $(seconds "$tests2_s"): $result"
+        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s"), tests $(seconds "$tests2_s") (both beside lane 1, nice 10): $result"
         [ -f "$logs/lane2.log" ] && echo "[dev.sh]        $(pytest_summary "$logs/lane2.log")"
         [ "$status2" = 0 ] || [ "$status2" = none ] || status=1
     fi

@@ -81,15 +81,18 @@ if [ "$DS4_RL_RECIPE" = grpo ]; then
 fi
 
 ASSETS="$WORK_DIR/assets"
+# The task (its data, and its rule reward for verl's custom_reward_function) is one file, run here as a
+# script: importing it as verl_ds4.rollout.demo_task would import verl first (~10 s). An assets folder
+# written before with the same arguments is reused (a resumed run, a retry).
+REWARD_FILE=$("$PYTHON" -c 'import importlib.util, os; s = importlib.util.find_spec("verl_ds4"); print(os.path.join(s.submodule_search_locations[0], "rollout", "demo_task.py"))')
 if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
-elif ! assets_out=$("$PYTHON" -m verl_ds4.rollout.demo_task --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
+    "$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
+elif ! assets_out=$("$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
 fi
 START_MODEL=${MODEL_PATH:-$ASSETS/model}
-REWARD_FILE=$("$PYTHON" -c 'import verl_ds4.rollout.demo_task as m; print(m.__file__)')
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
 export VERL_PLATFORM=cpu

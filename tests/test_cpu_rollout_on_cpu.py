@@ -495,3 +495,43 @@ def test_cpu_weight_export_can_be_taken_back():
     assert len(cpu_weight_export.uninstall()) == 2 and cpu_weight_export.uninstall() == []
     if before is not None:  # leave the class as this process had it
         cpu_weight_export.install()
+
+
+# ------------------------------------------------------------------------------------------------
+# the task's assets (scripts/run_ds4_proxy_ppo_cpu.sh runs demo_task.py as a script)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_task_assets_are_reused_for_the_same_arguments_and_rewritten_otherwise(tmp_path):
+    import pandas as pd
+
+    from verl_ds4.rollout.demo_task import write_ppo_assets
+
+    first = write_ppo_assets(tmp_path, n_train=8, n_val=2, model="ds4_proxy")
+    train = Path(first["train"])
+    stamp = train.stat().st_mtime_ns
+    assert write_ppo_assets(tmp_path, n_train=8, n_val=2, model="ds4_proxy") == first
+    assert train.stat().st_mtime_ns == stamp  # reused, not rewritten
+    # negative controls: other arguments, or a record left by an interrupted write, rewrite the folder
+    write_ppo_assets(tmp_path, n_train=12, n_val=2, model="ds4_proxy")
+    assert len(pd.read_parquet(train)) == 12
+    (tmp_path / "assets.json").write_text('{"model": "ds4_proxy", "n_train": 12, "n_val": 2, "seed": 0}\n')
+    train.unlink()
+    write_ppo_assets(tmp_path, n_train=12, n_val=2, model="ds4_proxy")
+    assert len(pd.read_parquet(train)) == 12
+
+
+def test_a_reused_task_folder_costs_the_launcher_no_heavy_import(tmp_path):
+    """The launcher runs demo_task.py as a script: for a folder it can reuse, nothing heavy is imported."""
+    from verl_ds4.rollout.demo_task import write_ppo_assets
+
+    write_ppo_assets(tmp_path, n_train=4, n_val=2, model="ds4_proxy")
+    task = REPO / "verl_ds4" / "rollout" / "demo_task.py"
+    code = (f"import runpy, sys\n"
+            f"sys.argv = ['demo_task.py', '--out', {str(tmp_path)!r}, '--n-train', '4', '--n-val', '2', '--model', 'ds4_proxy']\n"
+            f"try:\n    runpy.run_path({str(task)!r}, run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            f"print(sorted(m for m in ('verl', 'torch', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+    assert f"train: {tmp_path / 'data' / 'train.parquet'}" in out.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -257,3 +258,19 @@ def test_gsm8k_preparation_from_local_files(tok, tmp_path):
     assert to_sft_row(example, 0, "train")["extra_info"]["answer"] == to_rl_row(example, 0, "train")["reward_model"]["ground_truth"]
     with pytest.raises(ValueError, match="no '#### <number>'"):
         extract_answer("no final answer")
+
+
+def test_sft_assets_are_reused_for_the_same_arguments_and_rewritten_otherwise(tmp_path):
+    from verl_ds4.cpu.sft_data import prepare_cpu_sft_assets
+
+    first = prepare_cpu_sft_assets(tmp_path, model="tiny_dense", n_train=8)
+    train = Path(first["train"])
+    stamp = train.stat().st_mtime_ns
+    assert prepare_cpu_sft_assets(tmp_path, model="tiny_dense", n_train=8) == first
+    assert train.stat().st_mtime_ns == stamp  # reused, not rewritten
+    # negative controls: other arguments, or a record whose files are gone, rewrite the folder
+    prepare_cpu_sft_assets(tmp_path, model="tiny_dense", n_train=12)
+    assert len(pd.read_parquet(train)) == 12
+    train.unlink()
+    prepare_cpu_sft_assets(tmp_path, model="tiny_dense", n_train=12)
+    assert len(pd.read_parquet(train)) == 12

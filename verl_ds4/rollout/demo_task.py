@@ -73,14 +73,22 @@ PPO_MODELS = ("ds4", "ds4_proxy")
 def write_ppo_assets(
     out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0, model: str = "ds4"
 ) -> dict[str, str]:
-    """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths."""
-    from verl_ds4.cpu.sft_data import model_hf_config, write_model_dir
-
+    """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths. A folder
+    that an earlier call with the same arguments completed (its ``assets.json``) is reused as it is."""
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}.")
     if model not in PPO_MODELS:
         raise ValueError(f"model={model!r}; the CPU PPO run trains one of {PPO_MODELS}.")
     out_dir = Path(out_dir)
+    recorded = {"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}
+    paths = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet"),
+             "val": str(out_dir / "data" / "val.parquet")}
+    record = out_dir / "assets.json"
+    if record.is_file() and json.loads(record.read_text()) == recorded and all(Path(p).exists() for p in paths.values()):
+        return paths  # the assets are a pure function of these arguments
+    from verl_ds4.cpu.sft_data import model_hf_config, write_model_dir
+
+    record.unlink(missing_ok=True)  # written again below, last: an interrupted write is not reused
     hf_config = model_hf_config(model)
     model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
     if model == "ds4":
@@ -93,7 +101,7 @@ def write_ppo_assets(
         "train": str(_write_parquet(out_dir / "data" / "train.parquet", rows[:n_train])),
         "val": str(_write_parquet(out_dir / "data" / "val.parquet", rows[n_train:] or rows[:1])),
     }
-    (out_dir / "assets.json").write_text(json.dumps({"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}) + "\n")
+    record.write_text(json.dumps(recorded) + "\n")
     return paths
 
 

@@ -36,23 +36,26 @@ def launcher_env(work: Path, env_extra: dict[str, str]) -> dict[str, str]:
 
 
 def run_cpu_rl_launcher(work: Path, env_extra: dict[str, str], *, timeout_s: float, rss_limit_gb: float, args=(),
-                        name: str = "outer"):
+                        name: str = "outer", check: bool = True):
     """The guarded run's :class:`~verl_ds4.rollout.cpu_ppo_run.RunResult`, with ``console`` (what the
     launcher printed, also in ``work/<name>.log``), ``log`` (the full log) and ``metrics`` (verl's step
-    metrics) filled in."""
+    metrics) filled in. ``check=False``: a run that exits non-zero on its own (e.g. stopped by the
+    mismatch gate) is returned with its status instead of raising."""
     for attempt in (1, 2):
         try:
             result = run_guarded([*LAUNCHER, *args], work / f"{name}.log", timeout_s=timeout_s,
-                                 rss_limit_gb=rss_limit_gb, env=launcher_env(work, env_extra), cwd=REPO)
+                                 rss_limit_gb=rss_limit_gb, env=launcher_env(work, env_extra), cwd=REPO, check=check)
             break
         except CPUPPORunError as err:
             if attempt == 2 or RAY_NODE_TIMEOUT not in str(err):
                 raise
             print(f"\n{name}: Ray's node start-up timed out (machine overloaded); launching once more")
     console = result.log
-    lines = [line for line in console.splitlines() if line.startswith("[verl-ds4] full log")]
+    # "[verl-ds4] full log    PATH" after a run, "[verl-ds4] FAILED (exit N); full log: PATH" after a failure
+    lines = [line for line in console.splitlines()
+             if line.startswith("[verl-ds4] full log") or line.startswith("[verl-ds4] FAILED (exit")]
     if len(lines) != 1:
-        raise AssertionError(f"expected one '[verl-ds4] full log' line in the launcher's output:\n{console}")
+        raise AssertionError(f"expected one line naming the full log in the launcher's output:\n{console}")
     full_log = Path(lines[0].split()[-1])
     if full_log.parent != work / "logs" or not full_log.is_file():
         raise AssertionError(f"the full log {full_log} is not a file in {work / 'logs'}")
