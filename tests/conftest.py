@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config, items):
         if Path(str(item.fspath)).name in LANE2_FILES:
             item.add_marker(pytest.mark.lane2)
     if _lane2_only():
-        # Lane 2 also leaves out the ``slow`` tests (CP = 8 parity): lane 1 runs them, and CI's time is shared.
+        # Lane 2 also leaves out the ``slow`` tests (CP = 8 parity, the 8-rank THD differential): lane 1 runs them,
+        # and CI's time is shared.
         other = [item for item in items
                  if Path(str(item.fspath)).name not in LANE2_FILES or item.get_closest_marker("slow")]
         if other:

@@ -98,6 +98,15 @@ def test_the_trainer_mode_is_verls_sync_trainer_and_needs_rollout_log_probs():
     })  # fmt: skip
     with pytest.raises(ValueError, match="calculate_log_probs=True"):
         cls(config)
+    # a custom sampler gets none of verl's group-filtering settings: filtering with it is refused
+    config = OmegaConf.create({
+        "trainer": {"v1": {gate.TRAINER_MODE: {"max_log_prob_diff": 1e-5},
+                           "sampler": {"custom_sampler": {"path": "pkg://x", "name": "OrderedReplayBuffer"}}}},
+        "algorithm": {"filter_groups": {"enable": True}},
+        "actor_rollout_ref": {"rollout": {"calculate_log_probs": True}},
+    })  # fmt: skip
+    with pytest.raises(ValueError, match="groups would not be filtered"):
+        cls(config)
 
 
 def test_the_console_shows_the_figures_and_the_gate_stop():
@@ -119,3 +128,51 @@ def test_the_console_shows_the_figures_and_the_gate_stop():
     assert console.on_line(message) == []  # once
     # the per-step report line is not a stop
     assert PPOConsole("w", 2).on_line(f"{gate.GATE_MARK}: step 1: {gate.MAX_DIFF_METRIC}=4.7e-07") == []
+
+
+def test_the_gated_trainer_has_verls_sync_behaviour_not_the_async_one():
+    """verl's trainer base treats every trainer_mode but "sync" as async (async replay buffer, one-prompt
+    dataloader fetches, TransferQueue checkpoints); the gated trainer reports "sync" to it."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    trainer = object.__new__(gate.GatedPPOTrainerSync)
+    trainer.trainer_mode = gate.TRAINER_MODE  # what verl's __init__ assigns from trainer.v1.trainer_mode
+    assert trainer.trainer_mode == "sync"
+    with pytest.raises(ValueError, match="ds4_gated_sync"):
+        trainer.trainer_mode = "separate_async"
+    # verl's own choice with that attribute (trainer_base._build_replay_buffer): the sync buffer
+    assert (ReplayBuffer if trainer.trainer_mode == "sync" else ReplayBufferAsync) is ReplayBuffer
+    # negative control: without the property verl would have picked the async one for this mode
+    assert (ReplayBuffer if gate.TRAINER_MODE == "sync" else ReplayBufferAsync) is ReplayBufferAsync
+
+
+def test_the_ordered_replay_buffer_lists_a_batch_in_prompt_submission_order():
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from verl_ds4.rollout.ordered_replay_buffer import OrderedReplayBuffer, submission_order
+
+    prompts = ["c3f0-aa", "01b2-zz", "9e9e-mm"]  # uuids, submitted in this order
+    finished = [f"{prompts[2]}_1", f"{prompts[0]}_0", f"{prompts[1]}_10", f"{prompts[2]}_0", f"{prompts[1]}_2"]
+    snapshot = {key: {"status": "success", "n": i} for i, key in enumerate(finished)}  # finishing order
+    ordered = submission_order(snapshot, prompts)
+    assert list(ordered) == [f"{prompts[0]}_0", f"{prompts[1]}_2", f"{prompts[1]}_10", f"{prompts[2]}_0", f"{prompts[2]}_1"]
+    assert ordered == snapshot  # the same tags, only the order changes
+    # negative control: verl's buffer keeps the snapshot's (finishing) order, which is not that order
+    assert list(snapshot) != list(ordered)
+    # it is verl's sync buffer otherwise, and refuses the async trainers
+    buffer = OrderedReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None,
+                                 max_off_policy_strategy="drop", sampler_kwargs={})
+    assert isinstance(buffer, ReplayBuffer)
+    with pytest.raises(ValueError, match="asynchronous"):
+        OrderedReplayBuffer(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=None,
+                            max_off_policy_strategy="drop", sampler_kwargs={})
+
+
+def test_the_cpu_recipes_use_the_ordered_replay_buffer():
+    from verl.utils.import_utils import load_extern_type
+
+    from verl_ds4.rollout.ordered_replay_buffer import OrderedReplayBuffer
+
+    recipe = OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "recipe" / "ds4_proxy_ppo_cpu.yaml")
+    custom = recipe.trainer.v1.sampler.custom_sampler
+    assert load_extern_type(custom.path, custom.name) is OrderedReplayBuffer

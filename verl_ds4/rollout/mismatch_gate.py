@@ -116,7 +116,23 @@ def _gated_trainer_class():
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     class GatedPPOTrainerSync(PPOTrainerSync):
-        """verl's synchronous v1 trainer plus the mismatch gate after the old-log-prob recompute."""
+        """verl's synchronous v1 trainer plus the mismatch gate after the old-log-prob recompute.
+
+        verl's trainer base reads ``self.trainer_mode`` (set from ``trainer.v1.trainer_mode``, here the
+        registry key ``ds4_gated_sync``) to choose between its sync and async behaviour: every mode but
+        ``"sync"`` gets the async replay buffer, single-prompt dataloader fetches (``data.gen_batch_size``
+        forced to 1), persisted prompt data and TransferQueue checkpoints. This trainer is the sync one,
+        so it reports ``"sync"`` there; the registry key stays ``ds4_gated_sync`` (and its config section,
+        ``trainer.v1.ds4_gated_sync``, holds the gate's knob)."""
+
+        @property
+        def trainer_mode(self) -> str:
+            return "sync"
+
+        @trainer_mode.setter
+        def trainer_mode(self, value: str) -> None:
+            if value not in (TRAINER_MODE, "sync"):
+                raise ValueError(f"GatedPPOTrainerSync runs trainer.v1.trainer_mode={TRAINER_MODE!r}, got {value!r}.")
 
         def __init__(self, config, *args: Any, **kwargs: Any):
             self.mismatch_threshold = gate_threshold(config)
@@ -124,6 +140,14 @@ def _gated_trainer_class():
                 raise ValueError(
                     f"trainer.v1.trainer_mode={TRAINER_MODE} compares the rollout's log-probs with the actor's: set "
                     "actor_rollout_ref.rollout.calculate_log_probs=True (verl's default)."
+                )
+            custom = (config.trainer.v1.get("sampler") or {}).get("custom_sampler") or {}
+            filter_groups = config.get("algorithm", {}).get("filter_groups") or {}
+            if custom.get("name") and filter_groups.get("enable", False):
+                raise ValueError(
+                    f"algorithm.filter_groups.enable=true with trainer.v1.sampler.custom_sampler.name={custom.get('name')!r}: "
+                    "verl gives a custom sampler none of the group-filtering settings, so the groups would not be "
+                    "filtered. Drop trainer.v1.sampler.custom_sampler (verl's own buffer filters) or the filtering."
                 )
             super().__init__(config, *args, **kwargs)
 
