@@ -21,14 +21,16 @@ from typing import Iterable, Sequence
 PREFIX = "[verl-ds4]"
 TAIL_LINES = 40
 MAX_TAIL_LINE = 1000  # characters of one log line in the failure tail (the rest stays in the log)
-#: Relative change of the mean loss (last window vs first) below which "the loss fell".
+#: The engine's start-up line naming the CP layout it resolved (engine, layout, facts).
 LAYOUT_LINE = re.compile(r"verl-ds4 (\w+): (\w+) CP layout \(([^)]*)\)")
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def layout_fact(match: re.Match) -> str:
     """The console line of a :data:`LAYOUT_LINE` match: the layout, its facts and the engine that resolved it."""
     return say(f"{'CP layout':<11} {match.group(2)} ({match.group(3)}), resolved by {match.group(1)}")
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
 def format_duration(seconds: float) -> str:
     """``42s``, ``3m05s``, ``1h02m``."""
     if not math.isfinite(seconds) or seconds < 0:

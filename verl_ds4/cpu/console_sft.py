@@ -16,7 +16,7 @@ from typing import Sequence
 from verl_ds4.cpu.console_run import ConsoleView, PREFIX, ANSI_ESCAPE, LAYOUT_LINE, format_duration, layout_fact, say
 
 WINDOW = 20  # steps in the first/last loss means of the summary
-FELL_BELOW = -0.05
+FELL_BELOW = -0.05  # relative change of the mean loss (last window vs first) below which "the loss fell"
 
 _PROGRESS = re.compile(
     r"\[verl-ds4\] step (\d+) \| loss (\S+) \| (\S+) tok/s \| elapsed ([0-9.]+)s"

@@ -27,7 +27,7 @@ import json
 import random
 import string
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 __all__ = [
     "ALPHABET",
@@ -342,15 +342,12 @@ def prepare_cpu_sft_assets(
     if task not in SFT_TASKS:
         raise ValueError(f"task={task!r}; expected one of {SFT_TASKS}.")
     recorded = {"model": model, "task": task, "n_train": n_train, "n_val": n_val, "seed": seed}
-    paths = {"external_lib": MODEL_EXTERNAL_LIBS[model], "model": str(out_dir / "model"),
-             "train": str(out_dir / "data" / "train.parquet")}
+    files = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet")}
     if n_val:
-        paths["val"] = str(out_dir / "data" / "val.parquet")
-    record = out_dir / "assets.json"
-    if record.is_file() and json.loads(record.read_text()) == recorded and all(
-            Path(p).exists() for k, p in paths.items() if k != "external_lib"):
+        files["val"] = str(out_dir / "data" / "val.parquet")
+    paths = {"external_lib": MODEL_EXTERNAL_LIBS[model], **files}
+    if reuse_assets(out_dir, recorded, files.values()):
         return paths
-    record.unlink(missing_ok=True)  # written again below, last: an interrupted write is not reused
     hf_config = model_hf_config(model)
     model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
     if model == "ds4":
@@ -363,15 +360,31 @@ def prepare_cpu_sft_assets(
     unknown = used - set(ALPHABET)
     if unknown:
         raise ValueError(f"conversation characters missing from ALPHABET: {sorted(unknown)}")
-    paths = {
-        "external_lib": MODEL_EXTERNAL_LIBS[model],
-        "model": str(model_dir),
-        "train": str(write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train])),
-    }
+    write_sft_parquet(out_dir / "data" / "train.parquet", conversations[:n_train])
     if n_val:
-        paths["val"] = str(write_sft_parquet(out_dir / "data" / "val.parquet", conversations[n_train:]))
-    record.write_text(json.dumps(recorded) + "\n")
+        write_sft_parquet(out_dir / "data" / "val.parquet", conversations[n_train:])
+    record_assets(out_dir, recorded)
     return paths
+
+
+ASSETS_RECORD = "assets.json"
+
+
+def reuse_assets(out_dir: Path, recorded: dict[str, Any], files: Iterable[str]) -> bool:
+    """True when ``out_dir``'s record (:data:`ASSETS_RECORD`) holds ``recorded`` and every one of ``files``
+    exists: an earlier write with these arguments completed, and the assets are a pure function of them.
+    Otherwise the record is removed (:func:`record_assets` writes it again last, so a write interrupted
+    from here on is not taken for a complete one) and False is returned."""
+    record = Path(out_dir) / ASSETS_RECORD
+    if record.is_file() and json.loads(record.read_text()) == recorded and all(Path(f).exists() for f in files):
+        return True
+    record.unlink(missing_ok=True)
+    return False
+
+
+def record_assets(out_dir: Path, recorded: dict[str, Any]) -> None:
+    """Mark ``out_dir``'s assets complete for the arguments ``recorded`` (after the last file is written)."""
+    (Path(out_dir) / ASSETS_RECORD).write_text(json.dumps(recorded) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

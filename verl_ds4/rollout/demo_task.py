@@ -18,7 +18,6 @@ proxy's config instead; :mod:`verl_ds4.cpu.sft_data`) and ``data/{train,val}.par
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -80,15 +79,13 @@ def write_ppo_assets(
     if model not in PPO_MODELS:
         raise ValueError(f"model={model!r}; the CPU PPO run trains one of {PPO_MODELS}.")
     out_dir = Path(out_dir)
+    from verl_ds4.cpu.sft_data import model_hf_config, record_assets, reuse_assets, write_model_dir
+
     recorded = {"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}
     paths = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet"),
              "val": str(out_dir / "data" / "val.parquet")}
-    record = out_dir / "assets.json"
-    if record.is_file() and json.loads(record.read_text()) == recorded and all(Path(p).exists() for p in paths.values()):
-        return paths  # the assets are a pure function of these arguments
-    from verl_ds4.cpu.sft_data import model_hf_config, write_model_dir
-
-    record.unlink(missing_ok=True)  # written again below, last: an interrupted write is not reused
+    if reuse_assets(out_dir, recorded, paths.values()):
+        return paths
     hf_config = model_hf_config(model)
     model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
     if model == "ds4":
@@ -96,12 +93,9 @@ def write_ppo_assets(
 
         write_ds4_weights(model_dir, hf_config)
     rows = digit_prompts(n_train + n_val, seed=seed)
-    paths = {
-        "model": str(model_dir),
-        "train": str(_write_parquet(out_dir / "data" / "train.parquet", rows[:n_train])),
-        "val": str(_write_parquet(out_dir / "data" / "val.parquet", rows[n_train:] or rows[:1])),
-    }
-    record.write_text(json.dumps(recorded) + "\n")
+    _write_parquet(Path(paths["train"]), rows[:n_train])
+    _write_parquet(Path(paths["val"]), rows[n_train:] or rows[:1])
+    record_assets(out_dir, recorded)
     return paths
 
 
