@@ -38,6 +38,7 @@ MODEL_PATH=${MODEL_PATH:-}              # an HF DS4 folder to start from (defaul
 WORK_DIR=${WORK_DIR:-runs/${MODEL}_${DS4_RL_RECIPE}_cpu}
 STEPS=${STEPS:-3}                       # RL steps (each: rollout, reward, [values, GAE,] updates, weight sync)
 BATCH=${BATCH:-8}                       # prompts per step
+MINI_BATCH=${MINI_BATCH:-$BATCH}        # prompts per actor/critic update (BATCH / MINI_BATCH updates per step)
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
 CP=${CP:-2}                             # context-parallel size of actor, reference and critic
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
@@ -96,7 +97,7 @@ START_MODEL=${MODEL_PATH:-$ASSETS/model}
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
 export VERL_PLATFORM=cpu
-export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder,verl_ds4.rollout.mismatch_gate
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder,verl_ds4.rollout.mismatch_gate,verl_ds4.rollout.agent_loop
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
 
@@ -113,7 +114,7 @@ DATA=(
 )
 MODEL_ARGS=(
     actor_rollout_ref.model.path="$START_MODEL"
-    actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH"
+    actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH"
     actor_rollout_ref.actor.megatron.context_parallel_size="$CP"
     actor_rollout_ref.ref.megatron.context_parallel_size="$CP"
 )
@@ -149,7 +150,7 @@ CONSOLE=(
     --fact "job=$JOB, verl.trainer.main_ppo on CPU (Ray, recipe $RECIPE_NAME)"
     "${MODEL_FACT[@]}"
     --fact "parallel=CP $CP ($ROLES), TP 1, PP 1"
-    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH, response <= $RESPONSE_LENGTH tokens, $STEPS steps"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )

@@ -155,6 +155,62 @@ def test_sampling_is_a_function_of_seed_step_and_request_id_not_of_the_process(c
     assert len(warnings) == 1 and "full_determinism=true" in warnings[0]
 
 
+def test_a_seeded_rollout_refuses_the_agent_loop_that_names_every_request_det_0():
+    """verl's single_turn_agent in the v1 trainer gets no priority: every request is "det-0", one seed for all."""
+    from verl_ds4.rollout.cpu import check_request_ids
+
+    with pytest.raises(ValueError, match="default_agent_loop=ds4_seeded_single_turn"):
+        check_request_ids(_rollout_config(full_determinism=True))  # verl's default agent loop
+    with pytest.raises(ValueError, match="every advantage 0"):
+        CPURolloutServer(_rollout_config(full_determinism=True), SimpleNamespace(
+            hf_config=None, tokenizer=None, generation_config=None), policy=_UniformPolicy())  # at start-up
+    # Controls: the seeded agent loop, or random ids (full_determinism=false), start.
+    from verl.workers.config.rollout import AgentLoopConfig
+
+    seeded = AgentLoopConfig(default_agent_loop="ds4_seeded_single_turn")
+    check_request_ids(_rollout_config(full_determinism=True, agent=seeded))
+    check_request_ids(_rollout_config(full_determinism=False))
+
+
+def test_the_seeded_agent_loop_gives_every_response_of_a_step_its_own_request_id(monkeypatch):
+    """Each (row, response) pair gets its own priority, so its own "det-<n>" id and seed; verl's loop gives 0."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    from verl_ds4.rollout.agent_loop import AGENT_LOOP_NAME, SeededSingleTurnAgentLoop, request_priority
+
+    assert _agent_loop_registry[AGENT_LOOP_NAME]["_target_"] == "verl_ds4.rollout.agent_loop.SeededSingleTurnAgentLoop"
+    seen = []
+
+    async def recording_run(self, sampling_params, priority=0, **kwargs):  # verl's run: request_id = f"det-{priority}"
+        seen.append(priority)
+
+    monkeypatch.setattr(SingleTurnAgentLoop, "run", recording_run)
+    loop = object.__new__(SeededSingleTurnAgentLoop)
+    loop.rollout_config = SimpleNamespace(n=4, val_kwargs=SimpleNamespace(n=1))
+    rows = [{"index": i} for i in (17, 3, 250, 0)]  # a step's prompts (shuffled dataset rows)
+
+    async def step(agent):  # what verl's v1 agent loop calls: run(sampling_params, session_id=i, **prompt), no priority
+        for extra_info in rows:
+            for session in range(4):
+                await agent.run({}, session_id=session, extra_info=extra_info, raw_prompt=[])
+
+    asyncio.run(step(loop))
+    assert len(seen) == 16 and len(set(seen)) == 16, seen  # 16 responses, 16 ids
+    assert seen[:4] == [68, 69, 70, 71]  # row 17's group: 17 * 4 + session; the same in a resumed run
+    # Negative control: verl's own loop, called the same way, leaves every request at priority 0 ("det-0").
+    seen.clear()
+    plain = object.__new__(SingleTurnAgentLoop)
+    asyncio.run(step(plain))
+    assert set(seen) == {0}
+    # A row without an integer extra_info.index is refused (every row would share one id).
+    for bad in ({}, {"index": "7"}, {"index": True}, None):
+        with pytest.raises(ValueError, match="expected the row's integer index"):
+            request_priority(bad, 0, 4)
+    with pytest.raises(ValueError, match="session_id=4 in"):
+        request_priority({"index": 1}, 4, 4)
+
+
 # ------------------------------------------------------------------------------------------------
 # the server on the real DS4 proxy (one forked gloo process: Megatron needs a process group)
 # ------------------------------------------------------------------------------------------------

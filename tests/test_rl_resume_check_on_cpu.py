@@ -152,6 +152,7 @@ def test_the_launchers_preflight_composes_the_recipe_and_refuses(tmp_path, capsy
     config = compose_recipe("ppo", base)
     assert config.trainer.checkpoint_callback_class == "verl_ds4.recipes.resume_check.RunRecordCallback"
     assert config.actor_rollout_ref.rollout.full_determinism is True
+    assert config.actor_rollout_ref.rollout.agent.default_agent_loop == "ds4_seeded_single_turn"  # one seed per response
     _checkpoint(tmp_path, config, step=1)
     assert main(["ppo", *base]) == 0 and "global_step_1" in capsys.readouterr().out
     assert main(["ppo", *base, "critic.megatron.context_parallel_size=1"]) == 2

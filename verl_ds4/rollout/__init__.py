@@ -21,8 +21,10 @@ from __future__ import annotations
 
 ROLLOUT_NAME = "cpu_demo"
 ADAPTER_PATH = "verl_ds4.rollout.cpu.CPUServerAdapter"
+#: verl agent-loop name of :class:`verl_ds4.rollout.agent_loop.SeededSingleTurnAgentLoop` (one seed per response).
+SEEDED_AGENT_LOOP = "ds4_seeded_single_turn"
 
-__all__ = ["ADAPTER_PATH", "ROLLOUT_NAME", "register", "is_registered"]
+__all__ = ["ADAPTER_PATH", "ROLLOUT_NAME", "SEEDED_AGENT_LOOP", "register", "is_registered"]
 
 
 def _load_replica():

@@ -39,7 +39,7 @@ import torch
 
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
-from verl_ds4.rollout import ROLLOUT_NAME
+from verl_ds4.rollout import ROLLOUT_NAME, SEEDED_AGENT_LOOP
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ __all__ = [
     "CPURolloutServer",
     "CPUServerAdapter",
     "refuse_cuda",
+    "check_request_ids",
     "request_seed",
     "sample_next_token",
     "server_actor_name",
@@ -109,8 +110,31 @@ def sample_next_token(
     return token, float(logprobs[token])
 
 
-# verl's agent loops name requests "det-<index in the batch>" under rollout.full_determinism (else a uuid).
+# verl's agent loops name requests "det-<priority>" under rollout.full_determinism (else a uuid).
 DETERMINISTIC_REQUEST_PREFIX = "det-"
+# verl's single-turn agent loop: in the v1 trainer it gets no priority, so all its requests are "det-0".
+VERL_SINGLE_TURN_AGENT = "single_turn_agent"
+
+
+def check_request_ids(config) -> None:
+    """Refuse, at start-up, a seeded rollout whose requests would all share one id (and so one seed).
+
+    Under ``full_determinism`` the request id is the seed (:func:`request_seed`). verl's ``single_turn_agent``
+    names it ``det-<priority>``, and verl's v1 trainer (TransferQueue agent loop) passes no priority: every
+    request of a step is ``det-0``, every response is sampled with the same random numbers, and a GRPO group's
+    responses are identical (zero advantages). :mod:`verl_ds4.rollout.agent_loop` gives each response its own id.
+    """
+    agent = getattr(config, "agent", None)
+    default_loop = getattr(agent, "default_agent_loop", VERL_SINGLE_TURN_AGENT) if agent is not None else None
+    if getattr(config, "full_determinism", False) and default_loop == VERL_SINGLE_TURN_AGENT:
+        raise ValueError(
+            f"rollout.name={ROLLOUT_NAME!r} with actor_rollout_ref.rollout.full_determinism=true and verl's "
+            f"default_agent_loop={VERL_SINGLE_TURN_AGENT!r}: in verl's v1 trainer that agent loop names every request "
+            "'det-0', so every response of a step would be sampled with the same seed (a GRPO group's responses "
+            "identical, every advantage 0). Set actor_rollout_ref.rollout.agent.default_agent_loop="
+            f"{SEEDED_AGENT_LOOP} and add verl_ds4.rollout.agent_loop to VERL_USE_EXTERNAL_MODULES (the CPU recipes "
+            "do both), or set full_determinism=false (random ids: not reproducible)."
+        )
 
 
 def request_seed(rollout_seed: int, weight_version: Optional[int], request_id: str) -> int:
@@ -193,6 +217,7 @@ class CPURolloutServer:
         refuse_cuda("server")
         if not isinstance(config, RolloutConfig):
             config = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
+        check_request_ids(config)
         self.config = config
         if isinstance(model_config, (dict, DictConfig)):
             model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
@@ -249,8 +274,8 @@ class CPURolloutServer:
                 logger.warning(
                     "verl-ds4 %s rollout: request id %r is random (actor_rollout_ref.rollout.full_determinism=false), "
                     "so sampling is not reproducible and a resumed run will not repeat an uninterrupted one; set "
-                    "actor_rollout_ref.rollout.full_determinism=true for request ids 'det-<index in the batch>'.",
-                    ROLLOUT_NAME, request_id,
+                    "actor_rollout_ref.rollout.full_determinism=true for request ids 'det-<n>' (with the agent loop %s).",
+                    ROLLOUT_NAME, request_id, SEEDED_AGENT_LOOP,
                 )
             seed = request_seed(int(self.config.seed or 0), self.global_steps, request_id)
         return torch.Generator().manual_seed(int(seed))

@@ -1,0 +1,73 @@
+"""A single-turn agent loop whose requests each get their own deterministic id (and so their own sampling seed).
+
+Why: under ``actor_rollout_ref.rollout.full_determinism=true`` verl's ``single_turn_agent`` names a request
+``det-<priority>``. verl's v0 agent-loop manager numbers the batch's samples as priorities, but the v1
+trainer's TransferQueue agent loop (``verl/trainer/ppo/v1/agent_loop_tq.py``) passes none, so every request of
+every step is ``det-0``. The ``cpu_demo`` rollout seeds each request from its id (and the weight version,
+:func:`verl_ds4.rollout.cpu.request_seed`), so all the responses of a step were sampled with the same random
+numbers: a GRPO group's responses to one prompt were identical (every group-relative advantage 0, no policy
+gradient: measured ``critic/advantages/{min,max} = 0`` on every step of a 60-step GRPO run), and PPO's
+prompts, which differ in one digit, mostly got the same response.
+
+:class:`SeededSingleTurnAgentLoop` is verl's ``single_turn_agent`` with one change: it hands verl the
+priority ``index * n + session_id`` (the dataset row's ``extra_info.index``, the response's place in its
+group, ``n`` the larger of ``rollout.n`` and ``rollout.val_kwargs.n``), so the request id is ``det-<that>``:
+distinct for every response of a step, and the same for the same row and response in a resumed run. It is
+registered with verl's agent-loop registry as :data:`AGENT_LOOP_NAME`; the CPU recipes select it
+(``actor_rollout_ref.rollout.agent.default_agent_loop``) and list this module in
+``VERL_USE_EXTERNAL_MODULES`` (the agent-loop workers resolve the name in their own process).
+
+A row without an integer ``extra_info.index`` (verl's dataset then uses 0 for every row) is refused with
+the fix, since two rows would share ids.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping
+
+from verl.experimental.agent_loop.agent_loop import register
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+from verl_ds4.rollout import SEEDED_AGENT_LOOP
+
+__all__ = ["AGENT_LOOP_NAME", "SeededSingleTurnAgentLoop", "request_priority"]
+
+#: The name the CPU recipes select with ``actor_rollout_ref.rollout.agent.default_agent_loop``.
+AGENT_LOOP_NAME = SEEDED_AGENT_LOOP
+
+
+def request_priority(extra_info: Mapping[str, Any] | None, session_id: Any, group_size: int) -> int:
+    """``index * group_size + session_id``: one integer per (dataset row, response of its group)."""
+    raw = (extra_info or {}).get("index")
+    try:
+        index = None if isinstance(raw, bool) else operator.index(raw)  # int, NumPy integers
+    except TypeError:
+        index = None
+    if index is None:
+        raise ValueError(
+            f"{AGENT_LOOP_NAME}: the prompt row has extra_info.index={raw!r}; expected the row's integer index "
+            "in the dataset (verl's RL parquet convention, e.g. extra_info={'index': 17}). Without it every row's "
+            "requests would share one sampling seed. Add the column, or use verl's single_turn_agent "
+            "(actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent) with full_determinism=false."
+        )
+    session = int(session_id)
+    if index < 0 or not 0 <= session < group_size:
+        raise ValueError(
+            f"{AGENT_LOOP_NAME}: extra_info.index={index} must be >= 0 and session_id={session} in [0, {group_size})."
+        )
+    return index * group_size + session
+
+
+class SeededSingleTurnAgentLoop(SingleTurnAgentLoop):
+    """verl's ``single_turn_agent`` with a distinct deterministic request id per response (module docstring)."""
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> Any:
+        rollout = self.rollout_config
+        val_n = getattr(getattr(rollout, "val_kwargs", None), "n", 1) or 1
+        group_size = max(int(rollout.n or 1), int(val_n))
+        priority = request_priority(kwargs.get("extra_info"), kwargs.get("session_id", 0), group_size)
+        return await super().run(sampling_params, priority=priority, **kwargs)
+
+
+register(AGENT_LOOP_NAME)(SeededSingleTurnAgentLoop)
