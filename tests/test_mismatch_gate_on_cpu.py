@@ -168,6 +168,28 @@ def test_the_ordered_replay_buffer_lists_a_batch_in_prompt_submission_order():
                             max_off_policy_strategy="drop", sampler_kwargs={})
 
 
+def test_the_ordered_replay_buffer_polls_transfer_queue_at_its_own_interval():
+    """verl's buffer looks for finished responses every 2 s (a 0.3 s rollout cost a step 2 s); ours every 0.05 s."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from verl_ds4.rollout.ordered_replay_buffer import DEFAULT_POLL_INTERVAL_S, OrderedReplayBuffer
+
+    def build(cls, **sampler_kwargs):
+        return cls(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None,
+                   max_off_policy_strategy="drop", sampler_kwargs=OmegaConf.create(sampler_kwargs))
+
+    assert build(OrderedReplayBuffer).poll_interval == DEFAULT_POLL_INTERVAL_S == 0.05
+    assert build(OrderedReplayBuffer, poll_interval_s=0.5).poll_interval == 0.5  # the user's setting is kept
+    assert build(ReplayBuffer).poll_interval == 2.0  # negative control: verl's own default
+    for bad in (0, -1, "fast", True, 600):
+        with pytest.raises(ValueError, match="poll_interval_s=.*expected seconds in"):
+            build(OrderedReplayBuffer, poll_interval_s=bad)
+    with pytest.raises(ValueError, match=r"unknown trainer.v1.sampler.sampler_kwargs \['poll_intervall_s'\]"):
+        build(OrderedReplayBuffer, poll_intervall_s=0.1)  # a typo is not ignored
+    recipe = OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "recipe" / "ds4_proxy_ppo_cpu.yaml")
+    assert recipe.trainer.v1.sampler.sampler_kwargs.poll_interval_s == DEFAULT_POLL_INTERVAL_S
+
+
 def test_the_cpu_recipes_use_the_ordered_replay_buffer():
     from verl.utils.import_utils import load_extern_type
 
