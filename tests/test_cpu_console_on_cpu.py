@@ -219,6 +219,15 @@ def test_rl_metrics_plot_says_what_was_not_reported(tmp_path, monkeypatch):
     texts.clear()
     plot_rl_metrics({1: {"critic/score/mean": 0.1}}, tmp_path / "rl2.png")
     assert texts == ["not reported"] * 3  # the control: a run without KL, value loss and mismatch metrics
+    # With the mismatch gate's figure reported too, that one is plotted (verl's probability difference is not).
+    titles = []
+    real_title = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, t, *a, **k: titles.append(t) or real_title(self, t, *a, **k))
+    gated = {s: dict(m, **{"training/rollout_log_probs_diff_max": 1e-6}) for s, m in grpo.items()}
+    plot_rl_metrics(gated, tmp_path / "rl3.png")
+    assert titles[-1].endswith("rollout_log_probs_diff_max"), titles
+    plot_rl_metrics(grpo, tmp_path / "rl4.png")  # the control: without it, verl's figure
+    assert titles[-1].endswith("rollout_probs_diff_max") and "log_probs" not in titles[-1], titles
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert plot_rl_metrics(grpo, tmp_path / "none.png").startswith("no plot: matplotlib is not installed")
 

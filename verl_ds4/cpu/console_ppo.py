@@ -34,8 +34,10 @@ SUMMARY_COLUMNS = (
 )
 
 REWARD_KEY = "critic/score/mean"
-#: verl's rollout-vs-trainer log-prob mismatch metrics, the first one found is plotted.
-MISMATCH_KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean")
+#: Rollout-vs-trainer mismatch metrics, the first one found is plotted: the mismatch gate's max abs log-prob
+#: difference (verl_ds4.rollout.mismatch_gate), else verl's own probability differences.
+MISMATCH_KEYS = ("training/rollout_log_probs_diff_max", "training/rollout_probs_diff_max",
+                 "training/rollout_probs_diff_mean")
 #: Steps averaged at each end of the run for the reward trend line.
 TREND_STEPS = 5
 ALGOS = ("ppo", "grpo")
