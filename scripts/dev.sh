@@ -10,7 +10,7 @@
 #                                     LANE2_FILES; among the tests that args select)
 #
 # How `test` runs: lane 2 (its set-up, network-bound: torch for Python 3.12 comes from PyPI, then its
-# tests) runs in the background at low priority (nice 10) while lane 1 sets up and runs its tests in
+# tests) runs in the background at low priority (nice 19) while lane 1 sets up and runs its tests in
 # the foreground. Lane 1 leaves about a third of 2 cores idle (its Ray and torchrun start-ups wait on
 # each other); lane 2 runs in that slack instead of after lane 1, and lane 1 keeps the CPUs it
 # wants. Lane 2's output goes to its log, shown (the failures, or its summary line) once lane 1 is
@@ -118,9 +118,9 @@ run_tests() {
         # The pins check runs from lane 1's venv; from lane 2's when lane 1 is not run.
         local pins_in_lane2=0
         [ "$lane1" = 0 ] && [ "${PINS_CHECK:-1}" = 1 ] && pins_in_lane2=1
-        echo "[dev.sh] lane 2: set-up of $VENV312 with $python312, then its tests, in the background at nice 10"
+        echo "[dev.sh] lane 2: set-up of $VENV312 with $python312, then its tests, in the background at nice 19"
         (
-            renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true  # lane 1 keeps the CPUs first
+            renice -n 19 -p "$BASHPID" >/dev/null 2>&1 || true  # lane 1 keeps the CPUs first
             rc=0
             setup "$VENV312" "$python312" "$TORCH312_SPEC" >"$logs/lane2-setup.log" 2>&1 || rc=$?
             echo "$rc $SECONDS" >"$logs/lane2-setup.done"
@@ -149,7 +149,8 @@ run_tests() {
     local pins_pid=""
     start_pins_check() {
         if [ "${PINS_CHECK:-1}" = 1 ] && [ -z "$pins_pid" ]; then
-            "$1/bin/python" docker/check_pins_resolve.py >"$logs/pins.log" 2>&1 &
+            # nice 19: pip's resolver waits on the network, and its CPU bursts should not slow the tests
+            nice -n 19 "$1/bin/python" docker/check_pins_resolve.py >"$logs/pins.log" 2>&1 &
             pins_pid=$!
         fi
     }
@@ -227,7 +228,7 @@ run_tests() {
         else
             result=$([ "$status2" = 0 ] && echo passed || echo "FAILED (exit $status2)")
         fi
-        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s"), tests $(seconds "$tests2_s") (both beside lane 1, nice 10): $result"
+        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s"), tests $(seconds "$tests2_s") (both beside lane 1, nice 19): $result"
         [ -f "$logs/lane2.log" ] && echo "[dev.sh]        $(pytest_summary "$logs/lane2.log")"
         [ "$status2" = 0 ] || [ "$status2" = none ] || status=1
     fi

@@ -80,9 +80,10 @@ def test_grpo_runs_without_a_critic_with_group_advantages_and_kl(grpo_run):
     # trainer is "det-0": one seed for all, identical responses in a group, and every advantage was exactly 0 on
     # every step (measured, 2026-12-02: no policy gradient at all). The seeded run is deterministic, so this is
     # one fixed outcome, not a chance.
+    # (pg_loss itself may be 0 at step 1: on-policy it is minus the token mean of the advantages, which cancel
+    # within a group when its responses are equally long.)
     for step, m in result.metrics.items():
         assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], f"step {step}: all advantages 0"
-        assert m["actor/pg_loss"] != 0.0, f"step {step}: no policy-gradient loss"
     # fp32 actor and reference: step 1's advantages moved the actor away from the reference
     assert result.metrics[2]["actor/kl_loss"] > 1e-6, "step 1 had non-zero advantages, yet the actor did not move"
     # rollout and trainer agree on the log-probs after the weight sync (verl's mismatch metric)

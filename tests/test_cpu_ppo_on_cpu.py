@@ -16,10 +16,11 @@ sync after step 2, and the gate must stop the run at step 3 with a clear message
 threshold. (One run for both, not two: every launch costs CI about two minutes of Ray start-up. The run's
 summary is therefore the failure report; the GRPO test checks a finished run's summary.)
 
-Kill and resume: the same command in another work folder is SIGKILLed (its whole process group: the
-launcher, the console, verl's driver, Ray and every worker) once the step-1 checkpoint exists; the same
-command again with RESUME_MODE=auto resumes from it, and its step 2 equals the uninterrupted run's bit for bit
-(:data:`RESUME_KEYS`, compared with ==; the rollout's own log-prob figures are not among them, see there). The uninterrupted
+Kill and resume: the same command in another work folder, started beside the reference run, is SIGKILLed (its
+whole process group: the launcher, the console, verl's driver, Ray and every worker) once the step-1
+checkpoint exists; the same command again with RESUME_MODE=auto resumes from it, and its step 2 equals the
+uninterrupted run's bit for bit (:data:`RESUME_KEYS`, compared with ==; the rollout's own log-prob figures are
+not among them, see there). The uninterrupted
 run is the reference run above: its third step (STEPS=3) changes nothing in steps 1 and 2 (constant learning
 rate; a difference would fail this comparison). The same folder with CP=1 is then refused at start-up,
 before Ray starts, naming the changed field.
@@ -33,6 +34,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,8 +108,52 @@ def _launch(work: Path, name: str, check: bool = True, **extra: str):
     return result
 
 
+class _KilledAfterCheckpoint(threading.Thread):
+    """The launcher in ``work``, SIGKILLed (its whole tree) as soon as its step-1 checkpoint exists.
+
+    It runs beside the reference run (CI time: the two Ray start-ups overlap instead of queueing; each run
+    has its own Ray instance, and the machine has the memory for both). A thread watches the checkpoint
+    tracker every 0.2 s, so the kill lands right after the step-1 checkpoint, mid-run, whatever the
+    reference run is doing meanwhile.
+    """
+
+    def __init__(self, work: Path):
+        super().__init__(daemon=True)
+        self.work, self.log = work, work.parent / f"{work.name}.log"
+        self.tracker = work / "checkpoints" / "latest_checkpointed_iteration.txt"
+        self.error: str | None = None
+        self.wall_s = 0.0
+
+    def run(self) -> None:
+        start = time.monotonic()
+        with open(self.log, "wb") as out:
+            proc = subprocess.Popen(LAUNCHER, env=_env(self.work), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                while not (self.tracker.exists() and self.tracker.read_text().strip() == "1"):
+                    if proc.poll() is not None:
+                        self.error = f"the run ended before its step-1 checkpoint:\n{self.log.read_text()[-4000:]}"
+                        return
+                    if time.monotonic() - start > TIMEOUT_S:
+                        self.error = f"no step-1 checkpoint in {TIMEOUT_S} s:\n{self.log.read_text()[-4000:]}"
+                        return
+                    time.sleep(0.2)
+            finally:
+                _sigkill_tree(proc)  # mid-run: step 2 has started (or is about to)
+                self.wall_s = time.monotonic() - start
+
+
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory):
+def killed_run(tmp_path_factory):
+    """Started before the reference run, so that the two run side by side (see :class:`_KilledAfterCheckpoint`)."""
+    runner = _KilledAfterCheckpoint(tmp_path_factory.mktemp("killed") / "work")
+    runner.start()
+    yield runner
+    runner.join(timeout=TIMEOUT_S + 120)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory, killed_run):
     """Steps 1 and 2 as the launcher runs them, then step 3 with the weight sync after step 2 skipped."""
     work = tmp_path_factory.mktemp("ppo")
     result = _launch(work, "outer", STEPS=str(STEPS + 1), MISMATCH_MAX=str(GATE_MAX),
@@ -210,22 +256,12 @@ def _sigkill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=30)
 
 
-def test_sigkill_after_a_checkpoint_then_the_same_command_resumes_exactly(ppo_run, tmp_path):
+def test_sigkill_after_a_checkpoint_then_the_same_command_resumes_exactly(ppo_run, killed_run):
     _, reference = ppo_run
-    work = tmp_path / "killed"
-    tracker = work / "checkpoints" / "latest_checkpointed_iteration.txt"
-    log = tmp_path / "killed.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(LAUNCHER, env=_env(work), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            deadline = time.monotonic() + TIMEOUT_S
-            while not (tracker.exists() and tracker.read_text().strip() == "1"):
-                assert proc.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-4000:]}"
-                assert time.monotonic() < deadline, "no step-1 checkpoint in time"
-                time.sleep(0.2)
-        finally:
-            _sigkill_tree(proc)  # mid-run: step 2 has started (or is about to)
+    killed_run.join(timeout=TIMEOUT_S + 120)
+    assert not killed_run.is_alive() and killed_run.error is None, killed_run.error
+    work, tracker = killed_run.work, killed_run.tracker
+    print(f"\nkilled after the step-1 checkpoint, {killed_run.wall_s:.0f} s after its start (beside the reference run)")
     assert tracker.read_text().strip() == "1" and not (work / "checkpoints" / "global_step_2").exists()
 
     resumed = _launch(work, "resumed", RESUME_MODE="auto")
