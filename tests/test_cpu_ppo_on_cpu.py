@@ -20,10 +20,9 @@ Kill and resume: the same command in another work folder, started beside the ref
 whole process group: the launcher, the console, verl's driver, Ray and every worker) once the step-1
 checkpoint exists; the same command again with RESUME_MODE=auto resumes from it, and its step 2 equals the
 uninterrupted run's bit for bit (:data:`RESUME_KEYS`, compared with ==; the rollout's own log-prob figures are
-not among them, see there). The uninterrupted
-run is the reference run above: its third step (STEPS=3) changes nothing in steps 1 and 2 (constant learning
-rate; a difference would fail this comparison). The same folder with CP=1 is then refused at start-up,
-before Ray starts, naming the changed field.
+not among them, see there). The uninterrupted run is the reference run above: its third step (STEPS=3)
+changes nothing in steps 1 and 2 (constant learning rate; a difference would fail this comparison). The same
+folder with CP=1 is then refused at start-up, before Ray starts, naming the changed field.
 """
 
 from __future__ import annotations
@@ -125,6 +124,12 @@ class _KilledAfterCheckpoint(threading.Thread):
         self.wall_s = 0.0
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # reported by the test that joins this thread
+            self.error = f"{type(err).__name__}: {err}"
+
+    def _run(self) -> None:
         start = time.monotonic()
         with open(self.log, "wb") as out:
             proc = subprocess.Popen(LAUNCHER, env=_env(self.work), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,

@@ -124,8 +124,7 @@ def check_request_ids(config) -> None:
     request of a step is ``det-0``, every response is sampled with the same random numbers, and a GRPO group's
     responses are identical (zero advantages). :mod:`verl_ds4.rollout.agent_loop` gives each response its own id.
     """
-    agent = getattr(config, "agent", None)
-    default_loop = getattr(agent, "default_agent_loop", VERL_SINGLE_TURN_AGENT) if agent is not None else None
+    default_loop = getattr(getattr(config, "agent", None), "default_agent_loop", VERL_SINGLE_TURN_AGENT)  # verl's default
     if getattr(config, "full_determinism", False) and default_loop == VERL_SINGLE_TURN_AGENT:
         raise ValueError(
             f"rollout.name={ROLLOUT_NAME!r} with actor_rollout_ref.rollout.full_determinism=true and verl's "
