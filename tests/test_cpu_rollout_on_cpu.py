@@ -177,9 +177,10 @@ def test_the_seeded_agent_loop_gives_every_response_of_a_step_its_own_request_id
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
     from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-    from verl_ds4.rollout.agent_loop import AGENT_LOOP_NAME, SeededSingleTurnAgentLoop, request_priority
+    from verl_ds4.rollout import SEEDED_AGENT_LOOP
+    from verl_ds4.rollout.agent_loop import SeededSingleTurnAgentLoop, request_priority
 
-    assert _agent_loop_registry[AGENT_LOOP_NAME]["_target_"] == "verl_ds4.rollout.agent_loop.SeededSingleTurnAgentLoop"
+    assert _agent_loop_registry[SEEDED_AGENT_LOOP]["_target_"] == "verl_ds4.rollout.agent_loop.SeededSingleTurnAgentLoop"
     seen = []
 
     async def recording_run(self, sampling_params, priority=0, **kwargs):  # verl's run: request_id = f"det-{priority}"

@@ -13,7 +13,7 @@ prompts, which differ in one digit, mostly got the same response.
 priority ``index * n + session_id`` (the dataset row's ``extra_info.index``, the response's place in its
 group, ``n`` the larger of ``rollout.n`` and ``rollout.val_kwargs.n``), so the request id is ``det-<that>``:
 distinct for every response of a step, and the same for the same row and response in a resumed run. It is
-registered with verl's agent-loop registry as :data:`AGENT_LOOP_NAME`; the CPU recipes select it
+registered with verl's agent-loop registry as :data:`verl_ds4.rollout.SEEDED_AGENT_LOOP`; the CPU recipes select it
 (``actor_rollout_ref.rollout.agent.default_agent_loop``) and list this module in
 ``VERL_USE_EXTERNAL_MODULES`` (the agent-loop workers resolve the name in their own process).
 
@@ -31,10 +31,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 
 from verl_ds4.rollout import SEEDED_AGENT_LOOP
 
-__all__ = ["AGENT_LOOP_NAME", "SeededSingleTurnAgentLoop", "request_priority"]
-
-#: The name the CPU recipes select with ``actor_rollout_ref.rollout.agent.default_agent_loop``.
-AGENT_LOOP_NAME = SEEDED_AGENT_LOOP
+__all__ = ["SeededSingleTurnAgentLoop", "request_priority"]
 
 
 def request_priority(extra_info: Mapping[str, Any] | None, session_id: Any, group_size: int) -> int:
@@ -46,7 +43,7 @@ def request_priority(extra_info: Mapping[str, Any] | None, session_id: Any, grou
         index = None
     if index is None:
         raise ValueError(
-            f"{AGENT_LOOP_NAME}: the prompt row has extra_info.index={raw!r}; expected the row's integer index "
+            f"{SEEDED_AGENT_LOOP}: the prompt row has extra_info.index={raw!r}; expected the row's integer index "
             "in the dataset (verl's RL parquet convention, e.g. extra_info={'index': 17}). Without it every row's "
             "requests would share one sampling seed. Add the column, or use verl's single_turn_agent "
             "(actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent) with full_determinism=false."
@@ -54,7 +51,7 @@ def request_priority(extra_info: Mapping[str, Any] | None, session_id: Any, grou
     session = int(session_id)
     if index < 0 or not 0 <= session < group_size:
         raise ValueError(
-            f"{AGENT_LOOP_NAME}: extra_info.index={index} must be >= 0 and session_id={session} in [0, {group_size})."
+            f"{SEEDED_AGENT_LOOP}: extra_info.index={index} must be >= 0 and session_id={session} in [0, {group_size})."
         )
     return index * group_size + session
 
@@ -70,4 +67,4 @@ class SeededSingleTurnAgentLoop(SingleTurnAgentLoop):
         return await super().run(sampling_params, priority=priority, **kwargs)
 
 
-register(AGENT_LOOP_NAME)(SeededSingleTurnAgentLoop)
+register(SEEDED_AGENT_LOOP)(SeededSingleTurnAgentLoop)
