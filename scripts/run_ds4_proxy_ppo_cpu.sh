@@ -60,6 +60,13 @@ if [ -n "$MODEL_PATH" ] && [ ! -f "$MODEL_PATH/config.json" ]; then
     exit 2
 fi
 
+# verl does not check that the mini-batches tile the batch; a remainder would be trained as a smaller update.
+if ! [[ "$BATCH" =~ ^[1-9][0-9]*$ && "$MINI_BATCH" =~ ^[1-9][0-9]*$ ]] || [ $((BATCH % MINI_BATCH)) != 0 ]; then
+    echo "MINI_BATCH=$MINI_BATCH, BATCH=$BATCH: expected positive integers with MINI_BATCH dividing BATCH" \
+         "(BATCH / MINI_BATCH actor/critic updates per step), e.g. BATCH=8 MINI_BATCH=4" >&2
+    exit 2
+fi
+
 OVERRIDES=()
 for arg in "$@"; do
     case "$arg" in

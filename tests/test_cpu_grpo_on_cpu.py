@@ -38,6 +38,36 @@ def test_launcher_refuses_grpo_with_one_response_per_prompt(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "DS4_RL_RECIPE=reinforce: expected ppo or grpo" in proc.stderr
+    # MINI_BATCH must tile BATCH (verl would train the remainder as a smaller update); the controls are
+    # test_launcher_passes_mini_batch_to_verl (8 of 16) and the run below (the default, BATCH).
+    for batch, mini in (("8", "3"), ("8", "0"), ("8", "x")):
+        env.update(DS4_RL_RECIPE="ppo", BATCH=batch, MINI_BATCH=mini)
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and f"MINI_BATCH={mini}, BATCH=8: expected positive integers" in proc.stderr
+        assert not (tmp_path / "assets").exists()
+
+
+def test_launcher_passes_mini_batch_to_verl(tmp_path):
+    """The command line the launcher builds, read through a stand-in interpreter that prints its arguments
+    (nothing runs): MINI_BATCH is the actor's ppo_mini_batch_size (the critic's follows it in verl's config)."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "WORK_DIR": str(tmp_path / "work")}
+
+    def command_line(**knobs):
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh")], env={**env, **knobs},
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.splitlines()
+
+    args = command_line(BATCH="16", MINI_BATCH="8")
+    assert "data.train_batch_size=16" in args and "actor_rollout_ref.actor.ppo_mini_batch_size=8" in args
+    assert "data=" + str(tmp_path / "work" / "assets" / "data" / "train.parquet") + " (256 prompts), batch 16 (updates of 8)" \
+        ", response <= 16 tokens, 3 steps" in args
+    # the control: without MINI_BATCH, one update a step
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=16" in command_line(BATCH="16")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +104,7 @@ def test_grpo_runs_without_a_critic_with_group_advantages_and_kl(grpo_run):
         assert not any(k.startswith(("critic/vf_", "critic/values/", "timing_s/update_critic")) for k in m), sorted(m)
     assert "'adv_estimator': 'grpo'" in result.log, "the resolved config should show adv_estimator grpo"
     assert "'n': 2" in result.log, "the resolved config should show rollout.n=2"
+    assert f"batch {BATCH} (updates of {BATCH})" in result.console  # MINI_BATCH's default: one update a step
     assert result.metrics[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
     # Each response is sampled with its own seed (verl_ds4/rollout/agent_loop.py), so a group's responses differ
     # and their group-relative advantages are not all 0. With verl's single_turn_agent every request of the v1
