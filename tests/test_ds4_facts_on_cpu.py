@@ -49,10 +49,19 @@ def test_yaml_model_files_carry_the_facts(name, ratios):
 
     facts = DS4ModelFacts.from_recipe_block(block, name)
     assert facts.min_local_rows == 128
-    # every key of the YAML block is read by DS4ModelFacts (plus the name)
+    # every key of the YAML block is read: by DS4ModelFacts and its sizes (memory model), or by the
+    # full-size meta-device build and the published totals (tests/test_ds4_full_size_on_cpu.py)
+    import dataclasses
+
+    from verl_ds4.models.ds4.sizes import DS4Sizes
+
     read = {"name", "hf_model_type", "num_layers", "mtp_layers", "hidden_size", "num_attention_heads",
             "n_routed_experts", "num_experts_per_tok", "csa_window_size", "index_topk", "compress_ratios"}  # fmt: skip
+    read |= {f.name for f in dataclasses.fields(DS4Sizes)}
+    read |= {"qk_rope_head_dim", "routed_scaling_factor", "num_hash_layers", "published_total_billions",
+             "published_activated_billions"}  # fmt: skip
     assert set(block) <= read, sorted(set(block) - read)
+    assert facts.sizes is not None and facts.sizes.compress_ratios == ratios
 
 
 def test_layer_ratios_read_from_hf_configs_like_transformers():

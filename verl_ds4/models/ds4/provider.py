@@ -20,6 +20,8 @@ from typing import Any, Mapping
 
 from verl_ds4 import ds4_facts
 
+from .sizes import DS4Sizes, MissingSizeField
+
 # URI schemes a trainer resolves itself (verl copies them to local disk); not checked on disk.
 REMOTE_PATH_SCHEMES = ("hdfs://", "s3://", "gs://", "oss://", "abfs://", "az://", "http://", "https://")
 
@@ -41,6 +43,8 @@ class DS4ModelFacts:
         index_topk: compressed blocks a CSA query selects.
         compress_ratios: per decoder layer (MTP excluded): 0 window only, 4 CSA, 128 HCA.
         source: where these numbers were read from.
+        sizes: the numbers the parameter count and the memory model need (:class:`~.sizes.DS4Sizes`),
+            or ``None`` when the source lacks one (``sizes_missing`` then says which).
     """
 
     name: str
@@ -55,6 +59,8 @@ class DS4ModelFacts:
     index_topk: int
     compress_ratios: tuple[int, ...]
     source: str
+    sizes: DS4Sizes | None = None
+    sizes_missing: str | None = None
 
     def __post_init__(self):
         ds4_facts.check_compress_ratios(self.compress_ratios, self.num_layers)
@@ -81,6 +87,7 @@ class DS4ModelFacts:
             index_topk=int(block["index_topk"]),
             compress_ratios=tuple(int(r) for r in block["compress_ratios"]),
             source=source,
+            **_sizes({}, source, block),
         )
 
     @classmethod
@@ -103,7 +110,25 @@ class DS4ModelFacts:
             index_topk=int(text.get("index_topk", fallback.index_topk)),
             compress_ratios=ratios,
             source=source,
+            **_sizes(config, source, _sizes_fallback(fallback)),
         )
+
+
+def _sizes(config: Mapping[str, Any], source: str, fallback: Mapping[str, Any]) -> dict[str, Any]:
+    """``sizes`` / ``sizes_missing`` keyword arguments for :class:`DS4ModelFacts`."""
+    try:
+        return {"sizes": DS4Sizes.from_hf_config(config, source, fallback=fallback)}
+    except MissingSizeField as e:
+        return {"sizes": None, "sizes_missing": str(e)}
+
+
+def _sizes_fallback(facts: DS4ModelFacts) -> dict[str, Any]:
+    """The recipe block's sizes as a fallback mapping (config.json keys win over it)."""
+    if facts.sizes is None:
+        return {"compress_ratios": facts.compress_ratios, "mtp_layers": facts.mtp_layers}
+    import dataclasses
+
+    return dataclasses.asdict(facts.sizes)
 
 
 def is_remote_path(path: str) -> bool:
