@@ -7,7 +7,8 @@
 #   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_ppo_megatron.sh
 #
 # Start the Ray cluster first (ray start --head / --address on every node); this runs the driver.
-# DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_32gpu_pp4_ep8` (and MODEL_PATH to the Pro checkpoint).
+# DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_256gpu_pp4_ep64` (and MODEL_PATH to the Pro checkpoint);
+# `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256` lists the meshes that fit.
 # Before Ray starts, the full config is composed and validated (`verl-ds4 recipe ppo`): a bad
 # mesh, budget, rollout TP or missing path fails in seconds with the setting and the fix.
 # scripts/run_deepseek_v4_flash_grpo_megatron.sh runs this launcher with DS4_RL_RECIPE=grpo.

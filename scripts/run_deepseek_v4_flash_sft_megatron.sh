@@ -8,7 +8,8 @@
 #   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh optim.lr=5e-6
 #
 # Multi-node: run the same command on every node with NODE_RANK, MASTER_ADDR and MASTER_PORT set.
-# DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_32gpu_pp4_ep8` (and MODEL_PATH to the Pro checkpoint).
+# DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_256gpu_pp4_ep64` (and MODEL_PATH to the Pro checkpoint);
+# `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256` lists the meshes that fit.
 # Before torchrun starts, the full config is composed and validated (`verl-ds4 recipe sft`): a bad
 # mesh, budget or missing path fails in seconds with the setting and the fix.
 set -euo pipefail
@@ -28,7 +29,7 @@ TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_sft/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_sft/test.parquet}
 # Named mesh from configs/ds4_mesh/ (nodes, GPUs per node, PP/EP/CP). The knobs below, when set,
 # replace single fields of it; empty means "take it from MESH".
-MESH=${MESH:-h100_32gpu_pp4_ep8}
+MESH=${MESH:-h200_64gpu_pp4_ep8}
 NNODES=${NNODES:-}
 GPUS_PER_NODE=${GPUS_PER_NODE:-}
 PP=${PP:-}

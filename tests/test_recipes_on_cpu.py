@@ -87,7 +87,7 @@ def _validate(kind: str, overrides: list[str], dry_run: bool = False, **kw):
 @pytest.mark.parametrize(
     "kind, mesh",
     [
-        ("sft", "h100_32gpu_pp4_ep8"),
+        ("sft", "h200_64gpu_pp4_ep8"),
         ("sft", "h200_64gpu_pp4_ep8_cp4"),
         ("ppo", "h200_64gpu_pp8_ep8"),
         ("ppo", "h200_64gpu_pp4_ep8_cp4"),
@@ -156,8 +156,12 @@ def test_pro_recipe_uses_pro_facts_and_meshes(assets):
     assert report.errors == [] and report.facts.n_routed_experts == 384 and report.facts.num_layers == 61
     assert cfg.ds4.model.index_topk == 1024
     # Without a readable checkpoint the recipe's Pro block is used (dry-run), EP 64 divides 384 experts.
-    cfg, report = _validate("grpo", ["ds4_model=pro", "ds4_mesh=gb300_32gpu_pp4_ep8"], dry_run=True)
+    cfg, report = _validate("grpo", ["ds4_model=pro", "ds4_mesh=gb300_256gpu_pp4_ep64"], dry_run=True)
     assert report.errors == [] and report.facts.source.startswith("recipe") and report.facts.n_routed_experts == 384
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 16 and cfg.actor_rollout_ref.rollout.quantization == "fp8"
+    # The 32-GPU GB300 mesh the launchers once suggested for Pro cannot hold Pro's states: refused.
+    with pytest.raises(RecipeValidationError, match=r"actor memory: .*= 900\.3 GiB per GPU exceeds the 279\.0 GiB"):
+        _validate("grpo", ["ds4_model=pro", "ds4_mesh=gb300_32gpu_pp4_ep8"], dry_run=True)
 
 
 def test_user_override_wins_over_knob_and_is_not_rewritten(assets):
@@ -237,10 +241,10 @@ def test_config_without_recipe_is_rejected():
 
 
 def test_plan_shows_resolved_mesh_and_overridden_fields(assets):
-    cfg, report = _validate("sft", _paths("sft", assets) + ["ds4.mesh.nnodes=8", "ds4.mesh.cp=4"])
+    cfg, report = _validate("sft", _paths("sft", assets) + ["ds4.mesh.nnodes=16", "ds4.mesh.cp=4"])
     plan = format_plan(cfg, report)
-    assert "8 nodes x 8 GPUs = 64 GPUs" in plan and "overridden: nnodes 4->8, cp 1->4" in plan
-    assert "sft   1   4   -    4   8   1    4   2          contiguous" in plan
+    assert "16 nodes x 8 GPUs = 128 GPUs" in plan and "overridden: nnodes 8->16, cp 1->4" in plan
+    assert "sft   1   4   -    4   8   1    8   4          contiguous" in plan
     assert "43 layers over PP4 -> [11, 11, 11, 10]" in plan and "validation: OK" in plan
 
 

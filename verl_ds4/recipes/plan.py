@@ -140,6 +140,9 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
         f"checkpoints: {_get(cfg, 'trainer.default_local_dir')} (resume_mode={_get(cfg, 'trainer.resume_mode')}, "
         f"save_freq={_get(cfg, 'trainer.save_freq')})"
     )
+    from verl_ds4.recipes.memory_check import format_memory
+
+    lines += format_memory(report.memory)
     if launch:
         lines.append(f"launch  : {launch}")
     for note in report.notes:

@@ -22,7 +22,10 @@ contract behind them: docs/ds4-context-parallel.md sections 1, 3, 4):
   obeys the same DS4 rules, has no MTP and no dynamic CP;
 - model and data paths exist (real runs; a dry-run reports them as warnings);
 - the rollout world (TP x DP x PP) divides the GPU count; router replay settings agree;
-  prompt-length filtering (needs a chat template DS4 does not ship) is off.
+  prompt-length filtering (needs a chat template DS4 does not ship) is off;
+- every role's weights + gradients + optimizer states fit on its GPUs, alone and beside the roles
+  verl colocates with it, and the rollout's weights fit its memory share
+  (:mod:`verl_ds4.recipes.memory_check`; ``ds4.memory_check=error|warn|off``).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class ValidationReport:
     errors: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    memory: Any = None  # verl_ds4.recipes.memory_check.MemoryReport once checked
 
     def raise_if_errors(self) -> None:
         if self.errors:
@@ -520,6 +524,9 @@ def validate_recipe(
     _check_agreement(roles, cfg, report)
     if trainer == "ppo":
         _check_rollout(cfg, report)
+    from verl_ds4.recipes.memory_check import check_memory
+
+    report.memory = check_memory(cfg, report)
     _check_paths(cfg, trainer, roles, report, dry_run)
     if raise_on_error:
         report.raise_if_errors()
