@@ -31,7 +31,7 @@ def fixes(rm, sizes, capacity: float, gpus_per_node: int) -> list[str]:
     for factor in range(2, _MAX_NODE_FACTOR + 1):
         bigger = dataclasses.replace(m, world=m.world * factor)
         if _fits(rm, sizes, bigger, capacity):
-            out.append(f"more GPUs: trainer.nnodes={nodes * factor} ({bigger.world} GPUs, same mesh)")
+            out.append(f"more GPUs: ds4.mesh.nnodes={nodes * factor} ({bigger.world} GPUs, same mesh; launcher NNODES)")
             break
     for ep in sorted(d for d in range(m.ep + 1, sizes.n_routed_experts + 1) if sizes.n_routed_experts % d == 0):
         if _fits(rm, sizes, dataclasses.replace(m, ep=ep), capacity):
@@ -60,15 +60,25 @@ def fixes(rm, sizes, capacity: float, gpus_per_node: int) -> list[str]:
 
 
 def rollout_fixes(sizes, tp: int, quantization, share: float, gpus_per_node: int) -> list[str]:
+    """The smallest rollout TP that fits with the current weights, and with FP8 weights."""
     out = []
-    for bigger in (2 * tp, 4 * tp):
-        if rollout_weights_gib(sizes, bigger, quantization) <= share:
-            where = "" if bigger <= gpus_per_node else " (spans nodes: needs a multi-node rollout engine)"
-            out.append(f"rollout TP={bigger}{where} (ds4.rollout.tp)")
-            break
-    if quantization != "fp8" and rollout_weights_gib(sizes, tp, "fp8") <= share:
-        out.append("FP8 rollout weights: ds4.rollout.quantization=fp8")
+    for quant in dict.fromkeys([quantization, "fp8"]):
+        for bigger in (tp * 2**i for i in range(0, 7)):
+            if (bigger, quant) != (tp, quantization) and rollout_weights_gib(sizes, bigger, quant) <= share:
+                where = "" if bigger <= gpus_per_node else " (spans nodes: needs a multi-node rollout engine)"
+                change = [f"ds4.rollout.tp={bigger}"] if bigger != tp else []
+                change += ["ds4.rollout.quantization=fp8"] if quant != quantization else []
+                out.append(" ".join(change) + where)
+                break
     return out
+
+
+def _plan_fit_hint(report, memory) -> str:
+    model = report.facts.name.split("-")[-1].lower() if report.facts.source.startswith("recipe") else report.facts.source
+    return (
+        "no single change fits; `verl-ds4 plan --fit --model "
+        f"{model} --gpu {memory.hardware or '<GPU>'} --gpus {report.world_size}-{16 * report.world_size}` lists the meshes that do."
+    )
 
 
 def _describe(stage, role, mesh: Mesh) -> str:
@@ -90,7 +100,7 @@ def findings(cfg, report, memory, sizes) -> tuple[list[Problem], list[str]]:
             problems.append(Problem(
                 f"{rm.role} memory",
                 f"{_describe(w, rm.role, rm.mesh)} exceeds the {cap:.1f} GiB of one {hw} before any activation.",
-                ("smallest changes that fit: " + "; ".join(fix)) if fix else "no single change fits: use more nodes and a larger EP together.",
+                ("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory),
             ))
         elif rm.peak_estimate_gib > cap:
             notes.append(
@@ -137,7 +147,7 @@ def _rollout_findings(cfg, sizes, memory, report, problems) -> float | None:
             "rollout memory",
             f"{rollout.get('name')} weights ({'fp8' if quant == 'fp8' else 'bf16'}, TP{tp}) {weights:.1f} GiB per GPU exceed "
             f"gpu_memory_utilization {util:g} x {cap:.1f} GiB = {util * cap:.1f} GiB, before any KV cache.",
-            ("smallest changes that fit: " + "; ".join(fix)) if fix else "use a larger rollout TP with FP8 weights.",
+            ("smallest changes that fit: " + "; ".join(fix)) if fix else "a larger rollout TP with FP8 weights over several nodes.",
         ))
     resident = sum(rm.resident_gib for rm in memory.roles)
     if resident + util * cap > cap:

@@ -1,0 +1,225 @@
+"""The memory model and the start-up memory check (verl_ds4/recipes/memory*.py).
+
+* The model reproduces the figures worked out by hand from the meta-device parameter counts for the
+  combinations the real-sizes issue lists (states per GPU, rollout weights per GPU).
+* Megatron's storage rules: dense optimizer states shard over DP x CP, routed experts' over
+  expert-DP; the precision-aware optimizer and Megatron's CPU optimizer offload lower the figure by
+  exactly what they store less on the GPU.
+* Every shipped recipe x mesh pair, for each model the mesh names, passes the check, except the
+  pairs the mesh marks as needing Megatron's CPU optimizer offload: those are refused as shipped
+  and pass with the fraction the mesh states, which is the smallest the check suggests.
+* A refusal names the role, the stage, the figure, the capacity and fixes; applying a suggested
+  fix makes it pass. ``ds4.memory_check=warn|off`` go on and say so; an unknown hardware is
+  refused unless ``ds4.mesh.gpu_memory_gib`` is set.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib.resources import files
+
+import pytest
+import yaml
+
+from verl_ds4.models.ds4.sizes import DS4Sizes
+from verl_ds4.recipes.compose import compose_recipe
+from verl_ds4.recipes.memory import (
+    GPU_MEMORY_GIB, Mesh, OptimizerSettings, gpu_memory_gib, rollout_weights_gib, training_memory, worst_stage,
+)
+from verl_ds4.recipes.validate import RecipeValidationError, validate_recipe
+
+TRAINER = {"sft": "sft", "ppo": "ppo", "grpo": "ppo"}
+RECIPES = tuple(TRAINER)
+
+
+def sizes(model: str) -> DS4Sizes:
+    block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / f"{model}.yaml").read_text())
+    return DS4Sizes.from_hf_config({}, model, fallback=block)
+
+
+def meshes() -> dict[str, dict]:
+    folder = files("verl_ds4.configs_data") / "ds4_mesh"
+    return {p.name[:-5]: yaml.safe_load(p.read_text()) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def validate(kind: str, overrides: list[str], **kw):
+    cfg = compose_recipe(kind, overrides)
+    return cfg, validate_recipe(cfg, TRAINER[kind], dry_run=True, **kw)
+
+
+def static(model, world, pp, ep, cp=1, mtp=False, **optim):
+    return worst_stage(training_memory(sizes(model), Mesh(world, pp, ep, cp), OptimizerSettings(**optim), mtp=mtp)).static_gib
+
+
+# ---------------------------------------------------------------- figures
+
+
+@pytest.mark.parametrize(
+    "model, world, pp, ep, cp, mtp, expected",
+    [
+        ("flash", 32, 4, 8, 1, True, 163.5),  # SFT default as shipped before (h100_32gpu_pp4_ep8)
+        ("flash", 64, 4, 8, 4, True, 112.5),  # SFT h200_64gpu_pp4_ep8_cp4
+        ("flash", 64, 8, 8, 1, False, 90.6),  # PPO/GRPO h200_64gpu_pp8_ep8
+        ("pro", 32, 4, 8, 1, False, 900.3),  # Pro on gb300_32gpu_pp4_ep8
+        ("pro", 256, 4, 64, 1, False, 147.4),  # Pro GRPO on gb300_256gpu_pp4_ep64
+    ],
+)
+def test_states_per_gpu_of_the_listed_combinations(model, world, pp, ep, cp, mtp, expected):
+    assert static(model, world, pp, ep, cp, mtp) == pytest.approx(expected, abs=0.05)
+
+
+@pytest.mark.parametrize("model, tp, expected", [("flash", 8, 66.2), ("flash", 4, 132.4), ("pro", 4, 732.5)])
+def test_rollout_weights_per_gpu(model, tp, expected):
+    assert rollout_weights_gib(sizes(model), tp) == pytest.approx(expected, abs=0.05)
+    assert rollout_weights_gib(sizes(model), tp, "fp8") == pytest.approx(expected / 2, abs=0.05)
+
+
+def test_optimizer_sharding_follows_megatron_groups():
+    s = sizes("flash")
+    # stage 1 of PP4 (layers 11..21, no embedding, no head): everything is layer parameters
+    one = training_memory(s, Mesh(64, 4, 8, 1))[1]
+    ratios = s.compress_ratios[11:22]
+    routed = sum(s.layer(r)["moe_routed"] for r in ratios)
+    dense = sum(sum(s.layer(r).values()) for r in ratios) - routed
+    gib = float(1 << 30)
+    assert one.weights_gib == pytest.approx(2 * (dense + routed / 8) / gib)
+    assert one.grads_gib == pytest.approx(4 * (dense + routed / 8) / gib)
+    # dense over DP x CP = 64/4 = 16, experts over expert-DP = 64/(8*4) = 2
+    assert one.optimizer_gib == pytest.approx(12 * (dense / 16 + routed / 8 / 2) / gib)
+    # CP does not change expert-DP, only the dense ranks: CP4 keeps DPxCP 16 here
+    assert training_memory(s, Mesh(64, 4, 8, 4))[1].optimizer_gib == pytest.approx(one.optimizer_gib)
+    # without the distributed optimizer nothing is sharded (negative control of the sharding)
+    full = training_memory(s, Mesh(64, 4, 8, 1), OptimizerSettings(distributed=False))[1]
+    assert full.optimizer_gib == pytest.approx(12 * (dense + routed / 8) / gib)
+
+
+def test_precision_aware_optimizer_and_cpu_offload():
+    base = training_memory(sizes("flash"), Mesh(32, 4, 8))[1]
+    aware = training_memory(sizes("flash"), Mesh(32, 4, 8), OptimizerSettings(main_params_bytes=2, exp_avg_bytes=2, exp_avg_sq_bytes=2))[1]
+    assert aware.optimizer_gib == pytest.approx(base.optimizer_gib / 2)  # 6 bytes instead of 12
+    half = training_memory(sizes("flash"), Mesh(32, 4, 8), OptimizerSettings(cpu_offload_fraction=0.5))[1]
+    assert half.optimizer_gib == pytest.approx(base.optimizer_gib / 2)
+    assert half.host_gib == pytest.approx(base.optimizer_gib / 2 * 16 / 12)  # the states and an fp32 grad copy
+    assert half.weights_gib == base.weights_gib and half.grads_gib == base.grads_gib
+
+
+def test_gpu_capacity_by_hardware_and_explicit_value():
+    assert gpu_memory_gib("H200") == GPU_MEMORY_GIB["H200"] and gpu_memory_gib("H200", 141) == 141.0
+    with pytest.raises(ValueError, match=r"known: \['B200', 'GB200', 'GB300', 'H100-80GB', 'H200'\]"):
+        gpu_memory_gib("A100")
+    assert gpu_memory_gib("A100", 80) == 80.0
+
+
+# ---------------------------------------------------------------- shipped recipes x meshes
+
+
+def _pairs():
+    for mesh_name, mesh in sorted(meshes().items()):
+        for model in mesh["models"]:
+            for kind in RECIPES:
+                yield kind, mesh_name, model
+
+
+@pytest.mark.parametrize("kind, mesh_name, model", list(_pairs()))
+def test_every_shipped_recipe_and_mesh_fits_or_says_it_needs_offload(kind, mesh_name, model):
+    mesh = meshes()[mesh_name]
+    assert mesh["hardware"] in GPU_MEMORY_GIB and mesh_name.startswith(mesh["hardware"].split("-")[0].lower())
+    overrides = [f"ds4_mesh={mesh_name}", f"ds4_model={model}"]
+    needs = (mesh.get("needs_cpu_optimizer_offload") or {}).get(kind)
+    if needs is None:
+        _, report = validate(kind, overrides)
+        assert report.errors == []
+        assert all(rm.worst.static_gib <= report.memory.capacity_gib for rm in report.memory.roles)
+        return
+    with pytest.raises(RecipeValidationError) as info:
+        validate(kind, overrides)
+    suggested = {float(f) for f in re.findall(r"optimizer_offload_fraction=([0-9.]+)", str(info.value))}
+    assert suggested == {needs}, "the mesh must state the smallest fraction the check suggests"
+    keys = ["optim"] if kind == "sft" else ["actor_rollout_ref.actor.optim"] + (["critic.optim"] if kind == "ppo" else [])
+    offload = [x for k in keys for x in (f"+{k}.override_optimizer_config.optimizer_cpu_offload=true",
+                                          f"+{k}.override_optimizer_config.optimizer_offload_fraction={needs}",
+                                          f"{k}.use_precision_aware_optimizer=true")]
+    _, report = validate(kind, overrides + offload)
+    assert report.errors == [] and report.memory.host_gib_per_node > 0
+
+
+def test_launcher_defaults_and_suggestions_are_shipped_pairs():
+    """The launchers' default meshes and the Pro suggestion in their comments are pairs the test above covers."""
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    shipped = {(m, model) for _, m, model in _pairs()}
+    for kind in RECIPES:
+        text = (scripts / f"run_deepseek_v4_flash_{kind}_megatron.sh").read_text()
+        default = re.search(r"MESH=\$\{MESH:-(\w+)\}", text)
+        if default:
+            assert (default.group(1), "flash") in shipped
+        for mesh in re.findall(r"ds4_model=pro ds4_mesh=(\w+)", text):
+            assert (mesh, "pro") in shipped
+
+
+# ---------------------------------------------------------------- refusals and modes
+
+
+def test_refusal_names_role_stage_figure_capacity_and_a_fix_that_works():
+    with pytest.raises(RecipeValidationError) as info:
+        validate("sft", ["ds4_mesh=h100_32gpu_pp4_ep8"])
+    text = str(info.value)
+    assert "sft memory: sft (TP1/PP4/EP8/CP1, DP x CP 8, expert-DP 1) stage 3 (11 layers)" in text
+    assert "= 163.5 GiB per GPU exceeds the 79.2 GiB of one H100-80GB" in text
+    nodes = re.search(r"ds4\.mesh\.nnodes=(\d+)", text).group(1)
+    _, report = validate("sft", ["ds4_mesh=h100_32gpu_pp4_ep8", f"ds4.mesh.nnodes={nodes}"])
+    assert report.errors == []
+    # one node fewer than suggested still does not fit: the suggestion is the smallest
+    with pytest.raises(RecipeValidationError):
+        validate("sft", ["ds4_mesh=h100_32gpu_pp4_ep8", f"ds4.mesh.nnodes={int(nodes) - 4}"])
+
+
+def test_rollout_that_does_not_fit_is_refused_with_fp8_or_tp():
+    with pytest.raises(RecipeValidationError) as info:
+        validate("grpo", ["ds4_mesh=gb200_40gpu_pp5_ep8_cp2", "ds4.rollout.quantization=null"])
+    text = str(info.value)
+    assert "rollout memory: vllm weights (bf16, TP4) 132.4 GiB per GPU exceed gpu_memory_utilization 0.6 x 184.0 GiB" in text
+    assert "ds4.rollout.quantization=fp8" in text
+
+
+def test_colocated_roles_without_offload_are_refused_together():
+    # each role fits alone (90.6 GiB on an H200) but not beside the other's resident states
+    with pytest.raises(RecipeValidationError, match=r"actor update: its states 90\.6 GiB plus 90\.6 GiB"):
+        validate("ppo", ["ds4.offload.param=false", "ds4.offload.optimizer=false"])
+    _, report = validate("ppo", [])  # the recipe's default offload
+    assert report.errors == [] and dict(report.memory.phases)["actor update"] == pytest.approx(90.6, abs=0.05)
+
+
+def test_warn_and_off_modes_go_on_and_say_so():
+    _, report = validate("sft", ["ds4_mesh=h100_32gpu_pp4_ep8", "ds4.memory_check=warn"])
+    assert report.errors == [] and any("ds4.memory_check=warn" in w.message for w in report.warnings)
+    assert any("the run is NOT refused" in n for n in report.notes)
+    _, report = validate("sft", ["ds4_mesh=h100_32gpu_pp4_ep8", "ds4.memory_check=off"])
+    assert report.errors == [] and report.memory.skipped.startswith("ds4.memory_check=off")
+    with pytest.raises(RecipeValidationError, match="ds4.memory_check: is 'maybe'"):
+        validate("sft", ["ds4.memory_check=maybe"])
+
+
+def test_unknown_hardware_is_refused_unless_its_memory_is_given():
+    with pytest.raises(RecipeValidationError, match=r"ds4.mesh.hardware: .*'A100'.*known: \['B200'"):
+        validate("sft", ["ds4.mesh.hardware=A100"])
+    _, report = validate("sft", ["ds4.mesh.hardware=A100", "ds4.mesh.gpu_memory_gib=200"])
+    assert report.errors == [] and report.memory.capacity_gib == 200.0
+    # the explicit capacity wins over the name, and is what the refusal compares with
+    with pytest.raises(RecipeValidationError, match=r"exceeds the 100\.0 GiB"):
+        validate("sft", ["ds4.mesh.gpu_memory_gib=100"])
+
+
+def test_plan_prints_the_memory_table(capsys):
+    from verl_ds4.recipes.command import add_arguments, run
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["grpo", "--dry-run"])) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU (GiB) on H200 (139.8 GiB each; check: error)" in out
+    assert re.search(r"actor +PP8/EP8/CP1 DPxCP 8 eDP 1 +0 +6 +11\.6 +23\.1 +55\.9 +90\.6", out)
+    assert "rollout: TP8 bf16 weights 66.2 GiB per GPU of a 0.6 x 139.8 = 83.9 GiB share: fits" in out
