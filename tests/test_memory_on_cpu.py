@@ -223,3 +223,84 @@ def test_plan_prints_the_memory_table(capsys):
     assert "memory per GPU (GiB) on H200 (139.8 GiB each; check: error)" in out
     assert re.search(r"actor +PP8/EP8/CP1 DPxCP 8 eDP 1 +0 +6 +11\.6 +23\.1 +55\.9 +90\.6", out)
     assert "rollout: TP8 bf16 weights 66.2 GiB per GPU of a 0.6 x 139.8 = 83.9 GiB share: fits" in out
+
+
+# ---------------------------------------------------------------- verl-ds4 plan --fit
+
+
+def plan_fit(*args: str) -> tuple[int, dict | str]:
+    import contextlib
+    import io
+    import json
+
+    from verl_ds4.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", "--fit", *args])
+    text = out.getvalue()
+    return rc, (json.loads(text) if "--json" in args else text)
+
+
+def _meshes(result: dict) -> set[tuple[int, int, int]]:
+    return {(m["gpus"], m["pp"], m["ep"]) for m in result["meshes"]}
+
+
+def test_plan_fit_reproduces_the_published_meshes_that_run():
+    # Megatron-Bridge's Flash SFT mesh TP1/PP4/EP8 with its optimizer (distributed Adam, fp32 states, MTP on)
+    rc, flash = plan_fit("--model", "flash", "--gpu", "H200", "--gpus", "64", "--json")
+    assert rc == 0 and (64, 4, 8) in _meshes(flash)
+    # Megatron-Bridge's Pro pretraining mesh TP1/PP4/EP64 on 256 GB300, and Pro GRPO there
+    for recipe in ("sft", "grpo"):
+        rc, pro = plan_fit("--model", "pro", "--gpu", "GB300", "--gpus", "256", "--recipe", recipe, "--json")
+        assert rc == 0 and (256, 4, 64) in _meshes(pro)
+    # upstream verl's Flash GRPO meshes: PP8/EP8 on 64 H200, PP5/EP8 on 40 GB200
+    assert (64, 8, 8) in _meshes(plan_fit("--model", "flash", "--gpu", "H200", "--gpus", "64", "--recipe", "grpo", "--json")[1])
+    assert (40, 5, 8) in _meshes(plan_fit("--model", "flash", "--gpu", "GB200", "--gpus", "40", "--recipe", "grpo", "--json")[1])
+
+
+def test_plan_fit_leaves_out_the_combinations_that_do_not_fit():
+    rc, text = plan_fit("--model", "flash", "--gpu", "H100-80GB", "--gpus", "32")
+    assert rc == 1 and "no TP=1 mesh fits on 32 GPUs" in text  # the SFT default as shipped before
+    assert (32, 4, 8) not in _meshes(plan_fit("--model", "flash", "--gpu", "H200", "--gpus", "32", "--json")[1])
+    assert (64, 8, 8) not in _meshes(plan_fit("--model", "flash", "--gpu", "H100-80GB", "--gpus", "64", "--recipe", "grpo", "--json")[1])
+    rc, pro32 = plan_fit("--model", "pro", "--gpu", "GB300", "--gpus", "32", "--recipe", "grpo", "--json")
+    assert rc == 1 and pro32["meshes"] == []
+    # the stated headroom decides: PP4/EP8 on 64 H200 (112.5 GiB) fits with 0.15, not with 0.3
+    assert (64, 4, 8) not in _meshes(plan_fit("--model", "flash", "--gpu", "H200", "--gpus", "64", "--headroom", "0.3", "--json")[1])
+
+
+def test_plan_fit_table_json_and_a_config_folder(tmp_path):
+    import json
+
+    rc, text = plan_fit("--model", "flash", "--gpu", "H200", "--gpus", "32-128", "--max", "3")
+    assert rc == 0 and text.splitlines()[0].startswith("DeepSeek-V4-Flash: 284.33B parameters (13.27B activated), MTP on; H200")
+    rows = [line.split() for line in text.splitlines()[2:5]]
+    assert [int(r[0]) for r in rows] == sorted(int(r[0]) for r in rows) and int(rows[0][0]) == 64  # fewest GPUs first
+    block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / "pro.yaml").read_text())
+    config = {k: block[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank",
+                                    "o_groups", "o_lora_rank", "n_routed_experts", "n_shared_experts",
+                                    "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim", "hc_mult")}
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    config.update(model_type="deepseek_v4", num_hidden_layers=61, num_nextn_predict_layers=1,
+                  layer_types=[kinds[r] for r in block["compress_ratios"]])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plan_fit("--model", str(tmp_path), "--gpu", "GB300", "--gpus", "256", "--json")[1]["meshes"] == \
+        plan_fit("--model", "pro", "--gpu", "GB300", "--gpus", "256", "--json")[1]["meshes"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "H200"], "--fit needs --gpus"),
+        (["--gpu", "A100", "--gpus", "64"], "known: ['B200'"),
+        (["--gpu", "H200", "--gpus", "3-7"], "holds no multiple of 8 GPUs per node"),
+        (["--gpu", "H200", "--gpus", "64", "--model", "/nonexistent"], "expected flash, pro, a config.json"),
+        (["--gpu", "H200", "--gpus", "64", "--headroom", "1.5"], "headroom is 1.5"),
+    ],
+)
+def test_plan_fit_bad_input(args, message, capsys):
+    from verl_ds4.cli import main
+
+    assert main(["plan", "--fit", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("verl_ds4.engine.doctor_cli", "check that verl uses verl-ds4's engines and whether this stack can run DS4 with CP"),
     "verify": ("verl_ds4.cpu.verify_cli", "prove CP parity of the DS4 data path on CPU with the tiny DS4 proxy"),
     "recipe": ("verl_ds4.recipes.command", "compose, validate and print the plan of a DS4 SFT/PPO/GRPO recipe"),
-    "plan": ("verl_ds4.layout.plan_cli", "show a micro-batch's CP layout: per-rank rows, padding, cost, straggler ratio"),
+    "plan": ("verl_ds4.recipes.plan_command", "show a micro-batch's CP layout (rows, padding, cost per rank), or with --fit the meshes a DS4 model fits on"),
 }
 
 

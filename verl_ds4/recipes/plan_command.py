@@ -1,0 +1,145 @@
+"""Plan a DS4 run: a micro-batch's CP layout, or (with --fit) the meshes a model fits on.
+
+Layout (default): given sequence lengths, the CP size and the layout, print each CP rank's rows,
+padding, cost and the straggler ratio (see the options below; --balance, --plot).
+    verl-ds4 plan --lengths 5,127,1000,23 --cp 2 --min-local-rows 128
+
+Fit (--fit): given a model (flash, pro, or a config.json / HF folder), a GPU type and a GPU count
+or range, list the TP=1 meshes (PP, EP, CP, DP) whose weights + gradients + optimizer states fit
+with the stated headroom left for activations, fewest GPUs first, each with its per-GPU figures
+(the memory model of `verl-ds4 recipe --dry-run`, verl_ds4/recipes/memory.py).
+    verl-ds4 plan --fit --model flash --gpu H200 --gpus 64
+    verl-ds4 plan --fit --model pro --gpu GB300 --gpus 128-512 --recipe grpo --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from verl_ds4.layout import plan_cli
+
+MODELS = ("flash", "pro")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    plan_cli.add_arguments(parser)
+    for action in parser._actions:  # --cp is required for the layout plan only
+        if action.dest == "cp":
+            action.required = False
+            action.help += " (layout plan: required)"
+    fit = parser.add_argument_group("--fit: meshes that fit a model on a GPU type")
+    fit.add_argument("--fit", action="store_true", help="list the meshes that fit instead of a layout plan")
+    fit.add_argument("--model", default="flash", help="flash, pro, or a config.json / HF model folder (default flash)")
+    fit.add_argument("--gpu", help="GPU type: H100-80GB, H200, B200, GB200, GB300")
+    fit.add_argument("--gpu-memory-gib", type=float, help="GiB per GPU (instead of, or to correct, --gpu)")
+    fit.add_argument("--gpus", help="GPU count or range, e.g. 64 or 32-256 (multiples of --gpus-per-node)")
+    fit.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 4 on GB200/GB300, else 8)")
+    fit.add_argument("--recipe", choices=("sft", "ppo", "grpo"), default="sft", help="sft (MTP on) or RL (no MTP, rollout shown)")
+    fit.add_argument("--mtp", choices=("on", "off"), help="override the recipe's MTP (sft: on, RL: off)")
+    fit.add_argument("--headroom", type=float, default=None, help="fraction of each GPU kept free for activations (default 0.15)")
+    fit.add_argument("--tokens-per-gpu", type=int, default=8192, help="token budget for the activation estimate (default 8192)")
+    fit.add_argument("--check-activations", action="store_true", help="also require states + activation estimate <= GPU")
+    fit.add_argument("--max", type=int, default=12, help="list at most this many meshes (default 12)")
+    fit.add_argument("--json", action="store_true", help="print JSON (all fitting meshes) instead of a table")
+
+
+def _gpu_counts(text: str, per_node: int) -> list[int]:
+    lo, _, hi = text.partition("-")
+    lo_n, hi_n = int(lo), int(hi or lo)
+    if lo_n < 1 or hi_n < lo_n:
+        raise ValueError(f"--gpus {text!r}: expected N or LO-HI with 1 <= LO <= HI.")
+    counts = [n for n in range(lo_n, hi_n + 1) if n % per_node == 0]
+    if not counts:
+        raise ValueError(f"--gpus {text!r} holds no multiple of {per_node} GPUs per node; widen the range or set --gpus-per-node.")
+    return counts
+
+
+def _sizes(model: str):
+    from importlib.resources import files
+
+    import yaml
+
+    from verl_ds4.models.ds4.provider import load_model_facts
+
+    name = model if model in MODELS else "flash"
+    block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / f"{name}.yaml").read_text())
+    if model in MODELS:
+        facts = load_model_facts(None, block, f"configs/ds4_model/{model}.yaml")
+    else:
+        import os
+
+        from verl_ds4.models.ds4.provider import DS4ModelFacts
+
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        if not os.path.isfile(path):
+            raise ValueError(f"--model {model!r}: expected flash, pro, a config.json or a folder holding one.")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        facts = DS4ModelFacts.from_hf_config(config, path, DS4ModelFacts.from_recipe_block(block, "flash.yaml"))
+    if facts.sizes is None:
+        raise ValueError(facts.sizes_missing)
+    return facts
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from verl_ds4.recipes.fit import DEFAULT_HEADROOM, find_meshes
+    from verl_ds4.recipes.memory import gpu_memory_gib
+
+    if not args.gpus or not (args.gpu or args.gpu_memory_gib):
+        raise ValueError("--fit needs --gpus N (or LO-HI) and --gpu TYPE (or --gpu-memory-gib GiB).")
+    capacity = gpu_memory_gib(args.gpu, args.gpu_memory_gib)
+    per_node = args.gpus_per_node or (4 if (args.gpu or "").startswith("GB") else 8)
+    facts = _sizes(args.model)
+    headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+    mtp = None if args.mtp is None else args.mtp == "on"
+    fits = find_meshes(
+        facts.sizes, capacity, _gpu_counts(args.gpus, per_node), recipe=args.recipe, mtp=mtp, headroom=headroom,
+        tokens_per_gpu=args.tokens_per_gpu, check_activations=args.check_activations, gpus_per_node=per_node,
+    )
+    if args.json:
+        print(json.dumps({"model": facts.name, "gpu": args.gpu, "capacity_gib": capacity, "headroom": headroom,
+                          "recipe": args.recipe, "meshes": [f.as_dict() for f in fits]}, indent=1))
+        return 0 if fits else 1
+    s = facts.sizes
+    mtp_on = (args.recipe == "sft") if mtp is None else mtp
+    print(f"{facts.name}: {s.total() / 1e9:.2f}B parameters ({s.activated() / 1e9:.2f}B activated), MTP {'on' if mtp_on else 'off'}; "
+          f"{args.gpu or 'GPU'} {capacity:.1f} GiB; fits = states <= {1 - headroom:.2f} x GPU (headroom {headroom:g})"
+          + ("; activation estimate checked" if args.check_activations else ""))
+    if not fits:
+        print(f"no TP=1 mesh fits on {args.gpus} GPUs: try more GPUs, a larger GPU or --headroom 0.")
+        return 1
+    header = ["GPUs", "PP", "EP", "CP", "DPxCP", "eDP", "stage", "weights", "grads", "optimizer", "states", "free",
+              f"act.est.@{args.tokens_per_gpu}"] + ([] if args.recipe == "sft" else ["rollout"])
+    rows = [header]
+    for f in fits[: args.max]:
+        m, w = f.mesh, f.worst
+        row = [str(m.world), str(m.pp), str(m.ep), ",".join(map(str, f.cps)), str(f.dp), str(m.expert_dp), str(w.stage),
+               f"{w.weights_gib:.1f}", f"{w.grads_gib:.1f}", f"{w.optimizer_gib:.1f}", f"{w.static_gib:.1f}",
+               f"{capacity - w.static_gib:.1f}", f"{f.peak_estimate_gib - w.static_gib:.1f}"]
+        if args.recipe != "sft":
+            row.append("none fits" if f.rollout is None else f"TP{f.rollout[0]} {f.rollout[1]} {f.rollout[2]:.1f}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  " + "  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
+    if len(fits) > args.max:
+        print(f"  ... {len(fits) - args.max} more (--max, or --json for all)")
+    print("per GPU, GiB, on the worst pipeline stage; CP: the sizes that divide DP x CP (CP does not change the "
+          "states); act.est. = activation estimate, an upper estimate (verl_ds4/recipes/memory.py).")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.fit:
+        try:
+            return run_fit(args)
+        except ValueError as e:
+            print(f"verl-ds4 plan --fit: {e}", file=sys.stderr)
+            return 2
+    if args.cp is None:
+        print("verl-ds4 plan: --cp is required for a layout plan (or use --fit to find meshes).", file=sys.stderr)
+        return 2
+    return plan_cli.run(args)
