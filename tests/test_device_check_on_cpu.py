@@ -7,6 +7,7 @@ checks, the DS4 attention check (device=cpu, quick sizes) and the no-verl/megatr
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,10 @@ def test_attention_check_passes_on_cpu_and_imports_no_verl_or_megatron(tmp_path)
     out = subprocess.run([sys.executable, "-c", code, str(results)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = results.read_text().splitlines()
-    assert len(lines) == 3 and all(line.startswith("PASS attention") for line in lines), lines
+    assert len(lines) == 4 and all(line.startswith("PASS attention") for line in lines[:3]), lines
+    # the memory calibration: the pure-PyTorch DS4 it builds has exactly the closed form's parameters
+    assert lines[3].startswith("PASS memory calibration on cpu: 2 layers, hidden 32, 4 experts, 64 tokens"), lines[3]
+    assert re.search(r"params built ([0-9,]+) vs model \1;", lines[3]) and "= 1.00" in lines[3]
     assert "FAIL imports" not in out.stdout
 
 
@@ -52,6 +56,19 @@ def test_a_wrong_result_fails(monkeypatch):
     monkeypatch.setitem(dc.TOLERANCE, "float32", (0.0, 0.0))  # nothing is exact: must FAIL
     result = dc.attention_case("swa", "float32", "cpu", topk=40, lengths=[5, 13])
     assert not result.ok and result.line().startswith("FAIL attention swa float32")
+
+
+def test_a_wrong_memory_model_fails_the_calibration(monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    import dataclasses
+
+    import memory_calibration as mc
+
+    real = mc.model_sizes
+    # the model counting one expert too many per layer: the states no longer agree (negative control)
+    monkeypatch.setattr(mc, "model_sizes", lambda shape: real(dataclasses.replace(shape, n_routed_experts=shape.n_routed_experts + 1)))
+    name, ok, detail = mc.summary(mc.calibrate("cpu", quick=True))
+    assert not ok and "params built 25,915 vs model" in detail
 
 
 def test_the_import_rule_sees_a_forbidden_module(monkeypatch):

@@ -13,7 +13,9 @@ Runs, each under its own time limit (at most 7.5 minutes in all: 120 s + 210 s +
   2. thd      benchmarks/bench_thd_layout.py --device DEVICE --without-verl (rows checked
               against verl_ds4 on the CPU)
   3. checks   benchmarks/gpu/device_checks.py: DS4 attention forward+backward, bf16 and fp32,
-              against CPU fp64 (more checks register there)
+              against CPU fp64; the memory model's calibration (one training step of a scaled-down
+              DS4 at Flash's widths: allocated bytes / modelled, as ratios; copy the line to
+              benchmarks/results/memory_calibration.txt)
 
 Writes DIR/results.txt (one PASS/FAIL line per check), DIR/<step>.log, DIR/env.txt, and prints
 a summary. Exit 0 only if everything passed.
@@ -135,7 +137,7 @@ else
 fi
 run_step thd 210 "$py" benchmarks/bench_thd_layout.py --device "$device" --without-verl "${thd_args[@]}"
 
-# --- 3. the numerical checks (DS4 attention; later the model) ---------------------------------------
+# --- 3. the numerical checks (DS4 attention, memory calibration) ---------------------------------------
 check_args=(--device "$device")
 [[ $quick -eq 1 ]] && check_args+=(--quick)
 run_step checks 120 "$py" benchmarks/gpu/device_checks.py "${check_args[@]}"

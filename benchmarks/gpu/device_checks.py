@@ -13,6 +13,10 @@ Checks (``--checks``; each prints one ``PASS``/``FAIL`` line and its numbers):
   For bf16 the top-k keeps every compressed block (a bf16 near-tie may pick another block, which
   is a different function, not an error); fp32 also runs a case with a small top-k.
 
+* ``memory``: the memory model's calibration (``memory_calibration.py``): a scaled-down DS4 at
+  Flash's widths (2 layers, 16 experts) takes one mixed-precision training step; the bytes of its
+  states and the step's peak against verl_ds4/recipes/memory.py's figures, as ratios.
+
 A later check (e.g. the DS4 model) is one more function registered in ``CHECKS``: it takes the
 device and returns ``CheckResult``s.
 
@@ -157,8 +161,19 @@ def check_attention(device: str, quick: bool = False) -> list[CheckResult]:
 
 
 # name -> function(device, quick) -> list[CheckResult]. A model check is added here.
+def check_memory(device: str, quick: bool = False) -> list[CheckResult]:
+    """The memory model's calibration (benchmarks/gpu/memory_calibration.py): one training step of a
+    scaled-down DS4 at Flash's widths, allocated bytes against the model's figures."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from memory_calibration import calibrate, summary
+
+    name, ok, detail = summary(calibrate(device, quick=quick))
+    return [CheckResult(name, ok, detail)]
+
+
 CHECKS = {
     "attention": check_attention,
+    "memory": check_memory,
 }
 
 
