@@ -44,11 +44,14 @@ from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
 
 __all__ = [
-    "GIB", "GPU_MEMORY_GIB", "Mesh", "OptimizerSettings", "StageMemory", "activation_elements",
+    "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "activation_elements",
     "gpu_memory_gib", "rollout_weights_gib", "training_memory", "worst_stage",
 ]
 
 GIB = float(1 << 30)
+
+#: Where each trainable role's optimizer settings live in a composed recipe.
+OPTIM_KEYS = {"sft": "optim", "actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 
 #: Usable memory per GPU (GiB) as the driver reports it (``torch.cuda.mem_get_info`` total), by the
 #: mesh's ``hardware`` name. Approximate: set ``ds4.mesh.gpu_memory_gib`` for your exact parts.

@@ -29,14 +29,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl_ds4.recipes.memory import (
-    Mesh, OptimizerSettings, StageMemory, gpu_memory_gib, rollout_weights_gib, training_memory, worst_stage,
+    OPTIM_KEYS, Mesh, OptimizerSettings, StageMemory, gpu_memory_gib, training_memory, worst_stage,
 )
+from verl_ds4.recipes.memory_fixes import findings
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
 __all__ = ["MEMORY_CHECK_MODES", "RoleMemory", "MemoryReport", "check_memory", "optimizer_settings"]
 
 MEMORY_CHECK_MODES = ("error", "warn", "off")
-_OPTIM_KEYS = {"sft": "optim", "actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "32": 4, "bf16": 2, "bfloat16": 2, "16": 2}
 
 
@@ -108,7 +108,7 @@ def _dtype_bytes(value: Any, key: str, problems: list[Problem]) -> int:
 
 def optimizer_settings(cfg: DictConfig, role: RoleMesh, problems: list[Problem]) -> OptimizerSettings:
     """Megatron's gradient and Adam-state storage for ``role`` as verl will configure it."""
-    key = _OPTIM_KEYS.get(role.role)
+    key = OPTIM_KEYS.get(role.role)
     optim = _get(cfg, key) if key else None
     engine = _get(cfg, role.engine_key) or {}
     distributed = bool(engine.get("use_distributed_optimizer", True))
@@ -224,8 +224,6 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
         if min(r.tp, r.pp, r.cp, r.ep, r.etp) >= 1 and Mesh(world, r.pp, r.ep, r.cp, r.etp, r.tp).valid_for(sizes)
     ]
     report.errors.extend(problems)
-    from verl_ds4.recipes.memory_fixes import findings
-
     found, notes = findings(cfg, report, memory, sizes)
     if mode == "warn" and found:
         report.warnings.extend(Problem(p.setting, p.message + " (ds4.memory_check=warn: not refused)", p.fix) for p in found)
@@ -233,19 +231,7 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
     else:
         report.errors.extend(found)
     report.notes.extend(notes)
-    memory.rollout = _rollout(cfg, sizes, memory)
     return memory
-
-
-def _rollout(cfg: DictConfig, sizes, memory: MemoryReport) -> dict[str, Any] | None:
-    rollout = _get(cfg, "actor_rollout_ref.rollout")
-    if rollout is None:
-        return None
-    tp = int(rollout.get("tensor_model_parallel_size") or 1)
-    quant = rollout.get("quantization")
-    share = float(rollout.get("gpu_memory_utilization") or 0.5)
-    return {"tp": tp, "quantization": quant, "utilization": share,
-            "weights_gib": rollout_weights_gib(sizes, tp, quant), "share_gib": share * memory.capacity_gib}
 
 
 def format_memory(memory: MemoryReport | None) -> list[str]:

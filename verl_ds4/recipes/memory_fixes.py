@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from verl_ds4.recipes.memory import Mesh, rollout_weights_gib, worst_stage
-from verl_ds4.recipes.roles import Problem
+from verl_ds4.recipes.memory import OPTIM_KEYS, Mesh, rollout_weights_gib, worst_stage
+from verl_ds4.recipes.roles import Problem, _get
 
 __all__ = ["findings", "fixes", "rollout_fixes"]
 
-_OPTIM_KEYS = {"sft": "optim", "actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 _MAX_NODE_FACTOR = 16
 
 
@@ -46,7 +45,7 @@ def fixes(rm, sizes, capacity: float, gpus_per_node: int) -> list[str]:
             out.append(f"CP={cp} (ds4.mesh.cp; shards the dense optimizer states further)")
             break
     if rm.trainable:
-        key = _OPTIM_KEYS.get(rm.role, "optim")
+        key = OPTIM_KEYS.get(rm.role, "optim")
         for percent in range(5, 101, 5):
             aware = dataclasses.replace(rm.optimizer, main_params_bytes=2, cpu_offload_fraction=percent / 100)
             if _fits(rm, sizes, m, capacity, aware):
@@ -131,8 +130,6 @@ def findings(cfg, report, memory, sizes) -> tuple[list[Problem], list[str]]:
 
 
 def _rollout_findings(cfg, sizes, memory, report, problems) -> float | None:
-    from verl_ds4.recipes.roles import _get
-
     rollout = _get(cfg, "actor_rollout_ref.rollout")
     if rollout is None:
         return None
@@ -141,6 +138,7 @@ def _rollout_findings(cfg, sizes, memory, report, problems) -> float | None:
     quant = rollout.get("quantization")
     util = float(rollout.get("gpu_memory_utilization") or 0.5)
     weights = rollout_weights_gib(sizes, tp, quant)
+    memory.rollout = {"tp": tp, "quantization": quant, "utilization": util, "weights_gib": weights, "share_gib": util * cap}
     if weights > util * cap:
         fix = rollout_fixes(sizes, tp, quant, util * cap, report.gpus_per_node)
         problems.append(Problem(
