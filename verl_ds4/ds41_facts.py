@@ -155,18 +155,19 @@ def _primes_above(start: int, count: int, taken: set[int]) -> list[int]:
     return found
 
 
-def engram_rows_needed(text: Any) -> list[int]:
-    """Rows each Engram layer's table needs: the sum of its hash buckets (one distinct prime above
-    ``engram_vocab_size - 1`` per n-gram order 2..max and head, primes never reused across layers)."""
+def engram_hash_primes(text: Any) -> list[list[list[int]]]:
+    """Hash-bucket sizes ``[engram layer][n-gram order 2..N][head]``: for each layer and order, the
+    next ``engram_n_heads`` primes above ``engram_vocab_size - 1`` that no earlier bucket took."""
+    text = text_config(text)
     taken: set[int] = set()
-    heads = int(_get(text, "engram_n_heads")) * (int(_get(text, "engram_max_ngram_size")) - 1)
-    vocab = int(_get(text, "engram_vocab_size"))
-    rows = []
-    for _ in _get(text, "engram_layer_ids"):
-        orders = int(_get(text, "engram_max_ngram_size")) - 1
-        per_order = heads // orders
-        rows.append(sum(sum(_primes_above(vocab - 1, per_order, taken)) for _ in range(orders)))
-    return rows
+    heads, vocab = int(_get(text, "engram_n_heads")), int(_get(text, "engram_vocab_size"))
+    orders = int(_get(text, "engram_max_ngram_size")) - 1
+    return [[_primes_above(vocab - 1, heads, taken) for _ in range(orders)] for _ in _get(text, "engram_layer_ids")]
+
+
+def engram_rows_needed(text: Any) -> list[int]:
+    """Rows each Engram layer's table needs: the sum of its hash buckets (:func:`engram_hash_primes`)."""
+    return [sum(sum(order) for order in layer) for layer in engram_hash_primes(text)]
 
 
 def _layer_rules(text: Any, ratios: list[int], n: int) -> tuple[list[Violation], list[LayerRole]]:
@@ -363,6 +364,6 @@ def check_v4_mtp(config: Any, mtp_enabled: bool, key: str = "mtp.enable", off: s
 
 __all__ = [
     "FULL", "HF_MODEL_TYPE", "HF_TEXT_MODEL_TYPE", "REINDEX", "REUSE", "TOKENIZER_FILE", "WINDOW",
-    "LayerRole", "V41Facts", "check_model_type", "check_v4_mtp", "config_violations", "engram_rows_needed",
+    "LayerRole", "V41Facts", "check_model_type", "check_v4_mtp", "config_violations", "engram_hash_primes", "engram_rows_needed",
     "has_dspark", "read_config", "text_config",
 ]  # fmt: skip
