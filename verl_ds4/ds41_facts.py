@@ -55,6 +55,16 @@ FLASH_INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
 FLASH_CANDIDATE_SOURCE = 20
 FLASH_ENGRAM_LAYERS = (1, 14)
 _DSPARK_KEYS = ("dspark_block_size", "dspark_target_layer_ids")
+#: Values a V4.1 text config means when it leaves these keys out (the released Flash text config's).
+TEXT_DEFAULTS: dict[str, Any] = {
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "sliding_window": 128,
+    "rms_norm_eps": 1e-20,
+    "candidate_source_layer_id": -1,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,12 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
         return config.get(key, default)
     return getattr(config, key, default)
+
+
+def text_value(config: Any, key: str) -> Any:
+    """``key`` of a V4.1 config's text part, or its :data:`TEXT_DEFAULTS` value when absent."""
+    value = _get(text_config(config), key)
+    return TEXT_DEFAULTS.get(key) if value is None else value
 
 
 def text_config(config: Any) -> Any:
@@ -365,5 +381,5 @@ def check_v4_mtp(config: Any, mtp_enabled: bool, key: str = "mtp.enable", off: s
 __all__ = [
     "FULL", "HF_MODEL_TYPE", "HF_TEXT_MODEL_TYPE", "REINDEX", "REUSE", "TOKENIZER_FILE", "WINDOW",
     "LayerRole", "V41Facts", "check_model_type", "check_v4_mtp", "config_violations", "engram_hash_primes", "engram_rows_needed",
-    "has_dspark", "read_config", "text_config",
+    "has_dspark", "read_config", "text_config", "text_value", "TEXT_DEFAULTS",
 ]  # fmt: skip

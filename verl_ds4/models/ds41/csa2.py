@@ -1,0 +1,234 @@
+"""DeepSeek-V4.1 CSA2 attention on one packed sequence (CP 1), with the state shared across layers.
+
+Roles come from :mod:`verl_ds4.ds41_facts` (Full / Reindex / Reuse, window-only for ratio 0). For
+query ``i`` of a sequence (positions ``0..S-1``; ratio ``m``):
+
+* window keys ``kv_j = RoPE_j(RMSNorm(W_kv x_j))``, ``i - W < j <= i``; queries
+  ``q_i = RoPE_i(W_uq RMSNorm(W_dq x_i))`` (V4.1 has no per-head RMS on the queries, V4 has);
+* a **Full** layer compresses: ratio 1 ``c_b = RMSNorm(W_kv^c x_b)``; ratio ``m > 1``
+  ``c_b = RMSNorm(sum_t softmax_t(W_gate x_t) * W_kv^c x_t)`` over block ``[bm, (b+1)m)``, softmax per
+  channel (no APE, no overlap, unlike V4); entries are ``RoPE_{bm}(c_b)``; index keys
+  ``RoPE_{bm}(RMSNorm(W_k c_b))`` from the *unrotated* ``c_b``. Both are published in :class:`CSA2State`;
+* a **Full** or **Reindex** layer scores the visible entries (``b < (i+1) // m``) with its own
+  indexer queries, ``I(i, b) = sum_h w_{i,h} ReLU(qI_{i,h} . k_b)``, ``w = W_w x_i / sqrt(d_I n_I)``;
+  the candidate-source layer also keeps, per query, the ``candidate_topk_blocks`` best blocks of
+  ``candidate_block_size`` entries (block score = its best entry; the newest visible block always);
+  a hierarchical Reindex layer ranks only inside those candidates; the top ``index_topk`` visible
+  entries are selected (equal scores: lower index first). A **Reuse** layer keeps the selection;
+* attention over the window keys and the selected entries with a per-head sink in the denominator,
+  inverse RoPE of the output at ``i``, grouped low-rank output projection.
+
+RoPE: plain ``rope_theta`` on window-only layers, YaRN on ``compress_rope_theta`` for every
+compressing layer (ratio 1 included). Parameter names: V4's projections (Megatron-LM dev's
+``linear_q_down_proj``, ``q_layernorm``, ``linear_q_up_proj``, ``linear_kv_proj``, ``kv_layernorm``,
+``linear_o_group_proj``, ``linear_proj``) and dev's ``csa2`` core: ``core_attention.attn_sink``,
+``core_attention.compressor.{linear_wkv, linear_wgate, norm}`` (Full; ``linear_wgate`` for m > 1),
+``core_attention.indexer.{linear_wq_b, linear_weights_proj}`` (Full / Reindex) and
+``{linear_wk, k_norm}`` (Full). Not here yet: packed multi-sequence input, CP, the cache QDQ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl_ds4 import ds41_facts
+
+from ..ds4.attention import _RMSNorm
+from ..ds4.rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
+
+__all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stable_topk_mask"]
+
+
+@dataclass(frozen=True)
+class CSA2State:
+    """What a Full layer publishes and later layers read: ``compressed_kv`` ``[W, d]`` and ``index_keys``
+    ``[W, d_I]`` (rotated), ``selected`` / ``candidates`` ``[S, W]`` bool."""
+
+    ratio: int = 0
+    compressed_kv: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    selected: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
+def stable_topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask ``[..., W]`` of the ``k`` largest scores per row that are not ``-inf``, equal scores in index order."""
+    k = min(k, scores.shape[-1])
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True)
+    return picked & (scores > float("-inf"))
+
+
+class CSA2Compressor(nn.Module):
+    """One entry per complete block of ``ratio`` rows (unrotated; see the module doc)."""
+
+    def __init__(self, hidden: int, head_dim: int, ratio: int, eps: float, dtype=None):
+        super().__init__()
+        if ratio < 1:
+            raise ValueError(f"a CSA2 compressor needs compress ratio >= 1, got {ratio}.")
+        self.ratio = ratio
+        self.linear_wkv = nn.Linear(hidden, head_dim, bias=False, dtype=dtype)
+        self.linear_wgate = nn.Linear(hidden, head_dim, bias=False, dtype=dtype) if ratio > 1 else None
+        self.norm = _RMSNorm(head_dim, eps, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[S, h]`` -> ``[S // ratio, head_dim]`` (trailing rows of an incomplete block dropped)."""
+        if self.linear_wgate is None:
+            return self.norm(self.linear_wkv(x))
+        m = self.ratio
+        blocks = x[: x.shape[0] // m * m].unflatten(0, (-1, m))  # [W, m, h]
+        weights = self.linear_wgate(blocks).softmax(dim=1)
+        return self.norm((weights * self.linear_wkv(blocks)).sum(dim=1))
+
+
+class CSA2Indexer(nn.Module):
+    """Indexer queries (Full / Reindex) and, on a Full layer, the shared index keys."""
+
+    def __init__(self, text: Any, owns_keys: bool, dtype=None):
+        super().__init__()
+        get = _getter(text)
+        self.n_heads, self.head_dim = int(get("index_n_heads")), int(get("index_head_dim"))
+        self.linear_wq_b = nn.Linear(int(get("q_lora_rank")), self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.linear_weights_proj = nn.Linear(int(get("hidden_size")), self.n_heads, bias=False, dtype=dtype)
+        self.linear_wk = nn.Linear(int(get("head_dim")), self.head_dim, bias=False, dtype=dtype) if owns_keys else None
+        self.k_norm = _RMSNorm(self.head_dim, float(get("rms_norm_eps")), dtype=dtype) if owns_keys else None
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_interleaved_rope(self.k_norm(self.linear_wk(latent)), cos, sin)
+
+    def scores(self, x, q_r, keys, cos, sin) -> torch.Tensor:
+        """``[S, W]`` unmasked scores of queries ``x`` ``[S, h]`` / ``q_r`` against ``keys`` ``[W, d_I]``."""
+        q = self.linear_wq_b(q_r).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        weights = self.linear_weights_proj(x) * (self.head_dim * self.n_heads) ** -0.5
+        return (torch.einsum("shd,wd->shw", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class _Core(nn.Module):
+    """Holds dev's ``core_attention`` parameters (sink, compressor, indexer)."""
+
+    def __init__(self, text: Any, role: ds41_facts.LayerRole, dtype=None):
+        super().__init__()
+        get = _getter(text)
+        self.attn_sink = nn.Parameter(torch.zeros(int(get("num_attention_heads")), dtype=dtype))
+        full = role.role == ds41_facts.FULL
+        self.compressor = (
+            CSA2Compressor(int(get("hidden_size")), int(get("head_dim")), role.ratio, float(get("rms_norm_eps")), dtype)
+            if full else None
+        )  # fmt: skip
+        self.indexer = CSA2Indexer(text, owns_keys=full, dtype=dtype) if role.role in (ds41_facts.FULL, ds41_facts.REINDEX) else None
+
+
+class DS41Attention(nn.Module):
+    """CSA2 attention of backbone layer ``layer`` of a V4.1 config (see the module doc)."""
+
+    def __init__(self, text: Any, layer: int, dtype=None):
+        super().__init__()
+        nested = ds41_facts.text_config(text) is not text or "model_type" in text
+        facts = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
+        get = _getter(text)
+        self.role = facts.roles[layer]
+        h, n, d = int(get("hidden_size")), int(get("num_attention_heads")), int(get("head_dim"))
+        self.n_heads, self.head_dim, self.window = n, d, int(get("sliding_window"))
+        self.o_groups, self.o_lora = int(get("o_groups")), int(get("o_lora_rank"))
+        self.index_topk = int(get("index_topk"))
+        self.candidate_blocks = int(get("candidate_topk_blocks") or 0)
+        self.candidate_block_size = int(get("candidate_block_size") or 1)
+        self.is_candidate_source = layer == get("candidate_source_layer_id")
+        eps, q_lora = float(get("rms_norm_eps")), int(get("q_lora_rank"))
+        self.linear_q_down_proj = nn.Linear(h, q_lora, bias=False, dtype=dtype)
+        self.q_layernorm = _RMSNorm(q_lora, eps, dtype=dtype)
+        self.linear_q_up_proj = nn.Linear(q_lora, n * d, bias=False, dtype=dtype)
+        self.linear_kv_proj = nn.Linear(h, d, bias=False, dtype=dtype)
+        self.kv_layernorm = _RMSNorm(d, eps, dtype=dtype)
+        self.linear_o_group_proj = nn.Parameter(torch.zeros(self.o_groups * self.o_lora, n * d // self.o_groups, dtype=dtype))
+        self.linear_proj = nn.Linear(self.o_groups * self.o_lora, h, bias=False, dtype=dtype)
+        self.core_attention = _Core(text, self.role, dtype=dtype)
+        rope_dim = int(get("qk_rope_head_dim"))
+        if self.role.ratio == 0:
+            inv_freq = default_inv_freq(rope_dim, float(get("rope_theta")))
+        else:
+            yarn = get("rope_scaling") or {}
+            inv_freq = yarn_inv_freq(
+                rope_dim, float(get("compress_rope_theta")), float(yarn.get("factor", 1.0)),
+                int(yarn.get("original_max_position_embeddings", 0) or 1), float(yarn.get("beta_fast", 32)),
+                float(yarn.get("beta_slow", 1)),
+            )  # fmt: skip
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, state: CSA2State | None = None) -> tuple[torch.Tensor, CSA2State]:
+        """``x`` ``[S, h]`` (one sequence, positions ``0..S-1``) -> ``([S, h], the state for the next layer)``."""
+        state = CSA2State() if state is None else state
+        seq, n, d = x.shape[0], self.n_heads, self.head_dim
+        pos = torch.arange(seq, device=x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
+        q_r = self.q_layernorm(self.linear_q_down_proj(x))
+        q = apply_interleaved_rope(self.linear_q_up_proj(q_r).unflatten(-1, (n, d)), cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin)
+        back = pos.unsqueeze(1) - pos.unsqueeze(0)  # [S, S]: query - key
+        keys, visible = [kv], [(back >= 0) & (back < self.window)]
+        if self.role.ratio:
+            state = self._compressed_state(x, q_r, cos, sin, state)
+            keys.append(state.compressed_kv)
+            visible.append(state.selected)
+        keys_all, visible_all = torch.cat(keys, dim=0), torch.cat(visible, dim=1)
+        logits = torch.einsum("snd,kd->snk", q, keys_all) * d**-0.5
+        logits = logits.masked_fill(~visible_all.unsqueeze(1), float("-inf"))
+        sink = self.core_attention.attn_sink.view(1, n, 1).expand(seq, n, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = apply_interleaved_rope(torch.einsum("snk,kd->snd", probs, keys_all), cos.unsqueeze(1), -sin.unsqueeze(1))
+        grouped = out.reshape(seq, self.o_groups, -1)
+        weight = self.linear_o_group_proj.view(self.o_groups, self.o_lora, -1)
+        return self.linear_proj(torch.einsum("sgi,gri->sgr", grouped, weight).flatten(1)), state
+
+    def _compressed_state(self, x, q_r, cos, sin, state: CSA2State) -> CSA2State:
+        m, core = self.role.ratio, self.core_attention
+        seq = x.shape[0]
+        if core.compressor is not None:
+            latent = core.compressor(x)
+            block_pos = torch.arange(latent.shape[0], device=x.device) * m
+            cos_b, sin_b = rope_cos_sin(self.inv_freq, block_pos, x.dtype)
+            state = CSA2State(ratio=m, compressed_kv=apply_interleaved_rope(latent, cos_b, sin_b),
+                              index_keys=core.indexer.keys(latent, cos_b, sin_b))  # fmt: skip
+        elif state.compressed_kv is None or state.ratio != m:
+            raise ValueError(
+                f"layer {self.role.layer} (compress ratio {m}, {self.role.role}) needs the compressed KV of a Full "
+                f"layer with ratio {m} before it, and the state it got has ratio {state.ratio}."
+            )
+        width = state.compressed_kv.shape[0]
+        reachable = torch.arange(width, device=x.device).unsqueeze(0) < ((torch.arange(seq, device=x.device) + 1) // m).unsqueeze(1)
+        if core.indexer is None:
+            if state.selected is None:
+                raise ValueError(f"Reuse layer {self.role.layer} needs a selection from a Full or Reindex layer before it.")
+            return state
+        with torch.no_grad():
+            scores = core.indexer.scores(x.detach(), q_r.detach(), state.index_keys, cos, sin).masked_fill(~reachable, float("-inf"))
+            candidates = state.candidates
+            if self.is_candidate_source:
+                candidates = self._candidate_blocks(scores, reachable)
+            elif self.role.candidate_source is not None:
+                if candidates is None:
+                    raise ValueError(f"hierarchical layer {self.role.layer} needs the candidates of layer {self.role.candidate_source}.")
+                scores = scores.masked_fill(~candidates, float("-inf"))
+            selected = stable_topk_mask(scores, self.index_topk)
+        return replace(state, selected=selected, candidates=candidates)
+
+    def _candidate_blocks(self, scores: torch.Tensor, reachable: torch.Tensor) -> torch.Tensor:
+        """``[S, W]`` entries inside each query's best ``candidate_topk_blocks`` blocks (newest visible one always)."""
+        size, width = self.candidate_block_size, scores.shape[-1]
+        n_blocks = -(-width // size)
+        padded = torch.full((scores.shape[0], n_blocks * size), float("-inf"), dtype=scores.dtype, device=scores.device)
+        padded[:, :width] = scores
+        best = padded.view(scores.shape[0], n_blocks, size).amax(dim=-1)
+        newest = (reachable.sum(-1, keepdim=True) - 1).div(size, rounding_mode="floor")
+        best = best.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
+        keep = stable_topk_mask(best, self.candidate_blocks)
+        return keep.repeat_interleave(size, dim=-1)[:, :width] & reachable
+
+
+def _getter(text: Any):
+    return lambda key: ds41_facts.text_value(text, key)
