@@ -24,7 +24,15 @@ compressing layer (ratio 1 included). Parameter names: V4's projections (Megatro
 ``linear_o_group_proj``, ``linear_proj``) and dev's ``csa2`` core: ``core_attention.attn_sink``,
 ``core_attention.compressor.{linear_wkv, linear_wgate, norm}`` (Full; ``linear_wgate`` for m > 1),
 ``core_attention.indexer.{linear_wq_b, linear_weights_proj}`` (Full / Reindex) and
-``{linear_wk, k_norm}`` (Full). Not here yet: packed multi-sequence input, CP, the cache QDQ.
+``{linear_wk, k_norm}`` (Full).
+
+Packed input and contiguous CP (the V4 data contract, ``docs/ds4-context-parallel.md`` section 1):
+rank ``r`` holds rows ``[r L, (r + 1) L)`` of one packed buffer described by the global
+``cu_seqlens_padded``; positions restart at each sequence, blocks are counted per sequence. Each rank
+takes the previous rank's last ``max(window, ratio) - 1`` rows by the left-halo P2P exchange (window
+keys and blocks that straddle the boundary), makes the entries whose block ends on it, and the
+entries and index keys are all-gathered (autograd-aware) over CP in sequence order; selections are
+per local query. Not here yet: the cache QDQ.
 """
 
 from __future__ import annotations
@@ -33,11 +41,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from verl_ds4 import ds41_facts
 
 from ..ds4.attention import _RMSNorm
+from ..ds4.cp_comm import all_gather_rows, exchange_left_halo
 from ..ds4.rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 
 __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stable_topk_mask"]
@@ -75,12 +85,15 @@ class CSA2Compressor(nn.Module):
         self.linear_wgate = nn.Linear(hidden, head_dim, bias=False, dtype=dtype) if ratio > 1 else None
         self.norm = _RMSNorm(head_dim, eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[S, h]`` -> ``[S // ratio, head_dim]`` (trailing rows of an incomplete block dropped)."""
-        if self.linear_wgate is None:
-            return self.norm(self.linear_wkv(x))
+    def forward(self, x: torch.Tensor, block_end: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[E, h]`` rows; ``block_end`` ``[W]``: the row (into ``x``) of each block's last row
+        (default: consecutive blocks from row 0, a trailing incomplete block dropped) -> ``[W, head_dim]``."""
         m = self.ratio
-        blocks = x[: x.shape[0] // m * m].unflatten(0, (-1, m))  # [W, m, h]
+        if block_end is None:
+            block_end = torch.arange(x.shape[0] // m, device=x.device) * m + (m - 1)
+        if self.linear_wgate is None:
+            return self.norm(self.linear_wkv(x[block_end]))
+        blocks = x[block_end.unsqueeze(1) - (m - 1) + torch.arange(m, device=x.device)]  # [W, m, h]
         weights = self.linear_wgate(blocks).softmax(dim=1)
         return self.norm((weights * self.linear_wkv(blocks)).sum(dim=1))
 
@@ -160,74 +173,128 @@ class DS41Attention(nn.Module):
             )  # fmt: skip
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, state: CSA2State | None = None) -> tuple[torch.Tensor, CSA2State]:
-        """``x`` ``[S, h]`` (one sequence, positions ``0..S-1``) -> ``([S, h], the state for the next layer)``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: CSA2State | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> tuple[torch.Tensor, CSA2State]:
+        """``x`` ``[T, h]``: this rank's rows of the packed buffer (a contiguous CP split); ``cu_seqlens_padded``
+        ``[B + 1]``: the global sequence boundaries, identical on every rank (default: one sequence).
+        Returns ``([T, h], the state for the next layer)``."""
         state = CSA2State() if state is None else state
-        seq, n, d = x.shape[0], self.n_heads, self.head_dim
-        pos = torch.arange(seq, device=x.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
+        local, n, d = x.shape[0], self.n_heads, self.head_dim
+        cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        cu = (torch.tensor([0, local * cp_size]) if cu_seqlens_padded is None else cu_seqlens_padded).to(x.device, torch.long)
+        if int(cu[-1]) != local * cp_size:
+            raise ValueError(f"cu_seqlens_padded[-1]={int(cu[-1])} must be local rows * CP size ({local} * {cp_size}): "
+                             "pass the global boundaries, identical on every rank.")  # fmt: skip
+        halo = max(self.window - 1, self.role.ratio - 1) if cp_size > 1 else 0
+        if local < halo:
+            raise RuntimeError(f"CSA2 under CP needs >= {halo} rows per rank (window - 1, ratio - 1), got {local}. "
+                               f"Pad the packed batch to at least {cp_size} * {halo} rows.")  # fmt: skip
+        xe = torch.cat((exchange_left_halo(x, halo, cp_group), x)) if halo else x
+        seq_e, pos_e = _row_positions(cu, local, cp_rank, halo)
+        q_seq, q_pos = seq_e[halo:], pos_e[halo:]
+        cos_e, sin_e = rope_cos_sin(self.inv_freq, pos_e.clamp(min=0), x.dtype)
+        cos, sin = cos_e[halo:], sin_e[halo:]
         q_r = self.q_layernorm(self.linear_q_down_proj(x))
         q = apply_interleaved_rope(self.linear_q_up_proj(q_r).unflatten(-1, (n, d)), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin)
-        back = pos.unsqueeze(1) - pos.unsqueeze(0)  # [S, S]: query - key
-        keys, visible = [kv], [(back >= 0) & (back < self.window)]
+        kv = apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(xe)), cos_e, sin_e)
+        back = torch.arange(self.window, device=x.device)
+        window_rows = (halo + torch.arange(local, device=x.device)).unsqueeze(1) - back  # [T, W]
+        keys, visible = [kv[window_rows.clamp(min=0)]], [back <= q_pos.unsqueeze(1)]
         if self.role.ratio:
-            state = self._compressed_state(x, q_r, cos, sin, state)
-            keys.append(state.compressed_kv)
-            visible.append(state.selected)
-        keys_all, visible_all = torch.cat(keys, dim=0), torch.cat(visible, dim=1)
-        logits = torch.einsum("snd,kd->snk", q, keys_all) * d**-0.5
+            state, selected = self._compressed(x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state)
+            keys.append(state.compressed_kv.expand(local, -1, -1))
+            visible.append(selected)
+        keys_all, visible_all = torch.cat(keys, dim=1), torch.cat(visible, dim=1)  # [T, K, d], [T, K]
+        logits = torch.einsum("tnd,tkd->tnk", q, keys_all) * d**-0.5
         logits = logits.masked_fill(~visible_all.unsqueeze(1), float("-inf"))
-        sink = self.core_attention.attn_sink.view(1, n, 1).expand(seq, n, 1)
+        sink = self.core_attention.attn_sink.view(1, n, 1).expand(local, n, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = apply_interleaved_rope(torch.einsum("snk,kd->snd", probs, keys_all), cos.unsqueeze(1), -sin.unsqueeze(1))
-        grouped = out.reshape(seq, self.o_groups, -1)
+        out = apply_interleaved_rope(torch.einsum("tnk,tkd->tnd", probs, keys_all), cos.unsqueeze(1), -sin.unsqueeze(1))
+        grouped = out.reshape(local, self.o_groups, -1)
         weight = self.linear_o_group_proj.view(self.o_groups, self.o_lora, -1)
-        return self.linear_proj(torch.einsum("sgi,gri->sgr", grouped, weight).flatten(1)), state
+        return self.linear_proj(torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1)), state
 
-    def _compressed_state(self, x, q_r, cos, sin, state: CSA2State) -> CSA2State:
-        m, core = self.role.ratio, self.core_attention
-        seq = x.shape[0]
+    def _compressed(self, x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state: CSA2State):
+        """The state after this layer and the ``[T, W]`` compressed entries each local query attends to."""
+        m, core, local = self.role.ratio, self.core_attention, x.shape[0]
+        block_seq, block_idx, block_end = _blocks(cu, m)
         if core.compressor is not None:
-            latent = core.compressor(x)
-            block_pos = torch.arange(latent.shape[0], device=x.device) * m
-            cos_b, sin_b = rope_cos_sin(self.inv_freq, block_pos, x.dtype)
-            state = CSA2State(ratio=m, compressed_kv=apply_interleaved_rope(latent, cos_b, sin_b),
-                              index_keys=core.indexer.keys(latent, cos_b, sin_b))  # fmt: skip
+            owner = block_end // local
+            mine = owner == cp_rank
+            latent = core.compressor(xe, block_end[mine] - (cp_rank * local - (xe.shape[0] - local)))
+            cos_b, sin_b = rope_cos_sin(self.inv_freq, block_idx[mine] * m, x.dtype)
+            entries, index_keys = apply_interleaved_rope(latent, cos_b, sin_b), core.indexer.keys(latent, cos_b, sin_b)
+            if cp_size > 1:
+                counts = torch.bincount(owner, minlength=cp_size).tolist()
+                entries, index_keys = all_gather_rows(entries, counts, cp_group), all_gather_rows(index_keys, counts, cp_group)
+            state = CSA2State(ratio=m, compressed_kv=entries, index_keys=index_keys)
         elif state.compressed_kv is None or state.ratio != m:
             raise ValueError(
                 f"layer {self.role.layer} (compress ratio {m}, {self.role.role}) needs the compressed KV of a Full "
                 f"layer with ratio {m} before it, and the state it got has ratio {state.ratio}."
             )
-        width = state.compressed_kv.shape[0]
-        reachable = torch.arange(width, device=x.device).unsqueeze(0) < ((torch.arange(seq, device=x.device) + 1) // m).unsqueeze(1)
+        if state.compressed_kv.shape[0] != block_seq.numel():
+            raise ValueError(f"layer {self.role.layer}: the shared state has {state.compressed_kv.shape[0]} entries, "
+                             f"this batch makes {block_seq.numel()}: the state belongs to another batch.")  # fmt: skip
+        reachable = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
         if core.indexer is None:
             if state.selected is None:
                 raise ValueError(f"Reuse layer {self.role.layer} needs a selection from a Full or Reindex layer before it.")
-            return state
+            return state, state.selected
         with torch.no_grad():
             scores = core.indexer.scores(x.detach(), q_r.detach(), state.index_keys, cos, sin).masked_fill(~reachable, float("-inf"))
             candidates = state.candidates
             if self.is_candidate_source:
-                candidates = self._candidate_blocks(scores, reachable)
+                candidates = self._candidate_blocks(scores, reachable, block_seq, block_idx, q_seq)
             elif self.role.candidate_source is not None:
                 if candidates is None:
                     raise ValueError(f"hierarchical layer {self.role.layer} needs the candidates of layer {self.role.candidate_source}.")
                 scores = scores.masked_fill(~candidates, float("-inf"))
             selected = stable_topk_mask(scores, self.index_topk)
-        return replace(state, selected=selected, candidates=candidates)
+        state = replace(state, selected=selected, candidates=candidates)
+        return state, selected
 
-    def _candidate_blocks(self, scores: torch.Tensor, reachable: torch.Tensor) -> torch.Tensor:
-        """``[S, W]`` entries inside each query's best ``candidate_topk_blocks`` blocks (newest visible one always)."""
-        size, width = self.candidate_block_size, scores.shape[-1]
-        n_blocks = -(-width // size)
-        padded = torch.full((scores.shape[0], n_blocks * size), float("-inf"), dtype=scores.dtype, device=scores.device)
-        padded[:, :width] = scores
-        best = padded.view(scores.shape[0], n_blocks, size).amax(dim=-1)
-        newest = (reachable.sum(-1, keepdim=True) - 1).div(size, rounding_mode="floor")
-        best = best.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
+    def _candidate_blocks(self, scores, reachable, block_seq, block_idx, q_seq) -> torch.Tensor:
+        """``[T, W]``: entries inside each query's best ``candidate_topk_blocks`` blocks of
+        ``candidate_block_size`` entries, counted from its sequence's first entry (block score: its
+        best entry; the newest visible block always)."""
+        size = self.candidate_block_size
+        per_seq = torch.bincount(block_seq, minlength=int(q_seq.max()) + 1 if q_seq.numel() else 1)
+        blocks_per_seq = (per_seq + size - 1) // size
+        first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
+        entry_block = first[block_seq] + block_idx // size  # [W]
+        total = int(blocks_per_seq.sum())
+        best = scores.new_full((scores.shape[0], total), float("-inf"))
+        best = best.scatter_reduce(1, entry_block.expand_as(scores), scores, reduce="amax")
+        count = reachable.sum(-1)
+        newest = first[q_seq] + (count - 1).clamp(min=0) // size
+        best = best.masked_fill((torch.arange(total, device=scores.device) == newest.unsqueeze(1)) & (count > 0).unsqueeze(1), float("inf"))
         keep = stable_topk_mask(best, self.candidate_blocks)
-        return keep.repeat_interleave(size, dim=-1)[:, :width] & reachable
+        return keep.gather(1, entry_block.expand_as(scores)) & reachable
+
+
+def _row_positions(cu: torch.Tensor, local: int, rank: int, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence index and in-sequence position of this rank's rows and its ``halo`` rows before them
+    (position -1 before the buffer start)."""
+    rows = torch.arange(rank * local - halo, (rank + 1) * local, device=cu.device)
+    seq = torch.bucketize(rows.clamp(min=0), cu[1:], right=True)
+    pos = torch.where(rows >= 0, rows - cu[seq.clamp(max=cu.numel() - 2)], -1)
+    return seq, pos
+
+
+def _blocks(cu: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every complete block of ``m`` rows in the buffer, sequence by sequence: its sequence, its index
+    in the sequence and the global row of its last row (a trailing incomplete block is none)."""
+    n_blocks = (cu[1:] - cu[:-1]) // m
+    block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=cu.device), n_blocks)
+    block_idx = torch.arange(block_seq.numel(), device=cu.device) - (torch.cumsum(n_blocks, 0) - n_blocks)[block_seq]
+    return block_seq, block_idx, cu[block_seq] + block_idx * m + (m - 1)
 
 
 def _getter(text: Any):
