@@ -364,6 +364,18 @@ def read_config(config: Any, tokenizer_files: Iterable[str] | None = None) -> V4
     return facts
 
 
+def min_local_rows(config: Any) -> int:
+    """Fewest packed rows every CP rank must hold: the window, the largest compression ratio of the
+    backbone (a block's rows reach back into the previous rank) and Engram's n-gram lookback
+    (``engram_max_ngram_size - 1`` token ids of the previous rank)."""
+    text = text_config(config)
+    n = int(_get(text, "num_hidden_layers"))
+    ratios = [int(r) for r in _get(text, "compress_ratios")[:n]]
+    engram = any(i < n for i in (_get(text, "engram_layer_ids") or []))
+    lookback = int(_get(text, "engram_max_ngram_size", 2)) - 1 if engram else 0
+    return max([int(text_value(text, "sliding_window")), lookback, *ratios])
+
+
 def check_v4_mtp(config: Any, mtp_enabled: bool, key: str = "mtp.enable", off: str | None = None) -> Violation | None:
     """A V4 model with MTP switched on whose ``mtp.*`` tensors are a DSpark drafter (revisions such as
     Flash-0731 keep ``num_nextn_predict_layers: 1`` beside ``dspark_*`` keys): loading them as an MTP
@@ -381,5 +393,5 @@ def check_v4_mtp(config: Any, mtp_enabled: bool, key: str = "mtp.enable", off: s
 __all__ = [
     "FULL", "HF_MODEL_TYPE", "HF_TEXT_MODEL_TYPE", "REINDEX", "REUSE", "TOKENIZER_FILE", "WINDOW",
     "LayerRole", "V41Facts", "check_model_type", "check_v4_mtp", "config_violations", "engram_hash_primes", "engram_rows_needed",
-    "has_dspark", "read_config", "text_config", "text_value", "TEXT_DEFAULTS",
+    "has_dspark", "min_local_rows", "read_config", "text_config", "text_value", "TEXT_DEFAULTS",
 ]  # fmt: skip

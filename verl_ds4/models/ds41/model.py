@@ -34,7 +34,7 @@ from .csa2 import CSA2State, DS41Attention, _row_positions
 from .engram import DS41Engram, EngramHasher
 from .hyper_connection import DS41HyperConnection, collapse, initial_carried_pre
 
-__all__ = ["DS41Layer", "DS41Model"]
+__all__ = ["DS41Layer", "DS41Model", "run_decoder"]
 
 
 class DS41Layer(nn.Module):
@@ -100,21 +100,27 @@ class DS41Model(nn.Module):
         self, input_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None
     ) -> torch.Tensor:
         """``input_ids`` ``[T]``: this rank's packed rows -> logits ``[T, vocab]``."""
-        rows = input_ids.shape[0]
-        embedded = self.embedding.word_embeddings(input_ids)
-        streams = embedded.unsqueeze(-2).expand(rows, self.hc_mult, embedded.shape[-1])
-        carried = initial_carried_pre((rows,), self.hc_mult, dtype=embedded.dtype, device=embedded.device)
-        hashes = None
-        if self.engram_hasher is not None:
-            cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-            cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
-            cu = (torch.tensor([0, rows * cp_size]) if cu_seqlens_padded is None else cu_seqlens_padded).long()
-            sequence, _ = _row_positions(cu, rows, cp_rank, 0)
-            hashes = self.engram_hasher(input_ids, sequence_ids=sequence + 1, cp_group=cp_group)
-        state = CSA2State()
-        for layer in self.decoder.layers:
-            engram_rows = None
-            if layer.engram is not None:
-                engram_rows = hashes[:, self.facts.engram_layers.index(layer.layer)]
-            streams, carried, state = layer(streams, carried, state, engram_rows, cu_seqlens_padded, cp_group)
-        return self.output_layer(self.decoder.final_layernorm(collapse(streams, carried)))
+        hidden = run_decoder(self.decoder.layers, self.engram_hasher, self.facts, self.embedding.word_embeddings(input_ids),
+                             input_ids, cu_seqlens_padded, cp_group)  # fmt: skip
+        return self.output_layer(self.decoder.final_layernorm(hidden))
+
+
+def run_decoder(layers, engram_hasher, facts, embedded: torch.Tensor, input_ids: torch.Tensor, cu_seqlens_padded=None,
+                cp_group=None) -> torch.Tensor:  # fmt: skip
+    """``layers`` (:class:`DS41Layer`) with the Engram hasher on this rank's embedded rows ``[T, h]`` and
+    their token ids ``[T]`` -> the collapsed streams ``[T, h]`` (before the final norm)."""
+    rows, hc_mult = input_ids.shape[0], layers[0].attn_hc.n
+    streams = embedded.unsqueeze(-2).expand(rows, hc_mult, embedded.shape[-1])
+    carried = initial_carried_pre((rows,), hc_mult, dtype=embedded.dtype, device=embedded.device)
+    hashes = None
+    if engram_hasher is not None:
+        cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        cu = (torch.tensor([0, rows * cp_size]) if cu_seqlens_padded is None else cu_seqlens_padded).long()
+        sequence, _ = _row_positions(cu.to(input_ids.device), rows, cp_rank, 0)
+        hashes = engram_hasher(input_ids, sequence_ids=sequence + 1, cp_group=cp_group)
+    state = CSA2State()
+    for layer in layers:
+        engram_rows = None if layer.engram is None else hashes[:, facts.engram_layers.index(layer.layer)]
+        streams, carried, state = layer(streams, carried, state, engram_rows, cu_seqlens_padded, cp_group)
+    return collapse(streams, carried)

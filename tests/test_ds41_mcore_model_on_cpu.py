@@ -1,0 +1,87 @@
+"""The tiny V4.1 as a real Megatron-Core ``GPTModel`` (``verl_ds4.models.ds41.mcore_model``) against
+NeMo Automodel 0.7.0 at fp64, at CP 1, 2 and 4 on real gloo processes.
+
+Four ragged sequences (odd lengths, so ratio-2 blocks and Engram n-grams cross rank boundaries) are
+packed by verl-ds4's THD plan with the contiguous layout and the model's ``min_local_rows``
+(``verl_ds4.models.ds4.hf_check.run_on_cp_ranks``, as V4's checks); each sequence's logits must equal
+the reference's forward of that sequence alone (<= 1e-10 relative). Negative controls: token ids
+handed to Engram one row off (the plan's ids, rolled) differ; a zigzag CP partition and a bad V4.1
+schedule are refused when the config is built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_ds4.models.ds41.engram import engram_token_map
+from verl_ds4.models.ds41.model import DS41Model
+from verl_ds4.testing import ds41_reference as ref
+
+pytestmark = pytest.mark.skipif(ref.reference_missing() is not None, reason=str(ref.reference_missing()))
+
+TEXT = ref.tiny_text_config()
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class Builder:
+    """``build(cp_size)`` on each gloo rank (forked: the weights come from the parent)."""
+
+    def __init__(self, state_dict, table):
+        self.state_dict, self.table = state_dict, table
+
+    def __call__(self, cp_size: int):
+        from verl_ds4.models.ds41.mcore_model import DS41MegatronModel, ds41_transformer_config
+
+        model = DS41MegatronModel(ds41_transformer_config(TEXT, torch.float64, cp_size), self.table)
+        missing, unexpected = model.load_state_dict(self.state_dict, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+        return model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    with ref.fp64_reference():
+        theirs = ref.build_reference_model(TEXT)
+    table = engram_token_map(ref.local_tokenizer())[0]
+    ours = DS41Model(TEXT, table, dtype=torch.float64)
+    ref.copy_reference_weights(ours, theirs)
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), generator=g) for n in (13, 30, 7, 21)]
+    with ref.fp64_reference(), torch.no_grad():
+        expected = [theirs(s.view(1, -1)).logits[0] for s in sequences]
+    return Builder(ours.state_dict(), table), sequences, expected
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_megatron_model_equals_the_reference(setup, cp):
+    from verl_ds4.models.ds4.hf_check import run_on_cp_ranks
+
+    build, sequences, expected = setup
+    got = run_on_cp_ranks(build, sequences, cp)
+    err = max(rel(a, b) for a, b in zip(got, expected))
+    print(f"V4.1 Megatron GPTModel CP={cp}: per-sequence logits {err:.1e} relative to NeMo Automodel (fp64)")
+    assert err <= 1e-10
+
+
+def test_negative_control_engram_ids_one_row_off(setup):
+    from verl_ds4.models.ds4.hf_check import run_on_cp_ranks
+
+    build, sequences, expected = setup
+    got = run_on_cp_ranks(build, sequences, 2, hash_ids_shift=1)
+    err = max(rel(a, b) for a, b in zip(got, expected))
+    print(f"Engram ids one row off: {err:.1e}")
+    assert err > 1e-3
+
+
+def test_config_refusals_at_start_up():
+    from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
+
+    assert ds41_transformer_config(TEXT, torch.float64, 1).min_local_rows == 4  # window 4 > ratio 2, Engram 2
+    with pytest.raises(ValueError, match="cp_partition_mode='zigzag' with CP=2.*contiguous"):
+        ds41_transformer_config(TEXT, torch.float64, 2, cp_partition_mode="zigzag")
+    with pytest.raises(ValueError, match="kv_source_layer_ids=.*Add layer 2"):
+        ds41_transformer_config(dict(TEXT, kv_source_layer_ids=[3, 5], index_source_layer_ids=[3, 5, 6]), torch.float64, 1)
