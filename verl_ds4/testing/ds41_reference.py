@@ -43,6 +43,7 @@ __all__ = [
     "tiny_text_config",
     "local_tokenizer",
     "fp64_reference",
+    "reference_context",
     "build_reference_model",
     "build_reference_dspark",
     "reference_backend",
@@ -190,12 +191,23 @@ def _float64_torch() -> types.ModuleType:
 def fp64_reference(quantize: bool = False):
     """The reference computes in float64 inside this context (see the module docstring); with
     ``quantize=False`` (default) its cache quantize/dequantize steps are the identity."""
+    with reference_context(fp64=True, quantize=quantize):
+        yield
+
+
+@contextlib.contextmanager
+def reference_context(fp64: bool = True, quantize: bool = False):
+    """:func:`fp64_reference`, or with ``fp64=False`` the reference at its own precision (its float32
+    steps stay float32; for a float32 model with ``quantize=True``: the released cache rounding),
+    always with stable top-k ties and eager ``torch.compile``."""
     import importlib
 
+    from verl_ds4.models.ds4.hf_reference import StableTopK
     from verl_ds4.models.ds4.hf_reference import fp64_reference as promote
 
-    model = importlib.import_module(f"{_PKG}.model")
-    patched: list[tuple[Any, str, Any]] = [(model, "torch", _float64_torch())]
+    patched: list[tuple[Any, str, Any]] = []
+    if fp64:
+        patched.append((importlib.import_module(f"{_PKG}.model"), "torch", _float64_torch()))
     if not quantize:
         for name in ("attention", "dspark"):
             module = importlib.import_module(f"{_PKG}.{name}")
@@ -205,7 +217,8 @@ def fp64_reference(quantize: bool = False):
     try:
         for obj, name, value in patched:
             setattr(obj, name, value)
-        with torch.compiler.set_stance("force_eager"), promote(stable_topk=True):
+        precision = promote(stable_topk=True) if fp64 else StableTopK()
+        with torch.compiler.set_stance("force_eager"), precision:
             yield
     finally:
         for obj, name, value in saved:

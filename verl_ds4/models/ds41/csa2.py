@@ -32,7 +32,12 @@ rank ``r`` holds rows ``[r L, (r + 1) L)`` of one packed buffer described by the
 takes the previous rank's last ``max(window, ratio) - 1`` rows by the left-halo P2P exchange (window
 keys and blocks that straddle the boundary), makes the entries whose block ends on it, and the
 entries and index keys are all-gathered (autograd-aware) over CP in sequence order; selections are
-per local query. Not here yet: the cache QDQ.
+per local query.
+
+``cache_qdq=True`` rounds the caches as the released model does (:mod:`.cache_qdq`): window KV to
+FP8 after RoPE, indexer queries and keys to MXFP4, compressed KV to NVFP4 (straight-through
+gradients). Off by default: the fp64 comparisons run without it (two correct fp64 computations can
+round a value near a bin edge to different steps).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from verl_ds4 import ds41_facts
 from ..ds4.attention import _RMSNorm
 from ..ds4.cp_comm import all_gather_rows, exchange_left_halo
 from ..ds4.rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
+from .cache_qdq import cache_qdq
 
 __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stable_topk_mask"]
 
@@ -101,9 +107,10 @@ class CSA2Compressor(nn.Module):
 class CSA2Indexer(nn.Module):
     """Indexer queries (Full / Reindex) and, on a Full layer, the shared index keys."""
 
-    def __init__(self, text: Any, owns_keys: bool, dtype=None):
+    def __init__(self, text: Any, owns_keys: bool, dtype=None, qdq: bool = False):
         super().__init__()
         get = _getter(text)
+        self.qdq = qdq
         self.n_heads, self.head_dim = int(get("index_n_heads")), int(get("index_head_dim"))
         self.linear_wq_b = nn.Linear(int(get("q_lora_rank")), self.n_heads * self.head_dim, bias=False, dtype=dtype)
         self.linear_weights_proj = nn.Linear(int(get("hidden_size")), self.n_heads, bias=False, dtype=dtype)
@@ -111,12 +118,12 @@ class CSA2Indexer(nn.Module):
         self.k_norm = _RMSNorm(self.head_dim, float(get("rms_norm_eps")), dtype=dtype) if owns_keys else None
 
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_interleaved_rope(self.k_norm(self.linear_wk(latent)), cos, sin)
+        return _maybe_qdq(apply_interleaved_rope(self.k_norm(self.linear_wk(latent)), cos, sin), "mxfp4", self.qdq)
 
     def scores(self, x, q_r, keys, cos, sin) -> torch.Tensor:
         """``[S, W]`` unmasked scores of queries ``x`` ``[S, h]`` / ``q_r`` against ``keys`` ``[W, d_I]``."""
         q = self.linear_wq_b(q_r).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        q = _maybe_qdq(apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), "mxfp4", self.qdq)
         weights = self.linear_weights_proj(x) * (self.head_dim * self.n_heads) ** -0.5
         return (torch.einsum("shd,wd->shw", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -124,7 +131,7 @@ class CSA2Indexer(nn.Module):
 class _Core(nn.Module):
     """Holds dev's ``core_attention`` parameters (sink, compressor, indexer)."""
 
-    def __init__(self, text: Any, role: ds41_facts.LayerRole, dtype=None):
+    def __init__(self, text: Any, role: ds41_facts.LayerRole, dtype=None, qdq: bool = False):
         super().__init__()
         get = _getter(text)
         self.attn_sink = nn.Parameter(torch.zeros(int(get("num_attention_heads")), dtype=dtype))
@@ -133,14 +140,15 @@ class _Core(nn.Module):
             CSA2Compressor(int(get("hidden_size")), int(get("head_dim")), role.ratio, float(get("rms_norm_eps")), dtype)
             if full else None
         )  # fmt: skip
-        self.indexer = CSA2Indexer(text, owns_keys=full, dtype=dtype) if role.role in (ds41_facts.FULL, ds41_facts.REINDEX) else None
+        self.indexer = CSA2Indexer(text, owns_keys=full, dtype=dtype, qdq=qdq) if role.role in (ds41_facts.FULL, ds41_facts.REINDEX) else None
 
 
 class DS41Attention(nn.Module):
     """CSA2 attention of backbone layer ``layer`` of a V4.1 config (see the module doc)."""
 
-    def __init__(self, text: Any, layer: int, dtype=None):
+    def __init__(self, text: Any, layer: int, dtype=None, cache_qdq: bool = False):
         super().__init__()
+        self.cache_qdq = cache_qdq
         nested = ds41_facts.text_config(text) is not text or "model_type" in text
         facts = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
         get = _getter(text)
@@ -160,7 +168,7 @@ class DS41Attention(nn.Module):
         self.kv_layernorm = _RMSNorm(d, eps, dtype=dtype)
         self.linear_o_group_proj = nn.Parameter(torch.zeros(self.o_groups * self.o_lora, n * d // self.o_groups, dtype=dtype))
         self.linear_proj = nn.Linear(self.o_groups * self.o_lora, h, bias=False, dtype=dtype)
-        self.core_attention = _Core(text, self.role, dtype=dtype)
+        self.core_attention = _Core(text, self.role, dtype=dtype, qdq=cache_qdq)
         rope_dim = int(get("qk_rope_head_dim"))
         if self.role.ratio == 0:
             inv_freq = default_inv_freq(rope_dim, float(get("rope_theta")))
@@ -202,7 +210,7 @@ class DS41Attention(nn.Module):
         cos, sin = cos_e[halo:], sin_e[halo:]
         q_r = self.q_layernorm(self.linear_q_down_proj(x))
         q = apply_interleaved_rope(self.linear_q_up_proj(q_r).unflatten(-1, (n, d)), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(xe)), cos_e, sin_e)
+        kv = _maybe_qdq(apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(xe)), cos_e, sin_e), "fp8", self.cache_qdq)
         back = torch.arange(self.window, device=x.device)
         window_rows = (halo + torch.arange(local, device=x.device)).unsqueeze(1) - back  # [T, W]
         keys, visible = [kv[window_rows.clamp(min=0)]], [back <= q_pos.unsqueeze(1)]
@@ -229,7 +237,8 @@ class DS41Attention(nn.Module):
             mine = owner == cp_rank
             latent = core.compressor(xe, block_end[mine] - (cp_rank * local - (xe.shape[0] - local)))
             cos_b, sin_b = rope_cos_sin(self.inv_freq, block_idx[mine] * m, x.dtype)
-            entries, index_keys = apply_interleaved_rope(latent, cos_b, sin_b), core.indexer.keys(latent, cos_b, sin_b)
+            entries = _maybe_qdq(apply_interleaved_rope(latent, cos_b, sin_b), "nvfp4", self.cache_qdq)
+            index_keys = core.indexer.keys(latent, cos_b, sin_b)
             if cp_size > 1:
                 counts = torch.bincount(owner, minlength=cp_size).tolist()
                 entries, index_keys = all_gather_rows(entries, counts, cp_group), all_gather_rows(index_keys, counts, cp_group)
@@ -295,6 +304,10 @@ def _blocks(cu: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch
     block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=cu.device), n_blocks)
     block_idx = torch.arange(block_seq.numel(), device=cu.device) - (torch.cumsum(n_blocks, 0) - n_blocks)[block_seq]
     return block_seq, block_idx, cu[block_seq] + block_idx * m + (m - 1)
+
+
+def _maybe_qdq(values: torch.Tensor, fmt: str, on: bool) -> torch.Tensor:
+    return cache_qdq(values, fmt) if on else values
 
 
 def _getter(text: Any):

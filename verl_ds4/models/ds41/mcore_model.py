@@ -39,6 +39,7 @@ class DS41TransformerConfig(TransformerConfig):
 
     cp_partition_mode: str = ds4_facts.CP_PARTITION_MODE
     ds41_text: dict = field(default_factory=dict)
+    ds41_cache_qdq: bool = False  # the released cache rounding (models/ds41/cache_qdq.py)
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,7 +88,9 @@ class DS41TransformerBlock(MegatronModule):
             raise ValueError(f"Engram layers {list(self.facts.engram_layers)} need the tokenizer-normalisation table: "
                              "pass token_map=engram_token_map(tokenizer)[0] with the checkpoint's tokenizer.")  # fmt: skip
         self.engram_hasher = EngramHasher(text, token_map) if self.facts.engram_layers else None
-        self.layers = torch.nn.ModuleList(DS41Layer(text, i, dtype=dtype) for i in range(self.facts.num_layers))
+        self.layers = torch.nn.ModuleList(
+            DS41Layer(text, i, dtype=dtype, cache_qdq=config.ds41_cache_qdq) for i in range(self.facts.num_layers)
+        )
         self.final_layernorm = _RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype=dtype)
         self.input_tensor = None
 

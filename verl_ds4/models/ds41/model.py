@@ -38,7 +38,7 @@ __all__ = ["DS41Layer", "DS41Model", "run_decoder"]
 
 
 class DS41Layer(nn.Module):
-    def __init__(self, text: Any, layer: int, dtype=None):
+    def __init__(self, text: Any, layer: int, dtype=None, cache_qdq: bool = False):
         super().__init__()
         get = lambda key: ds41_facts.text_value(text, key)  # noqa: E731
         h, n, eps = int(get("hidden_size")), int(get("hc_mult")), float(get("rms_norm_eps"))
@@ -47,7 +47,7 @@ class DS41Layer(nn.Module):
         self.engram = DS41Engram.from_config(text, layer, dtype=dtype) if layer in (get("engram_layer_ids") or []) else None
         self.attn_hc = DS41HyperConnection(h, n, iters, hc_eps, eps, dtype=dtype)
         self.input_layernorm = _RMSNorm(h, eps, dtype=dtype)
-        self.self_attention = DS41Attention(text, layer, dtype=dtype)
+        self.self_attention = DS41Attention(text, layer, dtype=dtype, cache_qdq=cache_qdq)
         self.mlp_hc = DS41HyperConnection(h, n, iters, hc_eps, eps, dtype=dtype)
         self.pre_mlp_layernorm = _RMSNorm(h, eps, dtype=dtype)
         router = DS4Router(
@@ -74,9 +74,10 @@ class DS41Layer(nn.Module):
 
 class DS41Model(nn.Module):
     """The V4.1 backbone and LM head of a ``config.json`` (dict or text config); ``token_map``: the
-    Engram normalisation table (:func:`~.engram.engram_token_map`), required when Engram layers exist."""
+    Engram normalisation table (:func:`~.engram.engram_token_map`), required when Engram layers exist;
+    ``cache_qdq``: the released cache rounding in every attention (:mod:`.cache_qdq`)."""
 
-    def __init__(self, text: Any, token_map: list[int] | None = None, dtype=None):
+    def __init__(self, text: Any, token_map: list[int] | None = None, dtype=None, cache_qdq: bool = False):
         super().__init__()
         nested = ds41_facts.text_config(text) is not text or "model_type" in text
         self.facts = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
@@ -92,7 +93,7 @@ class DS41Model(nn.Module):
         self.embedding = nn.Module()
         self.embedding.word_embeddings = nn.Embedding(vocab, h, dtype=dtype)
         self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleList(DS41Layer(text, i, dtype=dtype) for i in range(self.facts.num_layers))
+        self.decoder.layers = nn.ModuleList(DS41Layer(text, i, dtype=dtype, cache_qdq=cache_qdq) for i in range(self.facts.num_layers))
         self.decoder.final_layernorm = _RMSNorm(h, float(get("rms_norm_eps")), dtype=dtype)
         self.output_layer = nn.Linear(h, vocab, bias=False, dtype=dtype)
 
