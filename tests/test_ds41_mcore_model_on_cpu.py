@@ -85,3 +85,42 @@ def test_config_refusals_at_start_up():
         ds41_transformer_config(TEXT, torch.float64, 2, cp_partition_mode="zigzag")
     with pytest.raises(ValueError, match="kv_source_layer_ids=.*Add layer 2"):
         ds41_transformer_config(dict(TEXT, kv_source_layer_ids=[3, 5], index_source_layer_ids=[3, 5, 6]), torch.float64, 1)
+
+
+def _resolve(rank: int, world: int, declare: bool):
+    from megatron.core import parallel_state
+
+    from verl_ds4.mcore.resolver import CPLayoutError, resolve_cp_layout
+    from verl_ds4.models.ds41.csa2 import DS41Attention
+    from verl_ds4.models.ds41.engram import EngramHasher
+    from verl_ds4.models.ds41.mcore_model import DS41MegatronModel, ds41_transformer_config
+
+    if not declare:  # negative control: modules that do not say which split they read
+        DS41Attention.required_cp_partition_mode = None
+        EngramHasher.required_cp_partition_mode = None
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        model = DS41MegatronModel(ds41_transformer_config(TEXT, torch.float64, world), engram_token_map(ref.local_tokenizer())[0])
+        out = []
+        for overrides in (None, {"cp_partition_mode": "zigzag"}):
+            try:
+                resolved = resolve_cp_layout(model, cp_size=world, user_overrides=overrides)
+                out.append(f"{resolved.layout} {resolved.min_local_rows}")
+            except CPLayoutError as exc:
+                out.append(f"refused: {exc}")
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_engine_layout_resolver_reads_the_v41_declarations():
+    """verl-ds4's resolver (the one place a CP layout is decided) finds what the V4.1 modules need:
+    contiguous, >= 4 rows (window 4; Engram 2); it refuses a zigzag override; without the
+    declarations it refuses the model at CP 2 (negative control)."""
+    from verl_ds4.mcore.distributed import run_distributed
+
+    plain, zigzag = run_distributed(_resolve, world_size=2, args=(True,))[0]
+    assert plain == "contiguous 4", plain
+    assert zigzag.startswith("refused:") and "EngramHasher" in zigzag and "DS41Attention" in zigzag, zigzag
+    undeclared = run_distributed(_resolve, world_size=2, args=(False,))[0]
+    assert all(r.startswith("refused:") and "found none" in r for r in undeclared), undeclared

@@ -43,13 +43,13 @@ round a value near a bin edge to different steps).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_ds4 import ds41_facts
+from verl_ds4 import ds41_facts, ds4_facts
 
 from ..ds4.attention import _RMSNorm
 from ..ds4.cp_comm import all_gather_rows, exchange_left_halo
@@ -146,6 +146,10 @@ class _Core(nn.Module):
 class DS41Attention(nn.Module):
     """CSA2 attention of backbone layer ``layer`` of a V4.1 config (see the module doc)."""
 
+    #: The layout protocol the engine's resolver reads (``verl_ds4.mcore.requirements``): one
+    #: contiguous interval per CP rank, at least :attr:`min_local_rows` rows each.
+    required_cp_partition_mode: ClassVar[str] = ds4_facts.CP_PARTITION_MODE
+
     def __init__(self, text: Any, layer: int, dtype=None, cache_qdq: bool = False):
         super().__init__()
         self.cache_qdq = cache_qdq
@@ -180,6 +184,11 @@ class DS41Attention(nn.Module):
                 float(yarn.get("beta_slow", 1)),
             )  # fmt: skip
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def min_local_rows(self) -> int:
+        """Rows every CP rank must hold: the window, and a whole block of this layer's ratio."""
+        return max(self.window, self.role.ratio)
 
     def forward(
         self,

@@ -32,14 +32,14 @@ fused projection and per-stream norm weights are named here): ``multi_head_embed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_ds4 import ds41_facts
+from verl_ds4 import ds41_facts, ds4_facts
 
 from ..ds4.cp_comm import exchange_left_halo
 
@@ -74,6 +74,14 @@ def engram_token_map(tokenizer: Any) -> tuple[list[int], int]:
 
 class EngramHasher(nn.Module):
     """Table rows ``[T, engram layers, (N - 1) * heads]`` of packed token ids (see the module doc)."""
+
+    #: The layout protocol (``verl_ds4.mcore.requirements``): the halo reads the previous rank's
+    #: last ``N - 1`` rows of one contiguous split.
+    required_cp_partition_mode: ClassVar[str] = ds4_facts.CP_PARTITION_MODE
+
+    @property
+    def min_local_rows(self) -> int:
+        return self.order - 1
 
     def __init__(self, text: Any, token_map: Sequence[int]) -> None:
         super().__init__()
