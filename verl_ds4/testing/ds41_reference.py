@@ -47,6 +47,11 @@ __all__ = [
     "build_reference_model",
     "build_reference_dspark",
     "reference_backend",
+    "reference_forward",
+    "copy_reference_weights",
+    "dspark_reference_tensors",
+    "load_tensors",
+    "reference_tensors",
 ]
 
 #: The NeMo Automodel release the V4.1 reference is read from (``pip install --no-deps``).
@@ -306,70 +311,10 @@ def reference_forward(model, input_ids: torch.Tensor, feature_layers: list[int] 
     return logits, features, captured["norm"]
 
 
-def reference_tensors(ours, theirs, grads: bool = False) -> dict[str, torch.Tensor]:
-    """NeMo's ``DeepseekV41ForCausalLM`` ``theirs`` as our :class:`~verl_ds4.models.ds41.model.DS41Model`
-    ``ours`` names it (name tables of :mod:`verl_ds4.models.ds41.names`; experts un-stacked and
-    transposed): its weights, or with ``grads`` their gradients (``None`` where it has none; no
-    router bias). Raises unless every one of our parameters (and router bias) has an entry."""
-    from verl_ds4.models.ds41 import names
-
-    src = dict(theirs.named_parameters())
-    if grads:
-        src = {k: v.grad for k, v in src.items()}
-    else:
-        src.update(dict(theirs.named_buffers()))
-    wanted = dict(ours.named_parameters())
-    if not grads:
-        wanted.update({k: v for k, v in ours.named_buffers() if k.endswith("router.expert_bias")})
-    out: dict[str, torch.Tensor] = {}
-
-    def put(name: str, source: str, convert=lambda t: t) -> None:
-        if name in wanted:
-            value = src.get(source)
-            out[name] = None if value is None else convert(value)
-
-    put("embedding.word_embeddings.weight", "model.embed_tokens.weight")
-    put("decoder.final_layernorm.weight", "model.norm.weight")
-    put("output_layer.weight", "lm_head.weight")
-    for layer in ours.decoder.layers:
-        o, t = f"decoder.layers.{layer.layer}.", f"model.layers.{layer.layer}."
-        put(o + "input_layernorm.weight", t + "attn_norm.weight")
-        put(o + "pre_mlp_layernorm.weight", t + "ffn_norm.weight")
-        for site, their_site in (("attn_hc", "attn_hc"), ("mlp_hc", "ffn_hc")):
-            for ours_name, their_name in names.HYPER_CONNECTION.items():
-                base, _, index = their_name.partition("[")
-                pick = (lambda v, i=int(index[:-1]): v[i].reshape(1)) if index else (lambda v: v)
-                put(f"{o}{site}.{ours_name}", f"{t}{their_site}.{base}", pick)
-        for ours_name, their_name in names.ATTENTION.items():
-            put(o + "self_attention." + ours_name, t + "attn." + their_name)
-        if layer.engram is not None:
-            rows = layer.engram.rows
-            for ours_name, their_name in names.ENGRAM.items():
-                put(o + "engram." + ours_name, t + "engram." + their_name, lambda v, r=rows: v[:r] if v.shape[0] > r else v)
-        put(o + "mlp.router.weight", t + "ffn.gate.weight")
-        put(o + "mlp.router.expert_bias", t + "ffn.gate.e_score_correction_bias")
-        for e in range(len(layer.mlp.experts.local_experts)):
-            put(f"{o}mlp.experts.local_experts.{e}.linear_fc1.weight", t + "ffn.experts.gate_and_up_projs", lambda v, e=e: v[e].T)
-            put(f"{o}mlp.experts.local_experts.{e}.linear_fc2.weight", t + "ffn.experts.down_projs", lambda v, e=e: v[e].T)
-        shared = t + "ffn.shared_experts."
-        if src.get(shared + "gate_proj.weight") is not None:
-            out[o + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([src[shared + "gate_proj.weight"], src[shared + "up_proj.weight"]])
-        else:
-            out[o + "mlp.shared_experts.linear_fc1.weight"] = None
-        put(o + "mlp.shared_experts.linear_fc2.weight", shared + "down_proj.weight")
-    missing = sorted(set(wanted) - set(out))
-    if missing:
-        raise AssertionError(f"no reference tensor for {missing}")
-    return out
-
-
-def copy_reference_weights(ours, theirs) -> int:
-    """Copy every weight of NeMo's model ``theirs`` into our ``DS41Model`` ``ours``
-    (:func:`reference_tensors`); returns how many tensors were copied."""
-    values = reference_tensors(ours, theirs)
-    target = dict(ours.named_parameters())
-    target.update(dict(ours.named_buffers()))
-    with torch.no_grad():
-        for name, value in values.items():
-            target[name].copy_(value)
-    return len(values)
+# Weight and gradient maps from the reference onto our modules (re-exported here).
+from .ds41_weights import (  # noqa: E402
+    copy_reference_weights,
+    dspark_reference_tensors,
+    load_tensors,
+    reference_tensors,
+)

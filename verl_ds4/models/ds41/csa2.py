@@ -150,13 +150,14 @@ class DS41Attention(nn.Module):
     #: contiguous interval per CP rank, at least :attr:`min_local_rows` rows each.
     required_cp_partition_mode: ClassVar[str] = ds4_facts.CP_PARTITION_MODE
 
-    def __init__(self, text: Any, layer: int, dtype=None, cache_qdq: bool = False):
+    def __init__(self, text: Any, layer: int, dtype=None, cache_qdq: bool = False, role: ds41_facts.LayerRole | None = None):
         super().__init__()
         self.cache_qdq = cache_qdq
-        nested = ds41_facts.text_config(text) is not text or "model_type" in text
-        facts = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
+        if role is None:
+            nested = ds41_facts.text_config(text) is not text or "model_type" in text
+            role = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text}).roles[layer]
         get = _getter(text)
-        self.role = facts.roles[layer]
+        self.role = role
         h, n, d = int(get("hidden_size")), int(get("num_attention_heads")), int(get("head_dim"))
         self.n_heads, self.head_dim, self.window = n, d, int(get("sliding_window"))
         self.o_groups, self.o_lora = int(get("o_groups")), int(get("o_lora_rank"))
@@ -227,15 +228,32 @@ class DS41Attention(nn.Module):
             state, selected = self._compressed(x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state)
             keys.append(state.compressed_kv.expand(local, -1, -1))
             visible.append(selected)
-        keys_all, visible_all = torch.cat(keys, dim=1), torch.cat(visible, dim=1)  # [T, K, d], [T, K]
-        logits = torch.einsum("tnd,tkd->tnk", q, keys_all) * d**-0.5
-        logits = logits.masked_fill(~visible_all.unsqueeze(1), float("-inf"))
-        sink = self.core_attention.attn_sink.view(1, n, 1).expand(local, n, 1)
+        return self._attend(q, torch.cat(keys, dim=1), torch.cat(visible, dim=1), cos, sin), state
+
+    def attend_context(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """A DSpark stage's attention (window-only layer): queries ``x`` ``[D, h]`` over the keys of
+        ``context`` ``[C, h]`` then of ``x``, at ``positions`` ``[C + D]``, where ``visible`` ``[D, C + D]``."""
+        n, d, c = self.n_heads, self.head_dim, context.shape[0]
+        cos_all, sin_all = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = cos_all[c:], sin_all[c:]
+        q = apply_interleaved_rope(self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x))).unflatten(-1, (n, d)),
+                                   cos.unsqueeze(1), sin.unsqueeze(1))  # fmt: skip
+        kv = apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(torch.cat([context, x]))), cos_all, sin_all)
+        kv = _maybe_qdq(kv, "fp8", self.cache_qdq)
+        return self._attend(q, kv.expand(x.shape[0], -1, -1), visible, cos, sin)
+
+    def _attend(self, q, keys, visible, cos, sin) -> torch.Tensor:
+        """Queries ``q`` ``[T, n, d]`` (rotated) over ``keys`` ``[T, K, d]`` (K = V) where ``visible``
+        ``[T, K]``, a per-head sink in the denominator, inverse RoPE, the grouped output projection -> ``[T, h]``."""
+        rows, n, d = q.shape
+        logits = torch.einsum("tnd,tkd->tnk", q, keys) * d**-0.5
+        logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        sink = self.core_attention.attn_sink.view(1, n, 1).expand(rows, n, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = apply_interleaved_rope(torch.einsum("tnk,tkd->tnd", probs, keys_all), cos.unsqueeze(1), -sin.unsqueeze(1))
-        grouped = out.reshape(local, self.o_groups, -1)
+        out = apply_interleaved_rope(torch.einsum("tnk,tkd->tnd", probs, keys), cos.unsqueeze(1), -sin.unsqueeze(1))
+        grouped = out.reshape(rows, self.o_groups, -1)
         weight = self.linear_o_group_proj.view(self.o_groups, self.o_lora, -1)
-        return self.linear_proj(torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1)), state
+        return self.linear_proj(torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1))
 
     def _compressed(self, x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state: CSA2State):
         """The state after this layer and the ``[T, W]`` compressed entries each local query attends to."""
