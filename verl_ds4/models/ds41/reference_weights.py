@@ -1,4 +1,4 @@
-"""NeMo Automodel 0.7.0's DeepSeek-V4.1 tensors under our names (tests only).
+"""NeMo Automodel 0.7.0's DeepSeek-V4.1 tensors under our names (the tests and ``verl-ds4 verify --model ds41``).
 
 :func:`reference_tensors` (the causal LM onto :class:`~verl_ds4.models.ds41.model.DS41Model`) and
 :func:`dspark_reference_tensors` (the DSpark drafter onto :class:`~verl_ds4.models.ds41.dspark.DS41DSpark`)
