@@ -145,7 +145,7 @@ def test_v4_model_refuses_mtp_on_a_dspark_checkpoint():
     v4 = tiny_hf_config(num_nextn_predict_layers=1).to_dict()
     dspark = dict(v4, dspark_block_size=5, dspark_target_layer_ids=[1, 2, 3])
     refused = facts.check_v4_mtp(dspark, True)
-    assert refused.key == "mtp.enable" and "half-load" in refused.reason and "mtp.enable=false" in refused.fix
+    assert refused.key == "ds4.mtp" and "half-load" in refused.reason and "ds4.mtp=false" in refused.fix
     with pytest.raises(ValueError, match="num_nextn_predict_layers=1.*DSpark drafter.*allow_mtp_skip=True"):
         ds4_transformer_config(dspark)
     # negative controls: MTP off, or a checkpoint with a real MTP layer
@@ -200,3 +200,36 @@ def test_where_ours_is_stricter_the_reference_forward_fails():
         model = ref.build_reference_model(text)
         with pytest.raises(ValueError, match="requires candidates"):
             model(torch.randint(0, 40, (1, 8)))
+
+
+# ------------------------------------------------------------------- the recipe validator (verl-ds4 recipe)
+
+V4_FLASH = {"model_type": "deepseek_v4", "num_hidden_layers": 43, "num_nextn_predict_layers": 1, "hidden_size": 4096,
+            "n_routed_experts": 256, "num_experts_per_tok": 6, "sliding_window": 128}  # fmt: skip
+
+
+def recipe_errors(tmp_path, config: dict, *overrides: str) -> list:
+    from verl_ds4.recipes.compose import compose_recipe
+    from verl_ds4.recipes.validate import validate_recipe
+
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = compose_recipe("sft", [f"model.path={folder}", *overrides])
+    return validate_recipe(cfg, "sft", dry_run=True, raise_on_error=False).errors
+
+
+def test_recipe_refuses_ds4_mtp_on_a_dspark_checkpoint(tmp_path):
+    dspark = dict(V4_FLASH, dspark_block_size=5, dspark_target_layer_ids=[40, 41, 42])
+    errors = recipe_errors(tmp_path, dspark)  # the SFT recipe has ds4.mtp=true
+    found = [e for e in errors if e.setting == "ds4.mtp"]
+    assert len(found) == 1 and "DSpark drafter" in found[0].message and "ds4.mtp=false" in found[0].fix
+    # negative controls: MTP off, or a checkpoint with a real MTP layer
+    assert not [e for e in recipe_errors(tmp_path, dspark, "ds4.mtp=false") if e.setting == "ds4.mtp"]
+    assert not [e for e in recipe_errors(tmp_path, V4_FLASH) if e.setting == "ds4.mtp"]
+
+
+def test_recipe_refuses_a_v41_folder_with_the_fix(tmp_path):
+    errors = recipe_errors(tmp_path, v41(ref.tiny_text_config()))
+    found = [e for e in errors if "model_type='deepseek_v41'" in e.message]
+    assert len(found) == 1 and "DeepSeek-V4.1 checkpoint" in found[0].message and "--model ds41" in found[0].fix

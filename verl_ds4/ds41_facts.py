@@ -376,22 +376,27 @@ def min_local_rows(config: Any) -> int:
     return max([int(text_value(text, "sliding_window")), lookback, *ratios])
 
 
-def check_v4_mtp(config: Any, mtp_enabled: bool, key: str = "mtp.enable", off: str | None = None) -> Violation | None:
+def check_v4_mtp(config: Any, mtp_enabled: bool, key: str = "ds4.mtp", off: str | None = None) -> Violation | None:
     """A V4 model with MTP switched on whose ``mtp.*`` tensors are a DSpark drafter (revisions such as
     Flash-0731 keep ``num_nextn_predict_layers: 1`` beside ``dspark_*`` keys): loading them as an MTP
     layer half-loads them. ``off``: the setting that switches MTP off (default ``{key}=false``)."""
     if not mtp_enabled or not has_dspark(config):
         return None
+    return dspark_mtp_violation(key, _get(text_config(config), key, True), off)
+
+
+def dspark_mtp_violation(key: str = "ds4.mtp", value: Any = True, off: str | None = None) -> Violation:
+    """The refusal of MTP on a checkpoint whose ``mtp.*`` is a DSpark drafter (:func:`check_v4_mtp`)."""
     return Violation(
-        key, _get(text_config(config), key, True), "the checkpoint's mtp.* tensors are a DSpark drafter (config.json has dspark_block_size / "
+        key, value, "the checkpoint's mtp.* tensors are a DSpark drafter (config.json has dspark_block_size / "
         "dspark_target_layer_ids), not an MTP layer, and loading them as MTP would half-load them",
-        f"Set {off or key + '=false'} (the DSpark drafter is not trained by the V4 model) or use a checkpoint revision with "
-        "an MTP layer.",
+        f"Set {off or key + '=false'} (the DSpark drafter is not trained by the V4 model) or use a checkpoint "
+        "revision with an MTP layer.",
     )
 
 
 __all__ = [
     "FULL", "HF_MODEL_TYPE", "HF_TEXT_MODEL_TYPE", "REINDEX", "REUSE", "TOKENIZER_FILE", "WINDOW",
-    "LayerRole", "V41Facts", "check_model_type", "check_v4_mtp", "config_violations", "engram_hash_primes", "engram_rows_needed",
+    "LayerRole", "V41Facts", "check_model_type", "check_v4_mtp", "config_violations", "dspark_mtp_violation", "engram_hash_primes", "engram_rows_needed",
     "has_dspark", "min_local_rows", "read_config", "text_config", "text_value", "TEXT_DEFAULTS",
 ]  # fmt: skip
