@@ -145,3 +145,55 @@ def test_verify_cli_model_ds41(tmp_path, capsys, monkeypatch):
     assert main(["verify", "--model", "ds41", "--cp", "2", "--fp64-rtol", "1e-30"]) == 1
     monkeypatch.setattr(reference, "reference_missing", lambda: "NeMo Automodel 0.7.0 is not installed: pip install ...")
     assert main(["verify", "--model", "ds41", "--cp", "2"]) == 2
+
+
+def _train_step(rank: int, world: int, build, lengths, broken_halo: bool):
+    """One actor step through verl-ds4's THD data path (``verl_ds4.cpu.verify``: pack with the contiguous
+    plan, log-probs, entropy, loss, backward) of the Megatron V4.1 model; gradients summed over CP."""
+    from megatron.core import parallel_state
+
+    from verl_ds4.cpu.verify import _actor_step, _batch, _grads
+
+    if broken_halo:  # negative control: the CSA2 left halo never arrives
+        from verl_ds4.models.ds41 import csa2
+
+        csa2.exchange_left_halo = lambda x, rows, group: torch.zeros_like(x[:rows])
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        group = parallel_state.get_context_parallel_group() if world > 1 else None
+        model = build(world)
+        model.train()
+        ids, _ = _batch(lengths, TEXT["vocab_size"], 5)
+        per_token, loss = _actor_step(model, ids, "contiguous", parallel_state.get_context_parallel_rank(),
+                                      model.config.min_local_rows, world, group)  # fmt: skip
+        loss.backward()
+        grads = {k: (None if v is None else v.tolist()) for k, v in _grads(model, group).items()}
+        return (per_token.detach().tolist(), float(loss), grads) if rank == 0 else None
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_training_step_through_the_thd_path_is_cp_exact(setup):
+    """log-probs, entropy, loss and every gradient (summed over ranks) of one training step at CP 2 and 4
+    equal CP 1 (<= 1e-10); negative control: CSA2 without its halo changes them."""
+    from verl_ds4.mcore.distributed import run_distributed
+
+    build, _, _ = setup
+    lengths = (5, 27, 40, 9, 33)
+    runs = {cp: run_distributed(_train_step, world_size=cp, args=(build, lengths, False))[0] for cp in (1, 2, 4)}
+    base_tokens, base_loss, base_grads = runs[1]
+    base_tokens = torch.tensor(base_tokens)
+    scale = max(float(torch.tensor(g).abs().max()) for g in base_grads.values() if g is not None)
+    for cp in (2, 4):
+        tokens, loss, grads = runs[cp]
+        token_err = rel(torch.tensor(tokens), base_tokens)
+        grad_err = max(
+            float((torch.tensor(grads[n]) - torch.tensor(g)).abs().max()) / max(float(torch.tensor(g).abs().max()), 1e-6 * scale)
+            for n, g in base_grads.items() if g is not None
+        )  # fmt: skip
+        print(f"V4.1 training step CP={cp} vs CP=1: log-probs/entropy {token_err:.1e}, loss {abs(loss - base_loss) / abs(base_loss):.1e}, gradients {grad_err:.1e}")
+        assert token_err <= 1e-10 and abs(loss - base_loss) <= 1e-10 * abs(base_loss) and grad_err <= 1e-10
+        assert [n for n, g in grads.items() if g is None] == [n for n, g in base_grads.items() if g is None]
+    tokens, loss, _ = run_distributed(_train_step, world_size=2, args=(build, lengths, True))[0]
+    print(f"without the CSA2 halo: log-probs off by {rel(torch.tensor(tokens), base_tokens):.1e}")
+    assert rel(torch.tensor(tokens), base_tokens) > 1e-3
