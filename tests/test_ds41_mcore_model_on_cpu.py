@@ -28,16 +28,21 @@ def rel(a, b) -> float:
 
 
 class Builder:
-    """``build(cp_size)`` on each gloo rank (forked: the weights come from the parent)."""
+    """``build(cp_size)`` on each gloo rank (forked: the weights come from the parent). With
+    ``value_head`` the critic: the same decoder, a seeded hidden -> 1 head."""
 
-    def __init__(self, state_dict, table):
-        self.state_dict, self.table = state_dict, table
+    def __init__(self, state_dict, table, value_head: bool = False):
+        self.state_dict, self.table, self.value_head = state_dict, table, value_head
 
     def __call__(self, cp_size: int):
         from verl_ds4.models.ds41.mcore_model import DS41MegatronModel, ds41_transformer_config
 
-        model = DS41MegatronModel(ds41_transformer_config(TEXT, torch.float64, cp_size), self.table)
-        missing, unexpected = model.load_state_dict(self.state_dict, strict=False)
+        model = DS41MegatronModel(ds41_transformer_config(TEXT, torch.float64, cp_size), self.table, value_head=self.value_head)
+        state = dict(self.state_dict)
+        if self.value_head:
+            state["output_layer.weight"] = torch.randn(1, TEXT["hidden_size"], dtype=torch.float64,
+                                                       generator=torch.Generator().manual_seed(9))  # fmt: skip
+        missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
         return model.eval()
 
@@ -182,18 +187,75 @@ def test_training_step_through_the_thd_path_is_cp_exact(setup):
     lengths = (5, 27, 40, 9, 33)
     runs = {cp: run_distributed(_train_step, world_size=cp, args=(build, lengths, False))[0] for cp in (1, 2, 4)}
     base_tokens, base_loss, base_grads = runs[1]
-    base_tokens = torch.tensor(base_tokens)
-    scale = max(float(torch.tensor(g).abs().max()) for g in base_grads.values() if g is not None)
+    base_tokens = torch.tensor(base_tokens, dtype=torch.float64)
+    scale = max(float(torch.tensor(g, dtype=torch.float64).abs().max()) for g in base_grads.values() if g is not None)
     for cp in (2, 4):
         tokens, loss, grads = runs[cp]
-        token_err = rel(torch.tensor(tokens), base_tokens)
+        token_err = rel(torch.tensor(tokens, dtype=torch.float64), base_tokens)
         grad_err = max(
-            float((torch.tensor(grads[n]) - torch.tensor(g)).abs().max()) / max(float(torch.tensor(g).abs().max()), 1e-6 * scale)
+            float((torch.tensor(grads[n], dtype=torch.float64) - torch.tensor(g, dtype=torch.float64)).abs().max()) / max(float(torch.tensor(g, dtype=torch.float64).abs().max()), 1e-6 * scale)
             for n, g in base_grads.items() if g is not None
         )  # fmt: skip
         print(f"V4.1 training step CP={cp} vs CP=1: log-probs/entropy {token_err:.1e}, loss {abs(loss - base_loss) / abs(base_loss):.1e}, gradients {grad_err:.1e}")
         assert token_err <= 1e-10 and abs(loss - base_loss) <= 1e-10 * abs(base_loss) and grad_err <= 1e-10
         assert [n for n, g in grads.items() if g is None] == [n for n, g in base_grads.items() if g is None]
     tokens, loss, _ = run_distributed(_train_step, world_size=2, args=(build, lengths, True))[0]
-    print(f"without the CSA2 halo: log-probs off by {rel(torch.tensor(tokens), base_tokens):.1e}")
-    assert rel(torch.tensor(tokens), base_tokens) > 1e-3
+    print(f"without the CSA2 halo: log-probs off by {rel(torch.tensor(tokens, dtype=torch.float64), base_tokens):.1e}")
+    assert rel(torch.tensor(tokens, dtype=torch.float64), base_tokens) > 1e-3
+
+
+def _critic_step(rank: int, world: int, build, lengths):
+    from megatron.core import parallel_state
+
+    from verl_ds4.cpu.verify import _batch, _critic_step, _grads
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        group = parallel_state.get_context_parallel_group() if world > 1 else None
+        critic = build(world)
+        ids, targets = _batch(lengths, TEXT["vocab_size"], 5)
+        values, loss = _critic_step(critic, ids, targets, "contiguous", parallel_state.get_context_parallel_rank(),
+                                    critic.config.min_local_rows, world)  # fmt: skip
+        loss.backward()
+        grads = {k: (None if v is None else v.tolist()) for k, v in _grads(critic, group).items()}
+        return (values.detach().tolist(), float(loss), grads) if rank == 0 else None
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_value_head_critic_step_is_cp_exact(setup):
+    """The critic (V4.1 decoder + hidden -> 1 head, verl's value model): values are the head applied to
+    the LM model's final hidden rows, and values, value loss and gradients at CP 2 and 4 equal CP 1."""
+    from verl_ds4.cpu.verify import _batch
+    from verl_ds4.mcore.distributed import run_distributed
+    from verl_ds4.models.ds41.model import DS41Model, run_decoder
+
+    build, _, _ = setup
+    critic = Builder(build.state_dict, build.table, value_head=True)
+    lengths = (5, 27, 40, 9, 33)
+    runs = {cp: run_distributed(_critic_step, world_size=cp, args=(critic, lengths))[0] for cp in (1, 2, 4)}
+    values = torch.tensor(runs[1][0], dtype=torch.float64)
+    # the head on the decoder's final hidden rows (the pure-PyTorch model, sequence by sequence)
+    ours = DS41Model(TEXT, build.table, dtype=torch.float64)
+    ours.load_state_dict(build.state_dict)
+    ids, _ = _batch(lengths, TEXT["vocab_size"], 5)
+    head = torch.randn(1, TEXT["hidden_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = torch.cat([
+            ours.decoder.final_layernorm(run_decoder(ours.decoder.layers, ours.engram_hasher, ours.facts,
+                                                     ours.embedding.word_embeddings(s), s)) @ head.T
+            for s in ids.unbind()
+        ])[:, 0]  # fmt: skip
+    assert rel(values, expected) <= 1e-10
+    base_grads = runs[1][2]
+    scale = max(float(torch.tensor(g, dtype=torch.float64).abs().max()) for g in base_grads.values() if g is not None)
+    for cp in (2, 4):
+        got, loss, grads = runs[cp]
+        grad_err = max(  # per tensor; a gradient that cancels to ~0 against the model's scale (as in the LM tests)
+            float((torch.tensor(grads[n], dtype=torch.float64) - torch.tensor(g, dtype=torch.float64)).abs().max())
+            / max(float(torch.tensor(g, dtype=torch.float64).abs().max()), 1e-6 * scale)
+            for n, g in base_grads.items() if g is not None
+        )  # fmt: skip
+        print(f"V4.1 critic CP={cp} vs CP=1: values {rel(torch.tensor(got, dtype=torch.float64), values):.1e}, value loss "
+              f"{abs(loss - runs[1][1]) / runs[1][1]:.1e}, gradients {grad_err:.1e}")  # fmt: skip
+        assert rel(torch.tensor(got, dtype=torch.float64), values) <= 1e-10 and abs(loss - runs[1][1]) <= 1e-10 * runs[1][1] and grad_err <= 1e-10

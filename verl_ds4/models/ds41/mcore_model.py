@@ -27,6 +27,7 @@ from verl_ds4 import ds41_facts, ds4_facts
 
 from ..ds4.attention import _RMSNorm
 from ..ds4.mcore_attention import cpu_ds4_settings
+from ..ds4.proxy import ValueHead
 from .engram import EngramHasher
 from .model import DS41Layer, run_decoder
 
@@ -119,10 +120,10 @@ class DS41TransformerBlock(MegatronModule):
 
 
 class DS41MegatronModel(GPTModel):
-    """A ``GPTModel`` with the V4.1 decoder."""
+    """A ``GPTModel`` with the V4.1 decoder; ``value_head=True``: a hidden -> 1 critic head instead of the LM head."""
 
     def __init__(self, config: DS41TransformerConfig, token_map: list[int] | None = None, vocab_size: int | None = None,
-                 max_sequence_length: int = 1 << 20, pg_collection=None):  # fmt: skip
+                 max_sequence_length: int = 1 << 20, pg_collection=None, value_head: bool = False):  # fmt: skip
         if not isinstance(config, DS41TransformerConfig):
             raise TypeError(f"DS41MegatronModel needs a DS41TransformerConfig, got {type(config).__name__}.")
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -138,6 +139,8 @@ class DS41MegatronModel(GPTModel):
             pg_collection=pg_collection,
         )
         self.decoder = DS41TransformerBlock(config, token_map)
+        if value_head:  # verl's critic: hidden -> 1 in place of the LM head (V4's ValueHead)
+            self.output_layer = ValueHead(config.hidden_size, config.params_dtype)
         for param in self.parameters():  # Megatron's torch fallbacks ignore params_dtype
             param.data = param.data.to(config.params_dtype)
 
