@@ -137,7 +137,6 @@ def test_negative_controls_roles_matter():
     pairs, xs = layer_pairs(), inputs()
     expected, their_sel = run_reference(pairs, xs)
     # Reindex layer 3 made to reuse layer 2's selection: other entries, other output
-    _, states = [], []
     state = CSA2State()
     with torch.no_grad():
         for ours, _ in pairs[:3]:
