@@ -6,5 +6,7 @@
 * :mod:`.cache_qdq`: the released cache rounding (FP8 / MXFP4 / NVFP4), a switch;
 * :mod:`.model`: the backbone in pure PyTorch; :mod:`.mcore_model`: the same as a Megatron-Core ``GPTModel``;
 * :mod:`.dspark`: the DSpark drafter (``mtp.*``);
-* :mod:`.names`: our parameter names against NeMo Automodel's.
+* :mod:`.folder`: a V4.1 folder in our names (save / load, every rule checked first);
+* :mod:`.names`: our parameter names against NeMo Automodel's; :mod:`.reference` / :mod:`.reference_weights`:
+  the NeMo Automodel reference driven in fp64 (tests and ``verl-ds4 verify --model ds41``).
 """
