@@ -29,6 +29,12 @@
 #                when lane 2 is asked for and no Python 3.12 is found, `test` stops before running
 #                anything and says so (install Python 3.12, set PYTHON312, or set LANES=1)
 #   VENV312      lane 2's venv folder (default: .venv312)
+#   NEMO_AUTOMODEL_SPEC  the DeepSeek-V4.1 reference of the V4.1 tests (default: nemo-automodel==0.7.0),
+#                installed with --no-deps after verl-ds4[test]: its wheel declares transformers==5.18.0,
+#                megatron-fsdp, torchao, quack-kernels, mistral-common and datasets, which clash with
+#                verl 0.9.1's transformers fence (>= 5.5.3, < 5.11), so it cannot be a dependency of the
+#                test extra; its deepseek_v41 model modules import with what the extra already installs
+#                (docs/ds41-model.md). Empty: not installed (the V4.1 reference tests then skip).
 #   TORCH312_SPEC torch requirement of lane 2 (default: torch==2.14.1; torch has no CPU build for
 #                Python 3.12 on PyPI, so this is the CUDA build, ~550 MB plus its CUDA wheels; it runs
 #                on a CPU)
@@ -40,9 +46,11 @@ VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VENV312=${VENV312:-.venv312}
 TORCH312_SPEC=${TORCH312_SPEC:-torch==2.14.1}
+NEMO_AUTOMODEL_SPEC=${NEMO_AUTOMODEL_SPEC-nemo-automodel==0.7.0}
 LANES=${LANES:-1 2}
 
-# setup VENV PYTHON TORCH_SPEC: create the venv if needed, install torch, then verl-ds4[test] (editable)
+# setup VENV PYTHON TORCH_SPEC: create the venv if needed, install torch, then verl-ds4[test] (editable),
+# then the V4.1 reference without its dependencies (NEMO_AUTOMODEL_SPEC)
 setup() {
     local venv=$1 python=$2 torch_spec=$3
     if [ ! -x "$venv/bin/python" ]; then
@@ -52,6 +60,9 @@ setup() {
     echo "[dev.sh] installing $torch_spec and verl-ds4[test] into $venv"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "$torch_spec"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+    if [ -n "$NEMO_AUTOMODEL_SPEC" ]; then
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$NEMO_AUTOMODEL_SPEC"
+    fi
 }
 
 # The Python 3.12 interpreter of lane 2 (empty when there is none).

@@ -27,6 +27,7 @@ RESOLVER = PACKAGE / "mcore" / "resolver.py"
 FLOORS = {
     "ds4_facts": 0,
     "layout": 1,
+    "ds41_facts": 1,
     "mcore": 2,
     "engine": 3,
     "models": 4,
@@ -104,6 +105,8 @@ def floor_violations(files, package_dir: Path = PACKAGE) -> list[str]:
                 violations.append(f"{where}:{lineno} ({own}) imports {name}")
             if own == "ds4_facts" and top not in sys.stdlib_module_names and top != "__future__":
                 violations.append(f"{where}:{lineno} (ds4_facts: standard library only) imports {name}")
+            if own == "ds41_facts" and top not in sys.stdlib_module_names and top != "__future__" and target != "ds4_facts":
+                violations.append(f"{where}:{lineno} (ds41_facts: standard library and ds4_facts only) imports {name}")
     return violations
 
 
@@ -127,11 +130,13 @@ def test_floor_checker_sees_imports_inside_functions(tmp_path):
         "def f():\n    from ..engine.megatron import x\n    import verl\n    from verl_ds4 import ds4_facts\n"
     )
     (package / "ds4_facts.py").write_text("import dataclasses\n\ndef g():\n    import torch\n")
+    (package / "ds41_facts.py").write_text("from verl_ds4.ds4_facts import Violation\n\ndef h():\n    import numpy\n")
     found = floor_violations(sorted(package.rglob("*.py")), package)
     assert any("imports verl_ds4.engine.megatron (floor 3)" in v for v in found), found
     assert any("(layout) imports verl" in v for v in found), found
     assert any("standard library only) imports torch" in v for v in found), found
-    assert len(found) == 3, found  # the ds4_facts import from layout and dataclasses are fine
+    assert any("(ds41_facts: standard library and ds4_facts only) imports numpy" in v for v in found), found
+    assert len(found) == 4, found  # the ds4_facts imports from layout and ds41_facts and dataclasses are fine
 
 
 def _module_graph() -> dict[str, set[str]]:

@@ -16,8 +16,12 @@ With ``--hf-checkpoint DIR`` it instead compares our Megatron DS4 loaded from an
 folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.cpu.verify_hf`) and
 prints the max relative errors of logits and per-token log-probs.
 
+With ``--model ds41 --cp N`` it compares the tiny DeepSeek-V4.1 in Megatron-Core at CP = 1 and N
+with NeMo Automodel's V4.1 at fp64 (:mod:`verl_ds4.cpu.verify_ds41`).
+
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
+           verl-ds4 verify --model ds41 --cp 4
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fp64-rtol", type=float, default=1e-10, help="max relative difference allowed in fp64 (default 1e-10)")
     parser.add_argument("--fp32-rtol", type=float, default=1e-3, help="max relative difference allowed in fp32 (default 1e-3)")
-    parser.add_argument("--model", default="ds4", choices=["ds4", "ds4_proxy"], help="ds4: the full tiny DS4 (default); ds4_proxy: the attention-only proxy")
+    parser.add_argument(
+        "--model", default="ds4", choices=["ds4", "ds4_proxy", "ds41"],
+        help="ds4: the full tiny DS4 (default); ds4_proxy: the attention-only proxy; ds41: the tiny DeepSeek-V4.1 in "
+        "Megatron-Core against NeMo Automodel at fp64 (CP 1 and --cp N)",
+    )
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")
     parser.add_argument("--no-layout-checks", action="store_true", help="skip the zigzag rejection / guard-bypass rows")
@@ -62,7 +70,38 @@ def _run_hf(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _run_ds41(args: argparse.Namespace) -> int:
+    from verl_ds4.models.ds41.reference import reference_missing
+
+    missing = reference_missing()
+    if missing:
+        print(f"verify --model ds41: {missing}", file=sys.stderr)
+        return 2
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from verl_ds4.cpu.verify_ds41 import compare_with_nemo
+
+    cp = args.cp or 1
+    result = compare_with_nemo(cp, seed=args.seed, timeout=args.timeout)
+    ok = all(result[f"cp{k}"][q] <= args.fp64_rtol for k in sorted({1, cp}) for q in ("logits", "log_probs"))
+    print(f"DeepSeek-V4.1 (tiny, every component on): our Megatron-Core model vs NeMo Automodel (fp64), lengths {result['lengths']}")
+    for k in sorted({1, cp}):
+        r = result[f"cp{k}"]
+        print(f"  CP={k}: logits max rel error {r['logits']:.3e}, log-probs {r['log_probs']:.3e}  (tol {args.fp64_rtol:g})")
+    print(f"{'PASSED' if ok else 'FAILED'} in {result['seconds']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": "ds41", "cp": cp, "passed": ok, **result}, f, indent=2)
+    return 0 if ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model == "ds41":
+        if args.hf_checkpoint is not None or (args.cp is not None and args.cp < 1):
+            print("verify --model ds41: give --cp N (N >= 1); --hf-checkpoint is for DeepSeek-V4 folders", file=sys.stderr)
+            return 2
+        return _run_ds41(args)
     if args.hf_checkpoint is not None:
         if args.cp is not None and args.cp < 1:
             print(f"verify: --cp must be >= 1, got {args.cp}", file=sys.stderr)

@@ -37,7 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from verl_ds4 import ds4_facts
+from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
 from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
 
@@ -492,7 +492,10 @@ def validate_recipe(
         if raise_on_error:
             report.raise_if_errors()
         return report
-    if facts.model_type != ds4_facts.HF_MODEL_TYPE:
+    v41 = ds41_facts.check_model_type({"model_type": facts.model_type}, "ds4")
+    if v41 is not None:
+        report.errors.append(Problem(model_key, f"points at a model_type={facts.model_type!r} checkpoint ({facts.source}): {v41.reason}.", v41.fix))
+    elif facts.model_type != ds4_facts.HF_MODEL_TYPE:
         report.errors.append(
             Problem(
                 model_key,
@@ -501,6 +504,9 @@ def validate_recipe(
                 "point it at a DeepSeek-V4 checkpoint or use a recipe for your model.",
             )
         )
+    if facts.dspark and any(role.mtp for role in roles):
+        key, message, fix = ds41_facts.dspark_mtp_violation("ds4.mtp").recipe_problem()
+        report.errors.append(Problem(key, f"{message} ({facts.source})", fix))
     for role in roles:
         _check_role(role, report)
         engine = _get(cfg, role.engine_key)

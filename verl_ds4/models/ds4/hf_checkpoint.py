@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from verl_ds4 import ds41_facts
+
 from .hf_names import detect_family, name_groups
 
 __all__ = ["HFCheckpointError", "CheckpointInfo", "read_hf_tensors", "load_hf_checkpoint", "load_into", "save_hf_checkpoint"]
@@ -49,6 +51,9 @@ def read_config(folder: str | Path) -> dict:
     if not path.is_file():
         raise HFCheckpointError(f"{folder} has no config.json: expected an HF DeepSeek-V4 folder (config.json + *.safetensors).")
     data = json.loads(path.read_text())
+    refused = ds41_facts.check_model_type(data, "ds4")
+    if refused:
+        raise HFCheckpointError(f"{path}: {refused.engine_message()}")
     if data.get("model_type") != "deepseek_v4":
         raise HFCheckpointError(f"{path}: model_type is {data.get('model_type')!r}, expected 'deepseek_v4'.")
     return data

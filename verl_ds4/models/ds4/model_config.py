@@ -23,6 +23,8 @@ from typing import Any, Mapping
 
 import torch
 
+from verl_ds4 import ds41_facts
+
 from .mcore_attention import DS4ProxyTransformerConfig, cpu_ds4_settings
 
 __all__ = ["DS4TransformerConfig", "UnsupportedDS4Config", "hf_config_object", "ds4_transformer_config", "MLP_LAYER_TYPES"]
@@ -79,6 +81,9 @@ def hf_config_object(hf_config: Any):
 
         path = Path(hf_config)
         data = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    refused = ds41_facts.check_model_type(data, "ds4")
+    if refused:
+        raise ValueError(refused.engine_message())
     model_type = data.get("model_type", "deepseek_v4")
     if model_type != "deepseek_v4":
         raise ValueError(f"Expected an HF config with model_type 'deepseek_v4', got {model_type!r}.")
@@ -126,6 +131,10 @@ def ds4_transformer_config(
     from .hf_mapping import spec_from_hf_config
 
     cfg = hf_config_object(hf_config)
+    mtp_on = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) > 0 and not allow_mtp_skip
+    refused = ds41_facts.check_v4_mtp(cfg, mtp_on, key="num_nextn_predict_layers", off="allow_mtp_skip=True")
+    if refused:
+        raise ValueError(refused.engine_message())
     problems = _unsupported(cfg, allow_mtp_skip)
     if problems:
         raise UnsupportedDS4Config("This DeepSeek-V4 config uses values the CPU DS4 model does not implement: " + "; ".join(problems) + ".")

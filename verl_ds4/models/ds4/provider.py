@@ -13,12 +13,13 @@ the engine config plus ``override_transformer_config`` on top. The rules that pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from verl_ds4 import ds4_facts
+from verl_ds4 import ds4_facts, ds41_facts
 
 from .sizes import DS4Sizes, MissingSizeField
 
@@ -61,6 +62,7 @@ class DS4ModelFacts:
     source: str
     sizes: DS4Sizes | None = None
     sizes_missing: str | None = None
+    dspark: bool = False  # config.json describes a DSpark drafter under mtp.* (not an MTP layer)
 
     def __post_init__(self):
         ds4_facts.check_compress_ratios(self.compress_ratios, self.num_layers)
@@ -94,6 +96,10 @@ class DS4ModelFacts:
     def from_hf_config(cls, config: Mapping[str, Any], source: str, fallback: "DS4ModelFacts") -> "DS4ModelFacts":
         """Build from a checkpoint ``config.json`` dict; fields it lacks come from ``fallback``."""
         text = config.get("text_config") or config
+        if ds41_facts.check_model_type(config, "ds4") is not None:
+            # A V4.1 folder: its layers are not V4's; keep the recipe's numbers and its model_type,
+            # which the recipe validator refuses with the fix (ds41_facts.check_model_type).
+            return dataclasses.replace(fallback, model_type=str(config.get("model_type")), source=source)
         window = text.get("csa_window_size", text.get("sliding_window", fallback.csa_window_size))
         # the layer kinds as transformers reads them (its default pattern when the file names none)
         ratios = ds4_facts.layer_compress_ratios(text) if "num_hidden_layers" in text else fallback.compress_ratios
@@ -111,6 +117,7 @@ class DS4ModelFacts:
             compress_ratios=ratios,
             source=source,
             **_sizes(config, source, _sizes_fallback(fallback)),
+            dspark=ds41_facts.has_dspark(config),
         )
 
 
