@@ -1,0 +1,121 @@
+"""Checkpoint formats understood at start-up (issue 23 item 6).
+
+* :mod:`verl_ds4.models.ds4.checkpoint_format` says what a local folder is from ``config.json`` and
+  the tensor names (index or safetensors headers): bf16, the hub's FP8 + FP4 format, MTP or a
+  DSpark drafter; it refuses, for the CPU path, a quantisation it does not read;
+* the recipe validator notes the format and refuses MTP on a DSpark drafter checkpoint;
+* the CPU loader reads a tiny checkpoint in the hub's on-disk format (DeepSeek's names, FP8 +
+  UE8M0 block scales, FP4 experts + E8M0 scales): equal at fp64 to its dequantised twin, and its
+  dequantisation equals transformers' own functions.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from verl_ds4.models.ds4.checkpoint_format import (
+    CheckpointFormatError,
+    check_cpu_readable,
+    checkpoint_format_from,
+    read_checkpoint_format,
+)
+
+HUB_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+             "activation_scheme": "dynamic"}
+FLASH = {"model_type": "deepseek_v4", "num_hidden_layers": 43, "num_nextn_predict_layers": 1, "hidden_size": 4096,
+         "n_routed_experts": 256, "num_experts_per_tok": 6, "sliding_window": 128, "torch_dtype": "bfloat16"}
+MTP_NAMES = ["embed.weight", "layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "mtp.0.enorm.weight",
+             "mtp.0.hnorm.weight", "mtp.0.e_proj.weight", "mtp.0.h_proj.weight"]
+DSPARK_NAMES = ["embed.weight", "layers.0.attn.wq_a.weight"] + [
+    f"mtp.{k}.{n}" for k in range(3) for n in ("attn.wq_a.weight", "ffn.gate.weight", "markov_head.weight")]
+
+
+def write_folder(path: Path, config: dict, names: list[str] | None = None, header_only: bool = False) -> Path:
+    """A model folder with ``config.json`` and, for ``names``, an index (or one safetensors file holding
+    just a header with those names when ``header_only``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if names is not None and not header_only:
+        index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif names is not None:
+        header = json.dumps({n: {"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]} for n in names}).encode()
+        (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return path
+
+
+# ---------------------------------------------------------------- 1. the format, from config and names
+
+
+def test_hub_fp8_fp4_format_is_described(tmp_path):
+    fmt = read_checkpoint_format(write_folder(tmp_path / "flash", {**FLASH, "quantization_config": HUB_QUANT,
+                                                                   "expert_dtype": "fp4"}, MTP_NAMES))
+    assert fmt.quantized and fmt.quant_method == "fp8" and fmt.block_size == [128, 128] and fmt.expert_dtype == "fp4"
+    assert fmt.drafter == "mtp" and fmt.mtp_layers == 1 and fmt.names_read.endswith("model.safetensors.index.json")
+    line = fmt.describe()
+    assert "FP8 e4m3 weights, 128x128 block scales (ue8m0)" in line and "routed experts FP4 e2m1" in line
+    assert "MTP (1 layer(s))" in line
+    check_cpu_readable(fmt)  # the hub's format is read
+    # transformers >= 5.25 folds expert_dtype into quantization_config: same answer
+    folded = checkpoint_format_from({**FLASH, "quantization_config": {**HUB_QUANT, "expert_dtype": "fp4"}})
+    assert folded.expert_dtype == "fp4"
+    # control: a Base checkpoint (FP8 throughout) does not claim FP4 experts
+    base = checkpoint_format_from({**FLASH, "quantization_config": HUB_QUANT})
+    assert base.expert_dtype is None and "FP4" not in base.describe()
+
+
+def test_bf16_folder_is_described():
+    fmt = checkpoint_format_from({**FLASH, "num_nextn_predict_layers": 0})
+    assert not fmt.quantized and fmt.drafter == "none"
+    assert fmt.describe() == "bfloat16 weights (no quantization_config); no MTP"
+    check_cpu_readable(fmt)
+
+
+@pytest.mark.parametrize("how", ["config_keys", "index_markov_head", "header_markov_head", "no_enorm"])
+def test_dspark_drafter_is_detected(tmp_path, how):
+    config, names, header = dict(FLASH), None, False
+    if how == "config_keys":
+        config.update(dspark_block_size=4, dspark_target_layer_ids=[10, 20, 30])
+    elif how == "no_enorm":
+        names = [n for n in DSPARK_NAMES if "markov" not in n]
+    else:
+        names, header = DSPARK_NAMES, how.startswith("header")
+    fmt = read_checkpoint_format(write_folder(tmp_path / how, config, names, header_only=header))
+    assert fmt.mtp_layers == 1 and fmt.drafter == "dspark", fmt
+    assert "a DSpark drafter, not MTP" in fmt.describe()
+    # negative control: the same folder kind with MTP's tensors (enorm, no markov_head) is MTP
+    control = read_checkpoint_format(write_folder(tmp_path / f"{how}_mtp", FLASH, MTP_NAMES, header_only=header))
+    assert control.drafter == "mtp"
+
+
+@pytest.mark.parametrize("edit, found", [
+    ({"quant_method": "awq"}, "quant_method='awq' (read: fp8)"),
+    ({"fmt": "e5m2"}, "fmt='e5m2' (read: e4m3)"),
+    ({"scale_fmt": "float"}, "scale_fmt='float' (read: ue8m0)"),
+    ({"weight_block_size": [128]}, "weight_block_size=[128] (read: two positive integers"),
+    ({"weight_block_size": [0, 128]}, "weight_block_size=[0, 128]"),
+    ({"weight_block_size": None}, "weight_block_size=None"),
+    ({"activation_scheme": "static"}, "activation_scheme='static' (read: dynamic)"),
+    ({"expert_dtype": "nvfp4"}, "expert_dtype='nvfp4' (read: fp4, fp8)"),
+])
+def test_unread_quantisation_is_refused_naming_found_and_read(edit, found):
+    fmt = checkpoint_format_from({**FLASH, "quantization_config": {**HUB_QUANT, **edit}}, source="x/config.json")
+    with pytest.raises(CheckpointFormatError) as info:
+        check_cpu_readable(fmt)
+    message = str(info.value)
+    assert found in message and "x/config.json" in message and "quant_method fp8, fmt e4m3, scale_fmt ue8m0" in message
+    # negative control: the hub's values pass
+    check_cpu_readable(checkpoint_format_from({**FLASH, "quantization_config": HUB_QUANT}))
+
+
+def test_unreadable_index_or_config_is_refused(tmp_path):
+    folder = write_folder(tmp_path / "bad", FLASH)
+    (folder / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointFormatError, match="expected JSON with a 'weight_map' object"):
+        read_checkpoint_format(folder)
+    with pytest.raises(CheckpointFormatError, match="Cannot read .*config.json"):
+        read_checkpoint_format(tmp_path / "nowhere")
