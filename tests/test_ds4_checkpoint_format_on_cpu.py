@@ -119,3 +119,70 @@ def test_unreadable_index_or_config_is_refused(tmp_path):
         read_checkpoint_format(folder)
     with pytest.raises(CheckpointFormatError, match="Cannot read .*config.json"):
         read_checkpoint_format(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------- 2. the recipe validator
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """GSM8K SFT / RL parquet files made by our preparation code (as tests/test_recipes_on_cpu.py does)."""
+    from verl_ds4.recipes.gsm8k import prepare
+
+    root = tmp_path_factory.mktemp("ds4_ckpt_data")
+    raw = root / "raw"
+    raw.mkdir()
+    for split in ("train", "test"):
+        (raw / f"{split}.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"}) + "\n")
+    prepare(str(raw), str(root / "sft"), str(root / "rl"), ["train", "test"])
+    return root
+
+
+def _validate(kind: str, model: Path, data: Path, overrides=(), **kw):
+    from verl_ds4.recipes.compose import compose_recipe
+    from verl_ds4.recipes.validate import validate_recipe
+
+    split = data / ("sft" if kind == "sft" else "rl")
+    key = "model.path" if kind == "sft" else "actor_rollout_ref.model.path"
+    cfg = compose_recipe(kind, [f"{key}={model}", f"data.train_files={split / 'train.parquet'}",
+                                f"data.val_files={split / 'test.parquet'}", *overrides])
+    return validate_recipe(cfg, "sft" if kind == "sft" else "ppo", **kw)
+
+
+def test_validator_notes_the_hub_format_and_bridge_dequantisation(tmp_path, data):
+    hub = write_folder(tmp_path / "flash", {**FLASH, "quantization_config": HUB_QUANT, "expert_dtype": "fp4"}, MTP_NAMES)
+    report = _validate("sft", hub, data)
+    assert report.errors == [] and report.warnings == []
+    note = [n for n in report.notes if n.startswith("model.path holds")]
+    assert len(note) == 1 and "FP8 e4m3 weights, 128x128 block scales (ue8m0)" in note[0]
+    assert "routed experts FP4 e2m1" in note[0] and "Megatron-Bridge dequantises it on import" in note[0]
+    # control: a bf16 folder is described as such, without the dequantisation wording
+    bf16 = write_folder(tmp_path / "bf16", FLASH, MTP_NAMES)
+    note = [n for n in _validate("sft", bf16, data).notes if n.startswith("model.path holds")]
+    assert note == ["model.path holds bfloat16 weights (no quantization_config); MTP (1 layer(s))."]
+    # a quantisation DS4 does not ship is a warning naming it
+    awq = write_folder(tmp_path / "awq", {**FLASH, "quantization_config": {"quant_method": "awq"}})
+    warnings = _validate("sft", awq, data).warnings
+    assert [w.setting for w in warnings] == ["model.path"] and "quant_method='awq'" in warnings[0].message
+
+
+def test_validator_refuses_mtp_on_a_dspark_drafter(tmp_path, data):
+    from verl_ds4.recipes.validate import RecipeValidationError
+
+    dspark = write_folder(tmp_path / "flash0731", {**FLASH, "quantization_config": HUB_QUANT, "expert_dtype": "fp4"},
+                          DSPARK_NAMES)
+    with pytest.raises(RecipeValidationError) as info:
+        _validate("sft", dspark, data)  # the SFT recipe has ds4.mtp=true
+    message = str(info.value)
+    assert "model.mtp.enable: is True, but" in message and "holds a DSpark drafter (tensor mtp.N.markov_head" in message
+    assert "set ds4.mtp=false" in message
+    # the fix works, and the note says what the folder is
+    report = _validate("sft", dspark, data, ["ds4.mtp=false"])
+    assert report.errors == [] and any("a DSpark drafter, not MTP" in n for n in report.notes)
+    # PPO: the actor's model block is named; off by default there
+    with pytest.raises(RecipeValidationError, match="actor_rollout_ref.model.mtp.enable: is True, but"):
+        _validate("ppo", dspark, data, ["ds4.mtp=true"])
+    assert _validate("ppo", dspark, data).errors == []
+    # negative control: an MTP checkpoint with MTP on passes
+    mtp = write_folder(tmp_path / "flash", {**FLASH, "quantization_config": HUB_QUANT, "expert_dtype": "fp4"}, MTP_NAMES)
+    assert _validate("sft", mtp, data).errors == []
