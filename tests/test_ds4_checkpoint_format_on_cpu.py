@@ -186,3 +186,271 @@ def test_validator_refuses_mtp_on_a_dspark_drafter(tmp_path, data):
     # negative control: an MTP checkpoint with MTP on passes
     mtp = write_folder(tmp_path / "flash", {**FLASH, "quantization_config": HUB_QUANT, "expert_dtype": "fp4"}, MTP_NAMES)
     assert _validate("sft", mtp, data).errors == []
+
+
+# ---------------------------------------------------------------- 3. the CPU loader reads the hub's format
+
+TINY_BLOCK = (8, 16)  # the hub's is (128, 128); the tiny model's matrices are 16..32 wide (rows x columns differ on purpose)
+
+
+def _write_hub_rank(rank, world, root):
+    import torch
+    from megatron.core import parallel_state
+
+    from verl_ds4.models.ds4.model import build_ds4_model
+    from verl_ds4.testing.ds4_hub_format import randomize_ds4_, write_hub_folders
+    from verl_ds4.testing.ds4_tiny import tiny_hf_config
+
+    parallel_state.initialize_model_parallel()
+    try:
+        config = json.loads(tiny_hf_config(num_nextn_predict_layers=1, moe_intermediate_size=32).to_json_string())
+        model = build_ds4_model(config, dtype=torch.float64, cp_size=1)
+        randomize_ds4_(model, seed=11)
+        hub, twin = write_hub_folders(model, config, root, block_size=TINY_BLOCK)
+        return str(hub), str(twin)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def hub_folders(tmp_path_factory):
+    """A random tiny DS4 (with MTP) in the hub's on-disk format, and its dequantised twin."""
+    from verl_ds4.mcore.distributed import run_distributed
+
+    (hub, twin), = run_distributed(_write_hub_rank, 1, args=(str(tmp_path_factory.mktemp("hub")),))
+    return Path(hub), Path(twin)
+
+
+def test_hub_folder_is_in_the_hub_format(hub_folders):
+    import torch
+
+    from verl_ds4.models.ds4.hf_checkpoint import read_hf_tensors
+
+    hub, _ = hub_folders
+    raw = read_hf_tensors(hub, dequantize=False)
+    assert raw["layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn and raw["layers.1.attn.wq_a.scale"].shape == (2, 2)
+    assert raw["layers.1.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    fp4 = raw["mtp.0.ffn.experts.2.w2.weight"]  # MTP's routed experts too
+    assert fp4.dtype == torch.int8 and fp4.shape == (32, 16) and raw["mtp.0.ffn.experts.2.w2.scale"].shape == (32, 1)
+    assert raw["embed.weight"].dtype == torch.bfloat16 and raw["layers.1.hc_attn_fn"].dtype == torch.float32
+    assert raw["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+    fmt = read_checkpoint_format(hub)
+    assert fmt.quantized and fmt.expert_dtype == "fp4" and fmt.drafter == "mtp"
+
+
+def test_quantised_folder_loads_equal_to_its_dequantised_twin_at_fp64(hub_folders):
+    import torch
+
+    from verl_ds4.models.ds4 import hf_logits
+    from verl_ds4.testing.ds4_tiny import random_sequences
+
+    hub, twin = hub_folders
+    seqs = random_sequences([19, 40], 96, seed=4)
+    ours, theirs = hf_logits(hub, seqs), hf_logits(twin, seqs)
+    diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+    print(f"fp64 logits, hub-format folder vs dequantised twin: max abs diff {diff:.3e}")
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert max(a.abs().max().item() for a in ours) > 0.1  # not a degenerate (all-zero) model
+
+
+def _native_to_twin_names():
+    from verl_ds4.models.ds4.hf_names import name_groups
+    from verl_ds4.models.ds4.model_config import ds4_transformer_config
+    from verl_ds4.testing.ds4_tiny import tiny_hf_config
+
+    config = ds4_transformer_config(tiny_hf_config(num_nextn_predict_layers=1, moe_intermediate_size=32), cp_size=1)
+    return {n: t for gn, gt in zip(name_groups(config, "native"), name_groups(config, "transformers"))
+            for n, t in zip(gn.files, gt.files)}
+
+
+def test_dequantised_tensors_equal_the_twin(hub_folders, monkeypatch):
+    """Tensor by tensor (no model): what the loader reads from the hub folder is the twin's value, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from verl_ds4.models.ds4 import hf_dequant
+    from verl_ds4.models.ds4.hf_checkpoint import read_hf_tensors
+
+    hub, twin = hub_folders
+    theirs, names = load_file(str(twin / "model.safetensors")), _native_to_twin_names()
+
+    def mismatches():
+        ours = read_hf_tensors(hub)
+        assert not any(n.endswith(".scale") for n in ours) and set(ours) == set(names)
+        return [n for n, t in ours.items() if not torch.equal(t.to(torch.float64), theirs[names[n]].to(torch.float64))]
+
+    assert mismatches() == []
+    monkeypatch.setattr(hf_dequant, "E8M0_BIAS", 128)  # negative control: a wrong exponent bias is seen
+    wrong = mismatches()
+    assert "layers.1.attn.wq_a.weight" in wrong and "mtp.0.ffn.experts.0.w1.weight" in wrong and "embed.weight" not in wrong
+
+
+def _transformers_dequant(weight, scale):
+    """transformers 5.10.4's own dequantisation (FP8 block and packed FP4, block from the scale grid)."""
+    import torch
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(hf_quantizer=None)._dequantize_one(weight, scale, output_dtype=torch.float64)
+
+
+def _transformers_mxfp4(packed, scale):
+    """transformers' MXFP4 (GPT-OSS) unpacking: blocks [E, out, groups, 16] bytes, exponents [E, out, groups]
+    with bias 127; it returns [E, in, out]."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rows, half = packed.shape
+    blocks = packed.view(torch.uint8).reshape(1, rows, half // 16, 16)
+    exps = scale.view(torch.uint8).reshape(1, rows, half // 16)
+    return convert_moe_packed_tensors(blocks, exps, dtype=torch.float64)[0].T
+
+
+def _max_diff(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def test_dequantisation_equals_transformers(hub_folders):
+    """Ours vs transformers' functions on every quantised tensor of the tiny folder and on hub-size 128 x 128
+    blocks; negative controls: a wrong nibble order and a wrong exponent bias are seen."""
+    import torch
+
+    from verl_ds4.models.ds4.hf_checkpoint import read_hf_tensors
+    from verl_ds4.models.ds4.hf_dequant import dequantize_fp4, dequantize_fp8_block
+    from verl_ds4.testing.ds4_hub_format import quantize_fp4, quantize_fp8_block
+
+    hub, _ = hub_folders
+    raw = read_hf_tensors(hub, dequantize=False)
+    fp8 = [n for n, t in raw.items() if t.dtype == torch.float8_e4m3fn]
+    fp4 = [n for n, t in raw.items() if t.dtype == torch.int8]
+    assert len(fp8) >= 20 and len(fp4) >= 30
+    worst = {"fp8": 0.0, "fp4": 0.0, "fp4_mxfp4": 0.0}
+    for name in fp8:
+        ours = dequantize_fp8_block(raw[name], raw[name[:-7] + ".scale"], TINY_BLOCK)
+        worst["fp8"] = max(worst["fp8"], _max_diff(ours, _transformers_dequant(raw[name], raw[name[:-7] + ".scale"])))
+    for name in fp4:
+        packed, scale = raw[name], raw[name[:-7] + ".scale"]
+        ours = dequantize_fp4(packed, scale)
+        worst["fp4"] = max(worst["fp4"], _max_diff(ours, _transformers_dequant(packed, scale)))
+        worst["fp4_mxfp4"] = max(worst["fp4_mxfp4"], _max_diff(ours, _transformers_mxfp4(packed, scale)))
+    # hub sizes: 128 x 128 FP8 blocks on a [256, 384] weight, FP4 on [64, 256]
+    gen = torch.Generator().manual_seed(2)
+    w8, s8, _ = quantize_fp8_block(torch.randn(256, 384, generator=gen, dtype=torch.float64) * 3e-2, (128, 128))
+    w4, s4, _ = quantize_fp4(torch.randn(64, 256, generator=gen, dtype=torch.float64) * 5e-2)
+    assert s8.shape == (2, 3) and s4.shape == (64, 8)
+    worst["fp8_128"] = _max_diff(dequantize_fp8_block(w8, s8, (128, 128)), _transformers_dequant(w8, s8))
+    worst["fp4_hub"] = _max_diff(dequantize_fp4(w4, s4), _transformers_mxfp4(w4, s4))
+    print("max abs diff, ours vs transformers:", {k: f"{v:.1e}" for k, v in worst.items()})
+    assert all(v == 0.0 for v in worst.values()), worst
+    # negative controls: swapped nibbles and a scale exponent off by one are seen; a block with rows and
+    # columns swapped does not match the scale grid and is refused
+    swapped = ((w4.view(torch.uint8) >> 4) | (w4.view(torch.uint8) << 4)).view(torch.int8)
+    assert _max_diff(dequantize_fp4(swapped, s4), _transformers_mxfp4(w4, s4)) > 1e-3
+    off = (s8.view(torch.uint8) + 1).view(torch.float8_e8m0fnu)
+    assert _max_diff(dequantize_fp8_block(w8, off, (128, 128)), _transformers_dequant(w8, s8)) > 1e-3
+    with pytest.raises(CheckpointFormatError, match=r"has scales \(2, 2\); weight_block_size \[16, 8\] needs \(1, 4\)"):
+        dequantize_fp8_block(raw["layers.1.attn.wq_a.weight"], raw["layers.1.attn.wq_a.scale"], TINY_BLOCK[::-1])
+
+
+def test_partial_blocks_use_the_ceil_grid():
+    """The last block row / column may be partial (scales [ceil(out/128), ceil(in/128)]): element (i, j) takes
+    scale (i // 128, j // 128), checked element-wise against an explicit index lookup."""
+    import torch
+
+    from verl_ds4.models.ds4.hf_dequant import dequantize_fp8_block
+    from verl_ds4.testing.ds4_hub_format import quantize_fp8_block
+
+    w, s, exact = quantize_fp8_block(torch.randn(200, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), (128, 128))
+    assert s.shape == (2, 3)
+    i, j = torch.meshgrid(torch.arange(200), torch.arange(300), indexing="ij")
+    lookup = w.double() * s.float().double()[i // 128, j // 128]
+    ours = dequantize_fp8_block(w, s, (128, 128))
+    assert torch.equal(ours, lookup) and torch.equal(ours, exact)
+
+
+def _variant(hub: Path, dest: Path, config_edit=None, tensors_edit=None, index_edit=None) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hub, dest)
+    config = json.loads((dest / "config.json").read_text())
+    if config_edit:
+        config_edit(config)
+        (dest / "config.json").write_text(json.dumps(config))
+    if tensors_edit:
+        index = json.loads((dest / "model.safetensors.index.json").read_text())
+        for file in sorted(set(index["weight_map"].values())):
+            tensors = load_file(str(dest / file))
+            tensors_edit(tensors)
+            save_file(tensors, str(dest / file))
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != file} | {n: file for n in tensors}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    if index_edit:
+        index = json.loads((dest / "model.safetensors.index.json").read_text())
+        index_edit(index["weight_map"])
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dest
+
+
+REFUSALS = [
+    ("quant_method", dict(config_edit=lambda c: c["quantization_config"].update(quant_method="mxfp8")),
+     r"does not read this quantised checkpoint: quant_method='mxfp8' \(read: fp8\)"),
+    ("block_size_malformed", dict(config_edit=lambda c: c["quantization_config"].update(weight_block_size=[128])),
+     r"weight_block_size=\[128\] \(read: two positive integers"),
+    ("block_size_not_the_data", dict(config_edit=lambda c: c["quantization_config"].update(weight_block_size=[16, 16])),
+     r"tensor '.*' \(\d+, \d+\) has scales \(\d+, \d+\); weight_block_size \[16, 16\] needs"),
+    ("no_quantization_config", dict(config_edit=lambda c: (c.pop("quantization_config"), c.pop("expert_dtype"))),
+     r"declares no quantization_config, but the folder holds quantised tensors"),
+    ("missing_scale", dict(tensors_edit=lambda t: t.pop("layers.2.attn.wo_b.scale", None)),
+     r"tensor 'layers.2.attn.wo_b.weight' is torch.float8_e4m3fn but 'layers.2.attn.wo_b.scale' is missing"),
+    ("fp4_without_expert_dtype", dict(config_edit=lambda c: c.pop("expert_dtype")),
+     r"is packed FP4 \(torch.int8\) but .* says expert_dtype=None"),
+    ("dspark_keys_as_mtp", dict(config_edit=lambda c: c.update(dspark_block_size=4, dspark_target_layer_ids=[1, 2])),
+     r"holds a DSpark drafter \(config keys \['dspark_block_size', 'dspark_target_layer_ids'\]\), not MTP layers.*allow_mtp_skip=True"),
+    ("dspark_markov_head_as_mtp", dict(index_edit=lambda m: m.update({"mtp.0.markov_head.weight": m["embed.weight"]})),
+     r"holds a DSpark drafter \(tensor mtp.N.markov_head.weight\), not MTP layers"),
+]
+
+
+@pytest.mark.parametrize("name, edits, message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_cpu_loader_refusals_name_what_was_found(hub_folders, tmp_path, name, edits, message):
+    """Each refusal comes before any model is built (no Megatron state needed) and names what it found."""
+    from verl_ds4.models.ds4.hf_checkpoint import HFCheckpointError, load_hf_checkpoint, read_hf_tensors
+
+    hub, _ = hub_folders
+    with pytest.raises(HFCheckpointError, match=message):
+        load_hf_checkpoint(_variant(hub, tmp_path / name, **edits), cp_size=1)
+    read_hf_tensors(hub)  # negative control: the intact folder reads
+
+
+def _dspark_skip_rank(rank, world, folder, out):
+    import torch
+    from megatron.core import parallel_state
+
+    from verl_ds4.models.ds4.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+
+    parallel_state.initialize_model_parallel()
+    try:
+        model, info = load_hf_checkpoint(folder, dtype=torch.float64, allow_mtp_skip=True, cp_size=1)
+        save_hf_checkpoint(model, out, info)
+        return model.mtp_block is None, len(info.skipped), sorted({str(d) for d in info.dtypes.values()})
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_dspark_with_allow_mtp_skip_loads_without_the_drafter_and_saves_dequantised(hub_folders, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from verl_ds4.mcore.distributed import run_distributed
+
+    hub, twin = hub_folders
+    dspark = _variant(hub, tmp_path / "dspark", config_edit=lambda c: c.update(dspark_block_size=4, dspark_target_layer_ids=[1]))
+    (no_mtp, skipped, dtypes), = run_distributed(_dspark_skip_rank, 1, args=(str(dspark), str(tmp_path / "out")))
+    assert no_mtp and skipped > 40  # every mtp.* tensor (scales too) skipped, none loaded as MTP
+    assert "torch.float8_e4m3fn" not in dtypes and "torch.int8" not in dtypes
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in saved and "expert_dtype" not in saved  # the files written are dequantised
+    written, theirs, names = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(twin / "model.safetensors")), _native_to_twin_names()
+    assert written["layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(t.double(), theirs[names[n]].double()) for n, t in written.items())
