@@ -6,7 +6,8 @@
 * the recipe validator notes the format and refuses MTP on a DSpark drafter checkpoint;
 * the CPU loader reads a tiny checkpoint in the hub's on-disk format (DeepSeek's names, FP8 +
   UE8M0 block scales, FP4 experts + E8M0 scales): equal at fp64 to its dequantised twin, and its
-  dequantisation equals transformers' own functions.
+  dequantisation equals transformers' own functions, and transformers' ``from_pretrained`` reads the
+  same folder as the twin.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def test_bf16_folder_is_described():
     assert not fmt.quantized and fmt.drafter == "none"
     assert fmt.describe() == "bfloat16 weights (no quantization_config); no MTP"
     check_cpu_readable(fmt)
+    # MTP declared but no mtp.* tensor (e.g. a save_pretrained folder) is said; unknown without names
+    bare = checkpoint_format_from(FLASH, names=["embed.weight"])
+    assert bare.drafter == "mtp" and "MTP (1 layer(s)) declared, but the checkpoint has no mtp.* tensors" in bare.describe()
+    assert "declared, but" not in checkpoint_format_from(FLASH).describe()
 
 
 @pytest.mark.parametrize("how", ["config_keys", "index_markov_head", "header_markov_head", "no_enorm"])
@@ -454,3 +459,29 @@ def test_dspark_with_allow_mtp_skip_loads_without_the_drafter_and_saves_dequanti
     written, theirs, names = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(twin / "model.safetensors")), _native_to_twin_names()
     assert written["layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
     assert all(torch.equal(t.double(), theirs[names[n]].double()) for n, t in written.items())
+
+
+def _transformers_state(folder):
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    model, info = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.state_dict()
+
+
+def test_transformers_reads_the_hub_folder_as_the_twin(hub_folders, tmp_path):
+    """The writer's folder is the hub's format as transformers reads it: ``from_pretrained`` (its FP8 quantizer,
+    which dequantises on CPU, and its ``.scale`` rename) gives exactly the twin's weights (MTP aside: transformers
+    builds none). Negative control: one scale byte off by one is seen."""
+    import torch
+
+    hub, twin = hub_folders
+    ours, theirs = _transformers_state(hub), _transformers_state(twin)
+    assert sorted(ours) == sorted(theirs)
+    assert [k for k in theirs if not torch.equal(ours[k].double(), theirs[k].double())] == []
+    bumped = _variant(hub, tmp_path / "bumped", tensors_edit=lambda t: t.update(
+        {"layers.2.attn.wkv.scale": (t["layers.2.attn.wkv.scale"].view(torch.uint8) + 1).view(torch.float8_e8m0fnu)}
+        if "layers.2.attn.wkv.scale" in t else {}))
+    changed = _transformers_state(bumped)
+    assert [k for k in theirs if not torch.equal(changed[k].double(), theirs[k].double())] == ["model.layers.2.self_attn.kv_proj.weight"]

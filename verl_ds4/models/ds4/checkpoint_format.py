@@ -66,6 +66,7 @@ class CheckpointFormat:
         drafter: ``"none"``, ``"mtp"`` or ``"dspark"``.
         drafter_evidence: why ``drafter`` was decided (config key, tensor name), for messages.
         names_read: where the tensor names came from (None: no names were available).
+        mtp_tensors: whether any ``mtp.*`` tensor exists (None: no names were available).
     """
 
     source: str
@@ -76,6 +77,7 @@ class CheckpointFormat:
     drafter: str
     drafter_evidence: str
     names_read: str | None
+    mtp_tensors: bool | None = None
 
     @property
     def quant_method(self) -> str | None:
@@ -105,7 +107,8 @@ class CheckpointFormat:
                 weights += f"; routed experts {self.expert_dtype}"
         else:
             weights = f"quantised with quant_method={self.quant_method!r}"
-        drafter = {"none": "no MTP", "mtp": f"MTP ({self.mtp_layers} layer(s))",
+        missing = " declared, but the checkpoint has no mtp.* tensors" if self.mtp_tensors is False else ""
+        drafter = {"none": "no MTP", "mtp": f"MTP ({self.mtp_layers} layer(s)){missing}",
                    "dspark": f"a DSpark drafter, not MTP ({self.drafter_evidence})"}[self.drafter]
         return f"{weights}; {drafter}"
 
@@ -166,12 +169,14 @@ def checkpoint_format_from(config: Mapping[str, Any], names: Iterable[str] | Non
     if expert is None and quant is not None:
         expert = quant.get("expert_dtype")  # transformers >= 5.25 folds it in
     mtp_layers = int(text.get("num_nextn_predict_layers") or 0)
+    names = None if names is None else list(names)
     drafter, evidence = _drafter(text, names, mtp_layers)
     dtype = text.get("torch_dtype", text.get("dtype"))
     return CheckpointFormat(
         source=source, dtype=None if dtype is None else str(dtype), quantization=dict(quant) if quant else None,
         expert_dtype=None if expert is None else str(expert).lower(), mtp_layers=mtp_layers,
         drafter=drafter, drafter_evidence=evidence, names_read=names_read,
+        mtp_tensors=None if names is None else any(_MTP_NAME.match(n) for n in names),
     )
 
 

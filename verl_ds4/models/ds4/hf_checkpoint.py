@@ -70,8 +70,7 @@ def read_hf_tensors(folder: str | Path, *, dequantize: bool = True) -> dict[str,
 
     from .hf_dequant import dequantize_tensors
 
-    fmt = _format(folder) if dequantize else None
-
+    fmt = _format(folder) if dequantize else None  # an unread quantisation is refused before any tensor is read
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
