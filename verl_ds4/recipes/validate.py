@@ -21,6 +21,8 @@ contract behind them: docs/ds4-context-parallel.md sections 1, 3, 4):
 - the reference model (colocated with the actor) uses the actor's mesh and layout; the critic
   obeys the same DS4 rules, has no MTP and no dynamic CP;
 - model and data paths exist (real runs; a dry-run reports them as warnings);
+- a local checkpoint's format is noted; MTP on a DSpark drafter checkpoint is refused
+  (:mod:`verl_ds4.recipes.checkpoint_check`);
 - the rollout world (TP x DP x PP) divides the GPU count; router replay settings agree;
   prompt-length filtering (needs a chat template DS4 does not ship) is off;
 - every role's weights + gradients + optimizer states fit on its GPUs, alone and beside the roles
@@ -39,6 +41,7 @@ from omegaconf import DictConfig, ListConfig
 
 from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
+from verl_ds4.recipes.checkpoint_check import check_checkpoint_format
 from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
 
 __all__ = ["Problem", "RecipeValidationError", "ValidationReport", "validate_recipe"]
@@ -504,9 +507,6 @@ def validate_recipe(
                 "point it at a DeepSeek-V4 checkpoint or use a recipe for your model.",
             )
         )
-    if facts.dspark and any(role.mtp for role in roles):
-        key, message, fix = ds41_facts.dspark_mtp_violation("ds4.mtp").recipe_problem()
-        report.errors.append(Problem(key, f"{message} ({facts.source})", fix))
     for role in roles:
         _check_role(role, report)
         engine = _get(cfg, role.engine_key)
@@ -534,6 +534,7 @@ def validate_recipe(
 
     report.memory = check_memory(cfg, report)
     _check_paths(cfg, trainer, roles, report, dry_run)
+    check_checkpoint_format(cfg, trainer, roles, report)
     if raise_on_error:
         report.raise_if_errors()
     return report

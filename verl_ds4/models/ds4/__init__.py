@@ -9,7 +9,9 @@ The full DS4 (equal to transformers' ``DeepseekV4ForCausalLM`` at fp64, at any C
 * :mod:`.moe`: routers (top-k over sqrt-softplus / sigmoid / softmax scores, hash routing by
   ``tid2eid``), clamped SwiGLU experts, shared experts, and ``stable_topk`` (the one tie rule).
 * :mod:`.hf_names`, :mod:`.hf_checkpoint`: HF folder load / save (``save_pretrained`` names and
-  DeepSeek's native names), with errors naming any missing, unexpected or mis-shaped tensor.
+  DeepSeek's native names), with errors naming any missing, unexpected or mis-shaped tensor;
+  :mod:`.checkpoint_format` (what a folder holds: bf16, the hub's FP8 / FP4, MTP or a DSpark
+  drafter) and :mod:`.hf_dequant` (the hub's FP8 / FP4 dequantised on load).
 
 DS4's attention and its CP contract:
 

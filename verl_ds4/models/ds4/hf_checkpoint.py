@@ -13,6 +13,14 @@ read in, so a load -> save round trip is bit-identical (fp32 / bf16 -> fp64 -> b
 MTP tensors (``mtp.k.*``, DeepSeek's native names in either family) fill ``model.mtp`` when the
 config has ``num_nextn_predict_layers > 0``; with ``allow_mtp_skip=True`` (no MTP block) they are
 skipped and then not saved.
+
+Quantised folders in the hub's on-disk format (FP8 e4m3 + UE8M0 block scales, FP4 routed experts +
+E8M0 scales, ``X.scale`` beside ``X.weight``; :mod:`.checkpoint_format`) are dequantised on read,
+exactly (:mod:`.hf_dequant`); a quantisation the CPU loader does not read is refused before any
+tensor is read, naming what was found and what is read. Saving writes the dequantised (bf16) values
+and a ``config.json`` without ``quantization_config``. A DSpark drafter checkpoint (Flash-0731 /
+Pro-0813: ``mtp.*`` is a drafter although ``num_nextn_predict_layers`` says 1) is never loaded as
+MTP: refused unless ``allow_mtp_skip=True`` (then the drafter is skipped).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 
 from verl_ds4 import ds41_facts
 
+from .checkpoint_format import CheckpointFormatError, check_cpu_readable, checkpoint_format_from, read_checkpoint_format
 from .hf_names import detect_family, name_groups
 
 __all__ = ["HFCheckpointError", "CheckpointInfo", "read_hf_tensors", "load_hf_checkpoint", "load_into", "save_hf_checkpoint"]
@@ -59,10 +68,14 @@ def read_config(folder: str | Path) -> dict:
     return data
 
 
-def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files (by the index when there is one)."""
+def read_hf_tensors(folder: str | Path, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (by the index when there is one); with ``dequantize``
+    (the default) quantised weights come back dequantised and their ``.scale`` tensors consumed."""
     from safetensors.torch import load_file
 
+    from .hf_dequant import dequantize_tensors
+
+    fmt = _format(folder) if dequantize else None  # an unread quantisation is refused before any tensor is read
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
@@ -75,7 +88,23 @@ def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
             if name in tensors:
                 raise HFCheckpointError(f"tensor {name!r} appears in more than one safetensors file of {folder}.")
             tensors[name] = tensor
-    return tensors
+    if fmt is None:
+        return tensors
+    try:
+        return dequantize_tensors(tensors, fmt)
+    except CheckpointFormatError as e:
+        raise HFCheckpointError(str(e)) from e
+
+
+def _format(folder):
+    """The folder's :class:`~.checkpoint_format.CheckpointFormat`, refused (as :class:`HFCheckpointError`) when
+    the CPU loader does not read its quantisation."""
+    try:
+        fmt = read_checkpoint_format(folder) if (Path(folder) / "config.json").is_file() else checkpoint_format_from({}, source=str(folder))
+        check_cpu_readable(fmt)
+    except CheckpointFormatError as e:
+        raise HFCheckpointError(str(e)) from e
+    return fmt
 
 
 def _expected_shapes(group, ours: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
@@ -127,8 +156,18 @@ def load_hf_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32, *
     from .model import build_ds4_model
 
     config = read_config(folder)
+    fmt = _format(folder)
+    if fmt.drafter == "dspark" and fmt.mtp_layers > 0 and not allow_mtp_skip:
+        raise HFCheckpointError(
+            f"{folder} holds a DSpark drafter ({fmt.drafter_evidence}), not MTP layers, although "
+            f"num_nextn_predict_layers={fmt.mtp_layers}: loading it as MTP would half-load it. Pass "
+            "allow_mtp_skip=True (no MTP block; the drafter's tensors are skipped) or use a revision with MTP."
+        )
     tensors = read_hf_tensors(folder)
-    model = build_ds4_model(config, dtype=dtype, allow_mtp_skip=allow_mtp_skip, **build_kwargs)
+    # quantization_config describes the files, not the model: the weights are dequantised by now
+    storage_only = ("quantization_config", "expert_dtype")
+    model = build_ds4_model({k: v for k, v in config.items() if k not in storage_only}, dtype=dtype,
+                            allow_mtp_skip=allow_mtp_skip, **build_kwargs)
     info = load_into(model, tensors, allow_mtp_skip=allow_mtp_skip, folder=folder)
     return model, info
 
@@ -164,5 +203,10 @@ def save_hf_checkpoint(model, folder: str | Path, info: CheckpointInfo | None = 
     if config is not None:
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     elif info is not None and info.folder is not None and (info.folder / "config.json").resolve() != (folder / "config.json").resolve():
-        shutil.copyfile(info.folder / "config.json", folder / "config.json")
+        source = json.loads((info.folder / "config.json").read_text())
+        if "quantization_config" in source or "expert_dtype" in source:  # the tensors written are dequantised
+            kept = {k: v for k, v in source.items() if k not in ("quantization_config", "expert_dtype")}
+            (folder / "config.json").write_text(json.dumps(kept, indent=2, sort_keys=True))
+        else:
+            shutil.copyfile(info.folder / "config.json", folder / "config.json")
     return folder

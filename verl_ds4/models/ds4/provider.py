@@ -62,7 +62,6 @@ class DS4ModelFacts:
     source: str
     sizes: DS4Sizes | None = None
     sizes_missing: str | None = None
-    dspark: bool = False  # config.json describes a DSpark drafter under mtp.* (not an MTP layer)
 
     def __post_init__(self):
         ds4_facts.check_compress_ratios(self.compress_ratios, self.num_layers)
@@ -117,7 +116,6 @@ class DS4ModelFacts:
             compress_ratios=ratios,
             source=source,
             **_sizes(config, source, _sizes_fallback(fallback)),
-            dspark=ds41_facts.has_dspark(config),
         )
 
 
