@@ -97,43 +97,40 @@ def count(named_parameters, rules, side: str):
     return out
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    import os
-
-    import torch.distributed as dist
+def _build_counts(rank: int, world: int) -> dict:
+    """In a gloo child process (Megatron's parallel state initialised there, so this pytest process
+    keeps no process group behind): both full-size builds on the meta device, counted."""
     from megatron.core import parallel_state
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29471")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def counts(megatron_world):
-    """Per-layer, per-component element counts of both full-size builds, for Flash and Pro."""
     from transformers import DeepseekV4ForCausalLM
 
     from verl_ds4.models.ds4.model import DS4Model
     from verl_ds4.models.ds4.model_config import ds4_transformer_config
 
-    result = {}
-    for name in MODELS:
-        cfg = hf_config(model_block(name))
-        with torch.device("meta"):
-            hf = DeepseekV4ForCausalLM(cfg)
-            ours = DS4Model(ds4_transformer_config(cfg, dtype=torch.bfloat16), vocab_size=cfg.vocab_size)
-        assert next(ours.parameters()).is_meta and next(hf.parameters()).is_meta
-        result[name] = (count(hf.named_parameters(), HF_COMPONENTS, "hf"), count(ours.named_parameters(), OURS_COMPONENTS, "ours"))
-        del hf, ours
-    return result
+    parallel_state.initialize_model_parallel()
+    try:
+        result = {}
+        for name in MODELS:
+            cfg = hf_config(model_block(name))
+            with torch.device("meta"):
+                hf = DeepseekV4ForCausalLM(cfg)
+                ours = DS4Model(ds4_transformer_config(cfg, dtype=torch.bfloat16), vocab_size=cfg.vocab_size)
+            assert next(ours.parameters()).is_meta and next(hf.parameters()).is_meta
+            plain = lambda counts: {k: dict(v) for k, v in counts.items()}  # noqa: E731  (picklable)
+            result[name] = (plain(count(hf.named_parameters(), HF_COMPONENTS, "hf")),
+                            plain(count(ours.named_parameters(), OURS_COMPONENTS, "ours")))
+            del hf, ours
+        return result
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def counts():
+    """Per-layer, per-component element counts of both full-size builds, for Flash and Pro."""
+    from verl_ds4.mcore.distributed import run_distributed
+
+    built = run_distributed(_build_counts, world_size=1, timeout=300)[0]
+    return {name: tuple({k: collections.Counter(v) for k, v in side.items()} for side in pair) for name, pair in built.items()}
 
 
 @pytest.mark.parametrize("name", MODELS)
