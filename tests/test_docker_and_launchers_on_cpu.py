@@ -395,15 +395,21 @@ def test_ray_node_commands_dry_run(fake_bin):
     worker = _run("scripts/ray_cluster.sh", "--dry-run", "start-worker", fake_bin=fake_bin, env=env)
     wait = _run("scripts/ray_cluster.sh", "--dry-run", "wait-nodes", fake_bin=fake_bin, env=env)
     stop = _run("scripts/ray_cluster.sh", "--dry-run", "stop", fake_bin=fake_bin, env=env)
-    assert all(p.returncode == 0 for p in (head, worker, wait, stop))
+    stop_all = _run("scripts/ray_cluster.sh", "--dry-run", "stop", "--all", fake_bin=fake_bin, env=env)
+    assert all(p.returncode == 0 for p in (head, worker, wait, stop, stop_all))
     _assert_nothing_ran(fake_bin)
     [h] = _commands(head.stdout)
     assert h[:3] == ["ray", "start", "--head"] and "--num-gpus=4" in h and "--block" in h
     assert "--node-ip-address=10.0.0.1" in h and "--dashboard-host=0.0.0.0" in h
-    assert _commands(worker.stdout) == [["ray", "start", "--address=10.0.0.1:6379", "--num-gpus=4"]]
+    # Without --block the script owns the node: `ray start --block` in the background under a PID file.
+    assert _commands(worker.stdout) == [["ray", "start", "--address=10.0.0.1:6379", "--num-gpus=4", "--block"]]
+    assert worker.stdout.rstrip().endswith("&") and "/tmp/verl-ds4-ray/worker/ray_start.log" in worker.stdout
     [w] = _commands(wait.stdout)
     assert w[1:] == ["scripts/ray_wait_nodes.py", "--nodes", "3", "--timeout", "600", "--address", "10.0.0.1:6379"]
-    assert _commands(stop.stdout) == [["ray", "stop"]]
+    # `stop` stops the nodes this script started, by PID; `ray stop` (every Ray on the host) only with --all.
+    assert [c[:2] for c in _commands(stop.stdout)] == [["kill", "-TERM"], ["kill", "-TERM"]]
+    assert "/tmp/verl-ds4-ray/head/ray_start.pid" in stop.stdout
+    assert _commands(stop_all.stdout) == [["ray", "stop"]]
 
 
 @pytest.mark.parametrize(
