@@ -135,8 +135,11 @@ ds4_require_free_port() {
     [[ $port =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] ||
         ds4_die "$name=$port is not a TCP port (expected 1-65535)"
     local why
+    # SO_REUSEADDR as the servers set it (torchrun's TCPStore, Ray's GCS): a port whose last
+    # connections wait in TIME_WAIT (a job just cancelled) is free; one something listens on is not.
     if ! why=$("$PYTHON" -c 'import socket, sys
 s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 try:
     s.bind(("", int(sys.argv[1])))
 except OSError as e:
@@ -282,7 +285,8 @@ ds4_slurm_hosts() {
     fi
     [ -n "${SLURM_JOB_NODELIST:-}" ] || ds4_die "not inside a Slurm allocation (no SLURM_JOB_NODELIST): submit with scripts/slurm_submit.sh, or pass --dry-run"
     local hosts
-    if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>&1) || [ -z "$hosts" ]; then
+    # scontrol passes a malformed range (node[1-) through as one "host": brackets left mean it did not parse.
+    if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>&1) || [ -z "$hosts" ] || grep -q '[][,]' <<<"$hosts"; then
         ds4_die "cannot parse the node list SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST' (scontrol show hostnames: ${hosts:-no host}): expected a Slurm host list such as node[1-4],gpu7"
     fi
     mapfile -t DS4_HOSTS <<<"$hosts"
