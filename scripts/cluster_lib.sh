@@ -384,23 +384,35 @@ ds4_stop_bg_steps() {
 }
 
 # After a node-per-task step: the tail of node 0's log when every node succeeded (its console
-# summary); else, for every node whose task failed or never reported, its log tail. Exits with the
-# step's status (non-zero when a node failed).
+# summary); else the log tail of every node whose task failed (first) or was stopped before it
+# reported (srun ends the other tasks once one fails). Exits with the first failed node's status
+# (the step's when no node reported one).
 ds4_report_nodes() {
-    local dir=$1 status=$2 i rc failed=0
+    local dir=$1 status=$2 i rc first=""
+    local -a failed_nodes=() stopped_nodes=()
     for ((i = 0; i < NNODES; i++)); do
-        rc=$(cat "$dir/node$i.status" 2>/dev/null || echo "none")
-        if [ "$rc" != 0 ]; then
-            failed=1
-            echo "[verl-ds4] node $i (${DS4_HOSTS[$i]:-?}) failed: exit status $rc" >&2
-            ds4_log_tail "node $i (${DS4_HOSTS[$i]:-?})" "$dir/node$i.log"
+        rc=$(cat "$dir/node$i.status" 2>/dev/null || echo none)
+        if [ "$rc" = none ]; then
+            stopped_nodes+=("$i")
+        elif [ "$rc" != 0 ]; then
+            failed_nodes+=("$i")
+            [ -n "$first" ] || first=$rc
         fi
     done
-    if [ "$failed" = 0 ] && [ "$status" = 0 ]; then
+    if [ ${#failed_nodes[@]} -eq 0 ] && [ ${#stopped_nodes[@]} -eq 0 ] && [ "$status" = 0 ]; then
         ds4_say "all $NNODES node(s) finished; node 0's log ends:"
         tail -n 20 "$dir/node0.log"
         return 0
     fi
+    for i in "${failed_nodes[@]+"${failed_nodes[@]}"}"; do
+        echo "[verl-ds4] node $i (${DS4_HOSTS[$i]:-?}) failed: exit status $(cat "$dir/node$i.status")" >&2
+        ds4_log_tail "node $i (${DS4_HOSTS[$i]:-?})" "$dir/node$i.log"
+    done
+    for i in "${stopped_nodes[@]+"${stopped_nodes[@]}"}"; do
+        echo "[verl-ds4] node $i (${DS4_HOSTS[$i]:-?}) was stopped before it finished (srun ends every task once one fails; or the job was cancelled)" >&2
+        ds4_log_tail "node $i (${DS4_HOSTS[$i]:-?})" "$dir/node$i.log" 15
+    done
+    status=${first:-$status}
     [ "$status" != 0 ] || status=1
     echo "[verl-ds4] FAILED (exit $status); node logs: $dir" >&2
     exit "$status"

@@ -181,7 +181,7 @@ def test_local_slurm_has_two_idle_nodes_that_run_a_step_each(slurm):
 
 def _sft_env(slurm, work: Path, marker: str, port: int, **extra: str) -> dict[str, str]:
     return slurm.env(marker, DS4_DEVICE="cpu", NNODES="2", WORK_DIR=str(work), CLUSTER_LOG_DIR=str(work / "slurm"),
-                     MASTER_PORT=str(port), **SFT, **extra)
+                     MASTER_PORT=str(port), **{**SFT, **extra})
 
 
 def _node0_losses(work: Path) -> dict[int, float]:
@@ -273,6 +273,33 @@ def test_scancel_after_a_checkpoint_then_the_same_submission_resumes_exactly(slu
     _assert_nothing_left(marker, f"the resumed job {job2}")
 
 
+def test_a_failing_sft_job_prints_each_failed_nodes_log_tail(slurm, tmp_path):
+    work = tmp_path / "work"
+    marker = uuid.uuid4().hex
+    job_id, _ = slurm.submit(["sft", "trainer.no_such_knob=1"],
+                             _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-bad", STEPS="2"))
+    info = slurm.wait(job_id)
+    out = (work / "slurm" / f"ds4-sft-bad-{job_id}.out").read_text(errors="replace")
+    print(f"\nfailing SFT job {job_id}: {info['JobState']} {info['ExitCode']}\n{out[-2500:]}")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
+    node_logs = work / "slurm" / f"ds4-sft-bad-{job_id}"
+    # Each node's task fails on the bad override; whichever fails first, srun stops the other before it reports.
+    statuses = {rank: (node_logs / f"node{rank}.status").read_text().strip()
+                for rank in (0, 1) if (node_logs / f"node{rank}.status").exists()}
+    assert statuses and all(rc != "0" for rc in statuses.values()), statuses
+    for rank, node in ((0, "ds4n1"), (1, "ds4n2")):
+        if rank in statuses:
+            assert f"[verl-ds4] node {rank} ({node}) failed: exit status {statuses[rank]}" in out, out[-4000:]
+            assert f"---- node {rank} ({node}): last 40 lines of {node_logs}/node{rank}.log ----" in out
+        else:
+            assert f"[verl-ds4] node {rank} ({node}) was stopped before it finished" in out, out[-4000:]
+    assert "no_such_knob" in out  # the tail shows why
+    first = next(iter(statuses.values()))
+    assert f"[verl-ds4] FAILED (exit {first})" in out and "all 2 node(s) finished" not in out
+    assert info["ExitCode"] == f"{first}:0", info
+    _assert_nothing_left(marker, f"the failed SFT job {job_id}")
+
+
 # ------------------------------------------------------------------------------------- Ray, two nodes
 
 
@@ -348,7 +375,7 @@ def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
 def _ppo_env(slurm, work: Path, marker: str, **extra: str) -> dict[str, str]:
     return slurm.env(marker, DS4_DEVICE="cpu", NNODES="2", WORK_DIR=str(work), CLUSTER_LOG_DIR=str(work / "slurm"),
                      RAY_NODE_PORTS="auto", RAY_TEMP_DIR=f"/tmp/ds4ray-{marker[:8]}", RAY_PORT=str(_free_port()),
-                     RAY_DASHBOARD_PORT=str(_free_port()), **PPO, **extra)
+                     RAY_DASHBOARD_PORT=str(_free_port()), **{**PPO, **extra})
 
 
 def test_slurm_ppo_runs_ray_on_two_nodes_and_tears_it_down(slurm, tmp_path):
