@@ -153,7 +153,9 @@ SlurmctldPort=$ctld_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$munge_socket
+# cred_expire: how long a step credential lives, and so how long Slurm holds a requeued job (default 120 s;
+# a requeued job started sooner is killed as "Job credential revoked"). 15 s: rehearse requeues quickly.
+AuthInfo=socket=$munge_socket,cred_expire=15
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

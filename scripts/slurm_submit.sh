@@ -91,7 +91,10 @@ if [ "$DS4_DEVICE" = gpu ]; then
 else
     sbatch_args+=(--gpus-per-node=0)
 fi
+# --requeue: a job Slurm requeues (preemption, node failure, `scontrol requeue`) runs the batch script
+# again, and the launchers resume from the last checkpoint in CKPT_DIR / WORK_DIR.
 sbatch_args+=(
+    --requeue
     --exclusive
     --chdir="$REPO_ROOT"
     --output="$CLUSTER_LOG_DIR/%x-%j.out"

@@ -42,7 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = int(os.environ.get("VERL_DS4_CLUSTER_TEST_TIMEOUT_S", "600"))
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                 "DEADLINE"}
-SFT = {"STEPS": "6", "SAVE_FREQ": "2", "N_TRAIN": "64"}
+# 128 conversations, batch 16: the 6 steps stay in the first epoch. (Resuming from a checkpoint written at the end
+# of an epoch does not continue exactly in verl 0.9.1's SFT trainer: with 64 conversations, a resume from step 4
+# gave step 5 a loss of 3.3643 against 3.3984 uninterrupted, the same on one node without Slurm.)
+SFT = {"STEPS": "6", "SAVE_FREQ": "2", "N_TRAIN": "128"}
 PPO = {"STEPS": "2", "N_TRAIN": "32"}
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Slurm and the /proc checks need Linux")
@@ -234,40 +237,65 @@ def test_slurm_sft_runs_on_two_nodes_and_leaves_its_checkpoint(sft_reference):
     _assert_nothing_left(ref["marker"], "the finished SFT job")
 
 
-def test_scancel_after_a_checkpoint_then_the_same_submission_resumes_exactly(slurm, sft_reference, tmp_path):
+def _wait_for_checkpoint(slurm, job_id: str, tracker: Path, step: int) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (tracker.exists() and tracker.read_text().strip() == str(step)):
+        state = slurm.job(job_id).get("JobState")
+        assert state not in FINAL_STATES, f"job {job_id} ended ({state}) before its step-{step} checkpoint"
+        assert time.monotonic() < deadline, f"no step-{step} checkpoint in time"
+        time.sleep(0.2)
+
+
+def test_requeue_then_scancel_then_the_same_submission_resume_exactly(slurm, sft_reference, tmp_path):
+    """Two interruptions of one 6-step run (checkpoints every 2 steps): ``scontrol requeue`` after step 2 (Slurm
+    kills the job and runs its batch script again), then ``scancel`` after step 4 and the same ``slurm_submit.sh``
+    command again. Each continuation starts at the step after the last checkpoint, and every step equals the
+    uninterrupted run's."""
     ref = sft_reference["losses"]
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
     env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut")
     tracker = work / "checkpoints" / "latest_checkpointed_iteration.txt"
+    seen: dict[str, dict[int, float]] = {}
+
     job_id, _ = slurm.submit(["sft"], env)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (tracker.exists() and tracker.read_text().strip() == "2"):
-        state = slurm.job(job_id).get("JobState")
-        assert state not in FINAL_STATES, f"the job ended ({state}) before its step-2 checkpoint"
-        assert time.monotonic() < deadline, "no step-2 checkpoint in time"
+    _wait_for_checkpoint(slurm, job_id, tracker, 2)
+    assert _run(["scontrol", "requeue", job_id], env).returncode == 0
+    # Slurm holds a requeued job for its credential lifetime (local_slurm.sh: cred_expire=15 s), then runs it again.
+    deadline = time.monotonic() + 60
+    while slurm.job(job_id).get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, slurm.job(job_id)
         time.sleep(0.2)
+    seen["first run"] = _node0_losses(work)
+    _wait_for_checkpoint(slurm, job_id, tracker, 4)
+    info = slurm.job(job_id)
+    assert info.get("Restarts") == "1", info
     cancel = _run(["scancel", job_id], env)
     assert cancel.returncode == 0, cancel.stderr
     info = slurm.wait(job_id, timeout=120)
     assert info["JobState"] == "CANCELLED", info
     _assert_nothing_left(marker, f"the cancelled job {job_id}")
     last = int(tracker.read_text().strip())
-    assert last in (2, 4), f"checkpoint {last}: the job was cancelled after step 6 finished"
-    cut = _node0_losses(work)
-    assert all(cut[s] == ref[s] for s in range(1, last + 1)), (cut, ref)
+    assert last in (4, 6), f"checkpoint {last}"
+    out = (work / "slurm" / f"ds4-sft-cut-{job_id}.out").read_text(errors="replace")
+    assert "[verl-ds4] restart     1 of this job (requeued)" in out, out
+    seen["requeued"] = _node0_losses(work)
 
     # The same command again: the launcher's resume_mode=auto continues from the last checkpoint.
     job2, _ = slurm.submit(["sft"], env)
     info2 = slurm.wait(job2)
-    out = (work / "slurm" / f"ds4-sft-cut-{job2}.out").read_text()
-    assert info2["JobState"] == "COMPLETED", (info2, out)
-    resumed = _node0_losses(work)
-    steps = list(range(last + 1, 7))
-    print(f"\ncancelled after checkpoint {last}; resumed steps {steps}:\n"
-          + "\n".join(f"  step {s}: uninterrupted {ref[s]!r}  resumed {resumed[s]!r}" for s in steps))
-    assert sorted(resumed) == steps, f"the resumed job should run steps {steps}, ran {sorted(resumed)}"
-    assert {s: resumed[s] for s in steps} == {s: ref[s] for s in steps}
+    out2 = (work / "slurm" / f"ds4-sft-cut-{job2}.out").read_text(errors="replace")
+    assert info2["JobState"] == "COMPLETED", (info2, out2)
+    seen["resubmitted"] = _node0_losses(work)
+
+    print("\n" + "\n".join(f"  {name}: " + ", ".join(f"step {s} {v!r}" for s, v in sorted(losses.items()))
+                            for name, losses in seen.items()))
+    print("  uninterrupted: " + ", ".join(f"step {s} {v!r}" for s, v in sorted(ref.items())))
+    assert sorted(seen["first run"])[:2] == [1, 2]
+    assert sorted(seen["requeued"])[0] == 3, "the requeued job should start at step 3"
+    assert sorted(seen["resubmitted"]) == list(range(last + 1, 7)), seen["resubmitted"]
+    for losses in seen.values():
+        assert {s: ref[s] for s in losses} == losses
     # Negative control: the compared losses are not constants (each step's differs from the others').
     assert len({ref[s] for s in range(1, 7)}) == 6
     _assert_nothing_left(marker, f"the resumed job {job2}")
