@@ -150,6 +150,25 @@ finally:
     fi
 }
 
+# Ray's token authentication, the same for every node and client of the cluster. Ray 2.60's
+# `ray start --head` turns it on by itself when a token file exists (~/.ray/auth_token, which a local
+# `ray.init()` writes), while `ray start --address` and clients do not: a worker then fails with
+# "InvalidAuthToken". So unless RAY_AUTH_MODE is set, it is set here to what the head will do: token
+# when RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH's file or ~/.ray/auth_token exists (every node needs that
+# token), disabled otherwise. Exported for the commands that follow; DS4_RAY_AUTH says why.
+ds4_ray_auth_mode() {
+    if [ -n "${RAY_AUTH_MODE:-}" ]; then
+        DS4_RAY_AUTH="$RAY_AUTH_MODE (RAY_AUTH_MODE)"
+    elif [ -n "${RAY_AUTH_TOKEN:-}" ]; then
+        RAY_AUTH_MODE=token DS4_RAY_AUTH="token (RAY_AUTH_TOKEN)"
+    elif [ -f "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; then
+        RAY_AUTH_MODE=token DS4_RAY_AUTH="token (${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token} exists, and ray start --head would enable it)"
+    else
+        RAY_AUTH_MODE=disabled DS4_RAY_AUTH="disabled (no Ray token on this node)"
+    fi
+    export RAY_AUTH_MODE DS4_RAY_AUTH
+}
+
 # The last lines of a node's log, framed, for a failure report.
 ds4_log_tail() {
     local label=$1 log=$2 lines=${3:-40}

@@ -50,6 +50,9 @@
 #                      node/object manager, Ray client server) on ports free now and workers on
 #                      OS-assigned ports, so that two nodes can share one host; empty: Ray's defaults
 #   RAY_START_TIMEOUT  seconds start-head / start-worker wait for the node (default 120)
+#   RAY_AUTH_MODE      Ray's token authentication (token | disabled); unset: token when a Ray token is
+#                      on this node (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as
+#                      `ray start --head` decides by itself, else disabled; the same for every command
 #
 # DS4_DEVICE=cpu (rehearsal on a laptop or a CPU cluster): nodes offer NPROC_PER_NODE logical GPUs
 # (default 2 on one node, 1 per node on more; verl's CPU platform schedules its processes on them)
@@ -99,6 +102,7 @@ RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-120}
 
 ds4_require_device
 ds4_require_positive_int GPUS_PER_NODE
+ds4_ray_auth_mode
 case "$RAY_NODE_PORTS" in
     "" | auto) ;;
     *) ds4_die "RAY_NODE_PORTS=$RAY_NODE_PORTS: expected auto (free ports for this node's services) or empty (Ray's defaults)" ;;
@@ -256,6 +260,7 @@ case "$command_name" in
         fi
         ds4_say "ray head    GCS ${RAY_HEAD_IP:-<this node>}:$RAY_PORT, job API http://${RAY_HEAD_IP:-<this node>}:$RAY_DASHBOARD_PORT"
         ds4_say "resources   ${RESOURCE_ARGS[*]}"
+        ds4_say "auth        $DS4_RAY_AUTH"
         start_node head --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 \
             --dashboard-port="$RAY_DASHBOARD_PORT" "${RESOURCE_ARGS[@]}" "$@"
         ;;
@@ -264,6 +269,7 @@ case "$command_name" in
         ray_resource_args
         ds4_say "ray worker  joins the head at $RAY_HEAD_IP:$RAY_PORT"
         ds4_say "resources   ${RESOURCE_ARGS[*]}"
+        ds4_say "auth        $DS4_RAY_AUTH"
         start_node worker --address="$RAY_HEAD_IP:$RAY_PORT" "${RESOURCE_ARGS[@]}" "$@"
         ;;
     wait-nodes)

@@ -24,6 +24,7 @@ left. The daemons the fixture started are stopped by PID at the end, whatever ha
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -331,13 +332,19 @@ def test_a_failing_sft_job_prints_each_failed_nodes_log_tail(slurm, tmp_path):
 # ------------------------------------------------------------------------------------- Ray, two nodes
 
 
-def _actors_by_class(dashboard: str) -> dict[str, set[str]]:
-    from ray.util.state import list_actors
-
+def _actors_by_class(dashboard: str, env: dict[str, str]) -> dict[str, set[str]]:
+    """Ray's state API in a child process with the cluster's auth mode: {actor class: node ids it ran on}."""
+    code = (
+        "import json, sys\n"
+        "from ray.util.state import list_actors\n"
+        "print(json.dumps([[a.class_name, a.node_id] for a in list_actors(address=sys.argv[1], limit=10000, "
+        "detail=True, raise_on_missing_output=False)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, dashboard], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
     by_class: dict[str, set[str]] = {}
-    for actor in list_actors(address=dashboard, limit=10000, detail=True, raise_on_missing_output=False):
-        name = actor.class_name.rsplit(".", 1)[-1]
-        by_class.setdefault(name, set()).add(actor.node_id)
+    for class_name, node_id in json.loads(out.stdout.strip().splitlines()[-1]):
+        by_class.setdefault(class_name.rsplit(".", 1)[-1], set()).add(node_id)
     return by_class
 
 
@@ -352,6 +359,7 @@ def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
     try:
         started = time.monotonic()
         out = _run(["bash", "scripts/ray_cluster.sh", "start-head"], head, timeout=300)
+        head_out = out.stdout
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"GCS 127.0.0.1:{gcs}, job API http://127.0.0.1:{dashboard}" in out.stdout
         assert "--num-gpus=1 --num-cpus=16" in out.stdout and f"{tmp_path / 'head'}/ray_start.log" in out.stdout
@@ -384,7 +392,8 @@ def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
 
         [alive] = [line for line in wait.stdout.splitlines() if line.startswith("ray cluster: 2 of 2")]
         nodes = set(re.findall(r"\b([0-9a-f]{12}) \(", alive))
-        by_class = _actors_by_class(f"http://127.0.0.1:{dashboard}")
+        auth = re.search(r"\[verl-ds4\] auth +(\w+)", head_out).group(1)
+        by_class = _actors_by_class(f"http://127.0.0.1:{dashboard}", dict(env, RAY_AUTH_MODE=auth))
         print({k: sorted(n[:8] for n in v) for k, v in by_class.items()})
         all_nodes = set().union(*by_class.values())
         assert len(all_nodes) == 2 and {n[:12] for n in all_nodes} == nodes, (all_nodes, nodes)
