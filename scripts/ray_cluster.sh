@@ -45,7 +45,8 @@
 #   EXTRA_ENV_VARS     more env variable names to carry to the job, space separated
 #   RAY_NODE_DIR       this node's PID file and log (default /tmp/verl-ds4-ray/{head,worker}; stop
 #                      without it stops both of those)
-#   RAY_TEMP_DIR       Ray's --temp-dir on this node (default: Ray's, /tmp/ray)
+#   RAY_TEMP_DIR       Ray's --temp-dir on this node (default: Ray's, /tmp/ray); with RAY_NODE_PORTS=auto
+#                      a worker takes a fresh folder under it (nodes on one host must not share one)
 #   RAY_NODE_PORTS     auto: this node's own services (dashboard agent, runtime-env agent, metrics,
 #                      node/object manager, Ray client server) on ports free now and workers on
 #                      OS-assigned ports, so that two nodes can share one host; empty: Ray's defaults
@@ -125,7 +126,19 @@ ray_resource_args() {
         ds4_require_positive_int RAY_NUM_CPUS
         RESOURCE_ARGS+=(--num-cpus="$RAY_NUM_CPUS")
     fi
-    [ -n "$RAY_TEMP_DIR" ] && RESOURCE_ARGS+=(--temp-dir="$RAY_TEMP_DIR")
+    NODE_TEMP_DIR=$RAY_TEMP_DIR
+    if [ "$RAY_NODE_PORTS" = auto ] && [ "$1" = worker ]; then
+        # Nodes that share a host must not share a temp dir: each node's runtime-env agent unpacks and
+        # deletes the job's working_dir there, under the other node's running workers (seen: a worker
+        # whose working directory vanished died in torch's import, "oneMKL FATAL ERROR: Cannot load").
+        if [ "$DRY_RUN" = 1 ]; then
+            NODE_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ray}/worker-XXXXXX
+        else
+            mkdir -p "${RAY_TEMP_DIR:-/tmp/ray}"
+            NODE_TEMP_DIR=$(mktemp -d "${RAY_TEMP_DIR:-/tmp/ray}/worker-XXXXXX")
+        fi
+    fi
+    [ -n "$NODE_TEMP_DIR" ] && RESOURCE_ARGS+=(--temp-dir="$NODE_TEMP_DIR")
     if [ "$RAY_NODE_PORTS" = auto ]; then
         if [ "$DRY_RUN" = 1 ]; then
             RESOURCE_ARGS+=(--node-manager-port=FREE --object-manager-port=FREE --dashboard-agent-listen-port=FREE
@@ -167,7 +180,7 @@ start_node() {
     done
     local dir pid
     dir=$(node_dir "$role")
-    ds4_say "log         $dir/ray_start.log (PID file $dir/ray_start.pid; Ray's own logs: ${RAY_TEMP_DIR:-/tmp/ray}/session_latest/logs)"
+    ds4_say "log         $dir/ray_start.log (PID file $dir/ray_start.pid; Ray's own logs: ${NODE_TEMP_DIR:-/tmp/ray}/session_latest/logs)"
     if [ "$DRY_RUN" = 1 ]; then
         ds4_print_cmd ray start "$@" --block | sed 's/$/ \&/'
         return
@@ -250,7 +263,7 @@ command_name=$1
 shift
 case "$command_name" in
     start-head)
-        ray_resource_args
+        ray_resource_args head
         ds4_require_free_port RAY_PORT "$RAY_PORT"
         ds4_require_free_port RAY_DASHBOARD_PORT "$RAY_DASHBOARD_PORT"
         # Without RAY_HEAD_IP, Ray picks this node's address itself.
@@ -266,7 +279,7 @@ case "$command_name" in
         ;;
     start-worker)
         [ -n "${RAY_HEAD_IP:-}" ] || ds4_die "start-worker needs RAY_HEAD_IP, the head node's address (e.g. export RAY_HEAD_IP=10.0.0.1)"
-        ray_resource_args
+        ray_resource_args worker
         ds4_say "ray worker  joins the head at $RAY_HEAD_IP:$RAY_PORT"
         ds4_say "resources   ${RESOURCE_ARGS[*]}"
         ds4_say "auth        $DS4_RAY_AUTH"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -404,6 +405,7 @@ def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
             subprocess.run(["bash", "scripts/ray_cluster.sh", "stop"], cwd=REPO, env=node, capture_output=True,
                            timeout=120)
     _assert_nothing_left(marker, "the two Ray nodes")
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- Slurm PPO
@@ -434,6 +436,7 @@ def test_slurm_ppo_runs_ray_on_two_nodes_and_tears_it_down(slurm, tmp_path):
     for log in ("ray-head.log", "ray-worker-0.log"):
         assert "Ray runtime started" in (work / "slurm" / f"ds4-ppo-{job_id}" / log).read_text(errors="replace")
     _assert_nothing_left(marker, f"the Slurm PPO job {job_id}")
+    shutil.rmtree(f"/tmp/ds4ray-{marker[:8]}", ignore_errors=True)
 
 
 def test_slurm_ppo_job_exits_with_the_trainers_status_and_the_node_log_tails(slurm, tmp_path):
@@ -448,6 +451,7 @@ def test_slurm_ppo_job_exits_with_the_trainers_status_and_the_node_log_tails(slu
     assert "---- Ray head (ds4n1): last 40 lines of" in out and "---- Ray worker 0 (ds4n2): last 40 lines" in out
     assert "[verl-ds4] FAILED (exit 2)" in out
     _assert_nothing_left(marker, f"the failed Slurm PPO job {job_id}")
+    shutil.rmtree(f"/tmp/ds4ray-{marker[:8]}", ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- bad input
