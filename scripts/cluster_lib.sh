@@ -15,6 +15,11 @@ DS4_RECIPE_KNOBS=(MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE PP EP CP
 
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
+# The device switch: gpu (default) runs the DS4-Flash recipes' launchers on GPUs; cpu runs the CPU
+# jobs (the tiny DS4: scripts/run_ds4_proxy_sft_cpu.sh, scripts/run_ds4_proxy_ppo_cpu.sh) through the
+# same batch scripts, rendezvous and Ray cluster. It changes the device, the local launcher and the
+# process counts (NPROC_PER_NODE CPU processes, logical Ray GPUs), nothing else.
+DS4_DEVICE=${DS4_DEVICE:-gpu}
 
 ds4_die() {
     echo "error: $*" >&2
@@ -72,12 +77,108 @@ ds4_require_positive_int() {
     fi
 }
 
-# Local launcher of a recipe, relative to the repository root.
+ds4_say() {
+    echo "[verl-ds4] $*"
+}
+
+ds4_require_device() {
+    case "$DS4_DEVICE" in
+        gpu | cpu) ;;
+        *) ds4_die "DS4_DEVICE=$DS4_DEVICE: expected gpu (the default) or cpu (the tiny DS4 CPU jobs, for rehearsals)" ;;
+    esac
+}
+
+# Local launcher of a recipe, relative to the repository root (DS4_DEVICE=cpu: the CPU job's).
 ds4_recipe_script() {
-    case "$1" in
-        sft | ppo | grpo) printf 'scripts/run_deepseek_v4_flash_%s_megatron.sh' "$1" ;;
+    case "$DS4_DEVICE:$1" in
+        gpu:sft | gpu:ppo | gpu:grpo) printf 'scripts/run_deepseek_v4_flash_%s_megatron.sh' "$1" ;;
+        cpu:sft) printf 'scripts/run_ds4_proxy_sft_cpu.sh' ;;
+        cpu:ppo | cpu:grpo) printf 'scripts/run_ds4_proxy_ppo_cpu.sh' ;;
         *) ds4_die "unknown recipe '$1': expected one of sft, ppo, grpo" ;;
     esac
+}
+
+# Processes (torchrun ranks, Ray logical GPUs) per node into NPROC_PER_NODE: GPUS_PER_NODE on GPUs;
+# on CPUs NPROC_PER_NODE (default: the CPU main job's 2 processes spread over the nodes: 2 on one
+# node, 1 per node on more).
+ds4_procs_per_node() {
+    if [ "$DS4_DEVICE" = cpu ]; then
+        if [ -z "${NPROC_PER_NODE:-}" ]; then
+            NPROC_PER_NODE=1
+            [ "${NNODES:-1}" = 1 ] && NPROC_PER_NODE=2
+        fi
+        ds4_require_positive_int NPROC_PER_NODE
+    else
+        if [ -n "${NPROC_PER_NODE:-}" ] && [ "$NPROC_PER_NODE" != "$GPUS_PER_NODE" ]; then
+            ds4_die "NPROC_PER_NODE=$NPROC_PER_NODE but GPUS_PER_NODE=$GPUS_PER_NODE: on GPUs there is one process per GPU (unset NPROC_PER_NODE; it is for DS4_DEVICE=cpu)"
+        fi
+        NPROC_PER_NODE=$GPUS_PER_NODE
+    fi
+}
+
+# The knobs a GPU job cannot run without (the local launchers' defaults point into $HOME, which on a
+# cluster is rarely where the checkpoint and data are): refused before any node starts.
+ds4_require_job_knobs() {
+    [ "$DS4_DEVICE" = gpu ] && [ "$DRY_RUN" != 1 ] || return 0
+    local name
+    for name in MODEL_PATH TRAIN_FILES; do
+        if [ -z "${!name:-}" ]; then
+            ds4_die "$name is not set: a GPU job needs it on every node (e.g. export MODEL_PATH=/ckpt/DeepSeek-V4-Flash TRAIN_FILES=/data/train.parquet); nothing was submitted or started"
+        fi
+    done
+}
+
+# Refuse a TCP port that something on this host listens on (or that cannot be bound).
+ds4_require_free_port() {
+    local name=$1 port=$2 where=${3:-$(hostname -s)}
+    [ "$DRY_RUN" = 1 ] && return 0
+    [[ $port =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] ||
+        ds4_die "$name=$port is not a TCP port (expected 1-65535)"
+    local why
+    # SO_REUSEADDR as the servers set it (torchrun's TCPStore, Ray's GCS): a port whose last
+    # connections wait in TIME_WAIT (a job just cancelled) is free; one something listens on is not.
+    if ! why=$("$PYTHON" -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as e:
+    print(e.strerror or e); sys.exit(1)
+finally:
+    s.close()' "$port" 2>&1); then
+        ds4_die "$name=$port is in use on $where ($why): pick a free port (export $name=...) or stop what listens there"
+    fi
+}
+
+# Ray's token authentication, the same for every node and client of the cluster. Ray 2.60's
+# `ray start --head` turns it on by itself when a token file exists (~/.ray/auth_token, which a local
+# `ray.init()` writes), while `ray start --address` and clients do not: a worker then fails with
+# "InvalidAuthToken". So unless RAY_AUTH_MODE is set, it is set here to what the head will do: token
+# when RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH's file or ~/.ray/auth_token exists (every node needs that
+# token), disabled otherwise. Exported for the commands that follow; DS4_RAY_AUTH says why.
+ds4_ray_auth_mode() {
+    if [ -n "${RAY_AUTH_MODE:-}" ]; then
+        DS4_RAY_AUTH="$RAY_AUTH_MODE (RAY_AUTH_MODE)"
+    elif [ -n "${RAY_AUTH_TOKEN:-}" ]; then
+        RAY_AUTH_MODE=token DS4_RAY_AUTH="token (RAY_AUTH_TOKEN)"
+    elif [ -f "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; then
+        RAY_AUTH_MODE=token DS4_RAY_AUTH="token (${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token} exists, and ray start --head would enable it)"
+    else
+        RAY_AUTH_MODE=disabled DS4_RAY_AUTH="disabled (no Ray token on this node)"
+    fi
+    export RAY_AUTH_MODE DS4_RAY_AUTH
+}
+
+# The last lines of a node's log, framed, for a failure report.
+ds4_log_tail() {
+    local label=$1 log=$2 lines=${3:-40}
+    echo "[verl-ds4] ---- $label: last $lines lines of $log ----" >&2
+    if [ -f "$log" ]; then
+        tail -n "$lines" "$log" >&2
+    else
+        echo "(no log: the node never started its task)" >&2
+    fi
+    echo "[verl-ds4] ---- end of $label ----" >&2
 }
 
 # Check that a recipe's local launcher exists (skipped under DRY_RUN=1, which runs nothing).
@@ -160,7 +261,7 @@ if os.environ.get("DS4_MASK") == "1":
 runtime_env = {"env_vars": dict(sorted(env.items()))}
 if os.environ["DS4_WORKING_DIR"]:
     runtime_env["working_dir"] = os.environ["DS4_WORKING_DIR"]
-    runtime_env["excludes"] = [".git", ".venv", "**/__pycache__", "checkpoints", "outputs", "runs", "wandb"]
+    runtime_env["excludes"] = [".git", ".venv", ".venv*", "**/__pycache__", "checkpoints", "outputs", "runs", "wandb"]
 print(json.dumps(runtime_env, separators=(",", ":")))
 PY
 }
@@ -202,8 +303,26 @@ ds4_slurm_hosts() {
         return
     fi
     [ -n "${SLURM_JOB_NODELIST:-}" ] || ds4_die "not inside a Slurm allocation (no SLURM_JOB_NODELIST): submit with scripts/slurm_submit.sh, or pass --dry-run"
-    mapfile -t DS4_HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-    [ "${#DS4_HOSTS[@]}" -eq "$NNODES" ] || ds4_die "the allocation has ${#DS4_HOSTS[@]} nodes but NNODES=$NNODES: submit with --nodes=$NNODES or leave NNODES unset"
+    local hosts
+    # scontrol passes a malformed range (node[1-) through as one "host": brackets left mean it did not parse.
+    if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>&1) || [ -z "$hosts" ] || grep -q '[][,]' <<<"$hosts"; then
+        ds4_die "cannot parse the node list SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST' (scontrol show hostnames: ${hosts:-no host}): expected a Slurm host list such as node[1-4],gpu7"
+    fi
+    mapfile -t DS4_HOSTS <<<"$hosts"
+    [ "${#DS4_HOSTS[@]}" -eq "$NNODES" ] || ds4_die "the node list '$SLURM_JOB_NODELIST' has ${#DS4_HOSTS[@]} nodes but NNODES=$NNODES: submit with --nodes=$NNODES or leave NNODES unset"
+}
+
+# The address of a node of the allocation as Slurm reaches it (its NodeAddr; the name itself when
+# Slurm has no other), into DS4_NODE_ADDR. Under DRY_RUN=1 the name is used.
+# shellcheck disable=SC2034  # DS4_NODE_ADDR is read by the calling batch script
+ds4_slurm_node_addr() {
+    local node=$1 line
+    DS4_NODE_ADDR=$node
+    [ "$DRY_RUN" = 1 ] && return 0
+    line=$(scontrol show node -o "$node" 2>/dev/null || true)
+    if [[ $line =~ (^|[[:space:]])NodeAddr=([^[:space:]]+) ]]; then
+        DS4_NODE_ADDR=${BASH_REMATCH[2]}
+    fi
 }
 
 # Node count and GPUs per node of the job: the allocation's when inside one, else the knobs.
@@ -271,10 +390,49 @@ ds4_srun_step() {
     fi
 }
 
-# Stop the background steps this script started (their Slurm steps end with them).
+# Stop the background steps this script started (srun passes SIGTERM to its tasks and their Slurm
+# steps end with them), and wait up to 30 s for them to end.
 ds4_stop_bg_steps() {
-    local pid
+    local pid deadline=$((SECONDS + 30))
     for pid in "${DS4_BG_PIDS[@]+"${DS4_BG_PIDS[@]}"}"; do
         kill "$pid" 2>/dev/null || true
     done
+    for pid in "${DS4_BG_PIDS[@]+"${DS4_BG_PIDS[@]}"}"; do
+        while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.5; done
+    done
+}
+
+# After a node-per-task step: the tail of node 0's log when every node succeeded (its console
+# summary); else the log tail of every node whose task failed (first) or was stopped before it
+# reported (srun ends the other tasks once one fails). Exits with the first failed node's status
+# (the step's when no node reported one).
+ds4_report_nodes() {
+    local dir=$1 status=$2 i rc first=""
+    local -a failed_nodes=() stopped_nodes=()
+    for ((i = 0; i < NNODES; i++)); do
+        rc=$(cat "$dir/node$i.status" 2>/dev/null || echo none)
+        if [ "$rc" = none ]; then
+            stopped_nodes+=("$i")
+        elif [ "$rc" != 0 ]; then
+            failed_nodes+=("$i")
+            [ -n "$first" ] || first=$rc
+        fi
+    done
+    if [ ${#failed_nodes[@]} -eq 0 ] && [ ${#stopped_nodes[@]} -eq 0 ] && [ "$status" = 0 ]; then
+        ds4_say "all $NNODES node(s) finished; node 0's log ends:"
+        tail -n 20 "$dir/node0.log"
+        return 0
+    fi
+    for i in "${failed_nodes[@]+"${failed_nodes[@]}"}"; do
+        echo "[verl-ds4] node $i (${DS4_HOSTS[$i]:-?}) failed: exit status $(cat "$dir/node$i.status")" >&2
+        ds4_log_tail "node $i (${DS4_HOSTS[$i]:-?})" "$dir/node$i.log"
+    done
+    for i in "${stopped_nodes[@]+"${stopped_nodes[@]}"}"; do
+        echo "[verl-ds4] node $i (${DS4_HOSTS[$i]:-?}) was stopped before it finished (srun ends every task once one fails; or the job was cancelled)" >&2
+        ds4_log_tail "node $i (${DS4_HOSTS[$i]:-?})" "$dir/node$i.log" 15
+    done
+    status=${first:-$status}
+    [ "$status" != 0 ] || status=1
+    echo "[verl-ds4] FAILED (exit $status); node logs: $dir" >&2
+    exit "$status"
 }

@@ -5,7 +5,16 @@
 #   bash scripts/ray_cluster.sh [--dry-run] start-worker [ray start args...]   # on every other node
 #   bash scripts/ray_cluster.sh [--dry-run] wait-nodes                         # until $NNODES nodes are up
 #   bash scripts/ray_cluster.sh [--dry-run] submit {ppo|grpo} [overrides...]   # from any node
-#   bash scripts/ray_cluster.sh [--dry-run] stop                               # on every node
+#   bash scripts/ray_cluster.sh [--dry-run] stop [--all]                       # on every node
+#
+# start-head / start-worker start this node as `ray start --block` in the background, owned by a
+# process whose PID goes to $RAY_NODE_DIR/ray_start.pid (its output to ray_start.log there), and
+# return once Ray reports the node started (else the log's tail, exit 1). `stop` stops the node(s)
+# recorded under RAY_NODE_DIR by PID: SIGTERM to the owner (Ray stops its processes), then SIGKILL
+# to any process of that node still alive after 20 s; other Ray instances on the host are left
+# alone. `stop --all` is `ray stop` (every Ray process of this user on the host). With an explicit
+# `--block` (as scripts/slurm_ray_rl.sbatch starts nodes under srun) the node runs in the foreground.
+# Before starting, every command prints the node's address, ports, resources and where its log goes.
 #
 # `submit` runs `ray job submit` of the recipe's local launcher
 # (scripts/run_deepseek_v4_flash_{ppo,grpo}_megatron.sh) with a runtime env that carries verl-ds4 to
@@ -34,6 +43,24 @@
 #   RAY_NO_WAIT        1: return after submitting instead of following the job's logs
 #   RAY_WAIT_TIMEOUT   seconds wait-nodes waits for $NNODES nodes (default 600)
 #   EXTRA_ENV_VARS     more env variable names to carry to the job, space separated
+#   RAY_NODE_DIR       this node's PID file and log (default /tmp/verl-ds4-ray/{head,worker}; stop
+#                      without it stops both of those)
+#   RAY_TEMP_DIR       Ray's --temp-dir on this node (default: Ray's, /tmp/ray); with RAY_NODE_PORTS=auto
+#                      a worker takes a fresh folder under it (nodes on one host must not share one)
+#   RAY_NODE_PORTS     auto: this node's own services (dashboard agent, runtime-env agent, metrics,
+#                      node/object manager, Ray client server) on ports free now and workers on
+#                      OS-assigned ports, so that two nodes can share one host; empty: Ray's defaults
+#   RAY_START_TIMEOUT  seconds start-head / start-worker wait for the node (default 120)
+#   RAY_AUTH_MODE      Ray's token authentication (token | disabled); unset: token when a Ray token is
+#                      on this node (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as
+#                      `ray start --head` decides by itself, else disabled; the same for every command
+#
+# DS4_DEVICE=cpu (rehearsal on a laptop or a CPU cluster): nodes offer NPROC_PER_NODE logical GPUs
+# (default 2 on one node, 1 per node on more; verl's CPU platform schedules its processes on them)
+# and RAY_NUM_CPUS logical CPUs (default 16), and `submit` runs the CPU PPO/GRPO job
+# (scripts/run_ds4_proxy_ppo_cpu.sh, the tiny DS4) on NNODES x NPROC_PER_NODE processes, carrying
+# VERL_PLATFORM=cpu and the CPU plugin modules; WORK_DIR must be an absolute path there (the job
+# runs in Ray's copy of the checkout).
 #
 # Example (4 nodes x 8 GPUs, PPO):
 #   RAY_HEAD_IP=10.0.0.1 bash scripts/ray_cluster.sh start-head           # node 0
@@ -68,32 +95,195 @@ RAY_WORKING_DIR=${RAY_WORKING_DIR-$REPO_ROOT}
 RAY_JOB_ID=${RAY_JOB_ID:-}
 RAY_NO_WAIT=${RAY_NO_WAIT:-0}
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
+RAY_NODE_DIR=${RAY_NODE_DIR:-}
+RAY_TEMP_DIR=${RAY_TEMP_DIR:-}
+RAY_NODE_PORTS=${RAY_NODE_PORTS:-}
+RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-120}
 #########################################################################
 
+ds4_require_device
 ds4_require_positive_int GPUS_PER_NODE
+ds4_ray_auth_mode
+case "$RAY_NODE_PORTS" in
+    "" | auto) ;;
+    *) ds4_die "RAY_NODE_PORTS=$RAY_NODE_PORTS: expected auto (free ports for this node's services) or empty (Ray's defaults)" ;;
+esac
+[ "$DS4_DEVICE" = cpu ] && RAY_NUM_CPUS=${RAY_NUM_CPUS:-16}
+
+# A TCP port free on this host now (for RAY_NODE_PORTS=auto).
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1]); s.close()'
+}
 
 ray_resource_args() {
-    RESOURCE_ARGS=(--num-gpus="$GPUS_PER_NODE")
+    if [ "$DS4_DEVICE" = cpu ]; then
+        ds4_procs_per_node   # logical GPUs: the CPU platform's Ray resource for its processes
+        RESOURCE_ARGS=(--num-gpus="$NPROC_PER_NODE")
+    else
+        RESOURCE_ARGS=(--num-gpus="$GPUS_PER_NODE")
+    fi
     if [ -n "$RAY_NUM_CPUS" ]; then
         ds4_require_positive_int RAY_NUM_CPUS
         RESOURCE_ARGS+=(--num-cpus="$RAY_NUM_CPUS")
     fi
+    NODE_TEMP_DIR=$RAY_TEMP_DIR
+    if [ "$RAY_NODE_PORTS" = auto ] && [ "$1" = worker ]; then
+        # Nodes that share a host must not share a temp dir: each node's runtime-env agent unpacks and
+        # deletes the job's working_dir there, under the other node's running workers (seen: a worker
+        # whose working directory vanished died in torch's import, "oneMKL FATAL ERROR: Cannot load").
+        if [ "$DRY_RUN" = 1 ]; then
+            NODE_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ray}/worker-XXXXXX
+        else
+            mkdir -p "${RAY_TEMP_DIR:-/tmp/ray}"
+            NODE_TEMP_DIR=$(mktemp -d "${RAY_TEMP_DIR:-/tmp/ray}/worker-XXXXXX")
+        fi
+    fi
+    [ -n "$NODE_TEMP_DIR" ] && RESOURCE_ARGS+=(--temp-dir="$NODE_TEMP_DIR")
+    if [ "$RAY_NODE_PORTS" = auto ]; then
+        if [ "$DRY_RUN" = 1 ]; then
+            RESOURCE_ARGS+=(--node-manager-port=FREE --object-manager-port=FREE --dashboard-agent-listen-port=FREE
+                --dashboard-agent-grpc-port=FREE --runtime-env-agent-port=FREE --metrics-export-port=FREE)
+        else
+            RESOURCE_ARGS+=(--node-manager-port="$(free_port)" --object-manager-port="$(free_port)"
+                --dashboard-agent-listen-port="$(free_port)" --dashboard-agent-grpc-port="$(free_port)"
+                --runtime-env-agent-port="$(free_port)" --metrics-export-port="$(free_port)")
+        fi
+        RESOURCE_ARGS+=(--min-worker-port=0 --max-worker-port=0)
+    fi
+}
+
+node_dir() {  # this node's PID file and log folder
+    printf '%s' "${RAY_NODE_DIR:-/tmp/verl-ds4-ray/$1}"
+}
+
+# The PID of the `ray start --block` that owns the node in DIR, if it still runs.
+node_owner_pid() {
+    local dir=$1 pid
+    pid=$(cat "$dir/ray_start.pid" 2>/dev/null) || return 1
+    [[ $pid =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "start.*--block" || return 1
+    printf '%s' "$pid"
+}
+
+# start_node ROLE RAY_START_ARGS...: in the foreground with --block among the args, else in the
+# background under a PID file, returning once the node is up.
+start_node() {
+    local role=$1
+    shift
+    local arg
+    for arg in "$@"; do
+        if [ "$arg" = --block ]; then
+            ds4_say "log         this process's output (--block: the node runs in the foreground)"
+            ds4_run ray start "$@"
+            return
+        fi
+    done
+    local dir pid
+    dir=$(node_dir "$role")
+    ds4_say "log         $dir/ray_start.log (PID file $dir/ray_start.pid; Ray's own logs: ${NODE_TEMP_DIR:-/tmp/ray}/session_latest/logs)"
+    if [ "$DRY_RUN" = 1 ]; then
+        ds4_print_cmd ray start "$@" --block | sed 's/$/ \&/'
+        return
+    fi
+    if pid=$(node_owner_pid "$dir"); then
+        ds4_die "a Ray $role started by this script already runs here (pid $pid, RAY_NODE_DIR=$dir): stop it first (bash scripts/ray_cluster.sh stop) or use another RAY_NODE_DIR"
+    fi
+    mkdir -p "$dir"
+    setsid ray start "$@" --block >"$dir/ray_start.log" 2>&1 </dev/null &
+    pid=$!
+    echo "$pid" >"$dir/ray_start.pid"
+    local deadline=$((SECONDS + RAY_START_TIMEOUT))
+    until grep -q "Ray runtime started" "$dir/ray_start.log" 2>/dev/null; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            wait "$pid" 2>/dev/null || true
+            echo "error: the Ray $role did not start (ray start exited)" >&2
+            ds4_log_tail "Ray $role" "$dir/ray_start.log"
+            rm -f "$dir/ray_start.pid"
+            exit 1
+        fi
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            echo "error: the Ray $role did not start within ${RAY_START_TIMEOUT}s (RAY_START_TIMEOUT); stopping it" >&2
+            ds4_log_tail "Ray $role" "$dir/ray_start.log"
+            stop_node "$dir"
+            exit 1
+        fi
+        sleep 0.5
+    done
+    ds4_say "started     Ray $role (owner pid $pid)"
+}
+
+# The processes of a node: its owner and the owner's descendants (Ray's daemons and workers).
+node_processes() {
+    local root=$1
+    ps -e -o pid=,ppid= | awk -v root="$root" '
+        { parent[$1] = $2; pids[NR] = $1 }
+        END {
+            keep[root] = 1; changed = 1
+            while (changed) {
+                changed = 0
+                for (i in pids) { p = pids[i]; if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; changed = 1 } }
+            }
+            for (p in keep) print p
+        }'
+}
+
+stop_node() {
+    local dir=$1 pid
+    if ! pid=$(node_owner_pid "$dir"); then
+        rm -f "$dir/ray_start.pid"
+        return 1
+    fi
+    local -a procs
+    mapfile -t procs < <(node_processes "$pid")
+    ds4_say "stopping    the Ray node of $dir (owner pid $pid, ${#procs[@]} processes)"
+    kill -TERM "$pid" 2>/dev/null || true
+    local deadline=$((SECONDS + 20)) alive p
+    while :; do
+        alive=()
+        for p in "${procs[@]}"; do
+            kill -0 "$p" 2>/dev/null && alive+=("$p")
+        done
+        [ ${#alive[@]} -eq 0 ] && break
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            ds4_say "killing     ${#alive[@]} process(es) of that node still alive 20 s after SIGTERM: ${alive[*]}"
+            kill -KILL "${alive[@]}" 2>/dev/null || true
+            break
+        fi
+        sleep 0.5
+    done
+    wait "$pid" 2>/dev/null || true
+    rm -f "$dir/ray_start.pid"
+}
+
+print_node_plan() {  # role address
+    ds4_say "ray $1    address $2, $DS4_DEVICE: ${RESOURCE_ARGS[*]}"
 }
 
 command_name=$1
 shift
 case "$command_name" in
     start-head)
-        ray_resource_args
+        ray_resource_args head
+        ds4_require_free_port RAY_PORT "$RAY_PORT"
+        ds4_require_free_port RAY_DASHBOARD_PORT "$RAY_DASHBOARD_PORT"
         # Without RAY_HEAD_IP, Ray picks this node's address itself.
         [ -n "${RAY_HEAD_IP:-}" ] && RESOURCE_ARGS+=(--node-ip-address="$RAY_HEAD_IP")
-        ds4_run ray start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 \
+        if [ "$RAY_NODE_PORTS" = auto ]; then
+            if [ "$DRY_RUN" = 1 ]; then RESOURCE_ARGS+=(--ray-client-server-port=FREE); else RESOURCE_ARGS+=(--ray-client-server-port="$(free_port)"); fi
+        fi
+        ds4_say "ray head    GCS ${RAY_HEAD_IP:-<this node>}:$RAY_PORT, job API http://${RAY_HEAD_IP:-<this node>}:$RAY_DASHBOARD_PORT"
+        ds4_say "resources   ${RESOURCE_ARGS[*]}"
+        ds4_say "auth        $DS4_RAY_AUTH"
+        start_node head --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 \
             --dashboard-port="$RAY_DASHBOARD_PORT" "${RESOURCE_ARGS[@]}" "$@"
         ;;
     start-worker)
         [ -n "${RAY_HEAD_IP:-}" ] || ds4_die "start-worker needs RAY_HEAD_IP, the head node's address (e.g. export RAY_HEAD_IP=10.0.0.1)"
-        ray_resource_args
-        ds4_run ray start --address="$RAY_HEAD_IP:$RAY_PORT" "${RESOURCE_ARGS[@]}" "$@"
+        ray_resource_args worker
+        ds4_say "ray worker  joins the head at $RAY_HEAD_IP:$RAY_PORT"
+        ds4_say "resources   ${RESOURCE_ARGS[*]}"
+        ds4_say "auth        $DS4_RAY_AUTH"
+        start_node worker --address="$RAY_HEAD_IP:$RAY_PORT" "${RESOURCE_ARGS[@]}" "$@"
         ;;
     wait-nodes)
         NNODES=${NNODES:-1}
@@ -102,6 +292,9 @@ case "$command_name" in
         wait_args=(--nodes "$NNODES" --timeout "$RAY_WAIT_TIMEOUT")
         # An explicit GCS address also works from another container on the head node.
         [ -n "${RAY_HEAD_IP:-}" ] && wait_args+=(--address "$RAY_HEAD_IP:$RAY_PORT")
+        wait_at="the cluster of this node"
+        [ -n "${RAY_HEAD_IP:-}" ] && wait_at="$RAY_HEAD_IP:$RAY_PORT"
+        ds4_say "wait        for $NNODES Ray node(s) at $wait_at, at most ${RAY_WAIT_TIMEOUT}s"
         ds4_run "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}"
         ;;
     submit)
@@ -114,6 +307,25 @@ case "$command_name" in
             *) ds4_die "unknown RL recipe '$recipe': expected ppo or grpo" ;;
         esac
         script=$(ds4_recipe_script "$recipe")
+        NNODES=${NNODES:-1}
+        ds4_require_positive_int NNODES
+        if [ "$DS4_DEVICE" = cpu ]; then
+            # The CPU job: its recipe, process counts and plugin modules travel in the runtime env.
+            ds4_procs_per_node
+            export DS4_RL_RECIPE=$recipe NNODES NPROC_PER_NODE VERL_PLATFORM=cpu
+            if [ -z "${VERL_USE_EXTERNAL_MODULES:-}" ]; then
+                VERL_USE_EXTERNAL_MODULES=$(sed -n -E 's/^export VERL_USE_EXTERNAL_MODULES=([A-Za-z0-9_.,]+)$/\1/p' "$REPO_ROOT/$script" | head -n 1)
+                export VERL_USE_EXTERNAL_MODULES
+            fi
+            case "${WORK_DIR:-}" in
+                /*) ;;
+                *) ds4_die "WORK_DIR='${WORK_DIR:-}': the CPU job on a Ray cluster needs an absolute WORK_DIR on storage every node sees (it runs in Ray's copy of the checkout), e.g. export WORK_DIR=$REPO_ROOT/runs/ds4_ppo_ray" ;;
+            esac
+            EXTRA_ENV_VARS="${EXTRA_ENV_VARS:-} OMP_NUM_THREADS TOKENIZERS_PARALLELISM"
+            export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+        else
+            ds4_procs_per_node
+        fi
         if [ -n "$RAY_WORKING_DIR" ]; then
             [ -d "$RAY_WORKING_DIR" ] || ds4_die "RAY_WORKING_DIR=$RAY_WORKING_DIR is not a directory"
             ds4_require_recipe_script "$RAY_WORKING_DIR" "$script"
@@ -130,10 +342,30 @@ case "$command_name" in
         submit_args=(--address="$address" --runtime-env-json="$runtime_env")
         [ -n "$RAY_JOB_ID" ] && submit_args+=(--submission-id="$RAY_JOB_ID")
         [ "$RAY_NO_WAIT" = 1 ] && submit_args+=(--no-wait)
+        ds4_say "submit      $recipe ($DS4_DEVICE): $(ds4_recipe_script "$recipe") to $address"
+        ds4_say "processes   $NNODES node(s) x $NPROC_PER_NODE per node"
+        ds4_say "logs        the driver's output follows here (ray job logs <id> --address $address); workers: each node's ${RAY_TEMP_DIR:-/tmp/ray}/session_latest/logs; the job's own: ${WORK_DIR:-WORK_DIR}/logs"
         ds4_run ray job submit "${submit_args[@]}" -- bash "$script" "$@"
         ;;
     stop)
-        ds4_run ray stop "$@"
+        if [ "${1:-}" = --all ]; then
+            shift
+            ds4_run ray stop "$@"
+            exit 0
+        fi
+        [ $# -eq 0 ] || ds4_die "stop takes no arguments but --all (got: $*)"
+        if [ -n "$RAY_NODE_DIR" ]; then dirs=("$RAY_NODE_DIR"); else dirs=("$(node_dir head)" "$(node_dir worker)"); fi
+        if [ "$DRY_RUN" = 1 ]; then
+            for dir in "${dirs[@]}"; do ds4_print_cmd kill -TERM "\$(cat $dir/ray_start.pid)"; done
+            exit 0
+        fi
+        stopped=0
+        for dir in "${dirs[@]}"; do
+            stop_node "$dir" && stopped=$((stopped + 1))
+        done
+        if [ "$stopped" = 0 ]; then
+            ds4_die "no Ray node started by this script runs under ${dirs[*]} (RAY_NODE_DIR); 'stop --all' runs 'ray stop', which stops every Ray process of this user on this host"
+        fi
         ;;
     *)
         usage >&2

@@ -26,16 +26,25 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    ray.init(address=args.address, logging_level="ERROR")
+    where = args.address if args.address != "auto" else "the cluster of this node (address auto)"
+    try:
+        ray.init(address=args.address, logging_level="ERROR")
+    except Exception as err:  # ConnectionError, or Ray's own for a GCS that does not answer
+        print(f"ray cluster: no Ray cluster answers at {where}: {type(err).__name__}: {err}; "
+              "start the head first (scripts/ray_cluster.sh start-head) and check RAY_HEAD_IP / RAY_PORT",
+              file=sys.stderr)
+        return 1
     deadline = time.monotonic() + args.timeout
     while True:
-        alive = sum(1 for node in ray.nodes() if node["Alive"])
+        nodes = [node for node in ray.nodes() if node["Alive"]]
+        alive = len(nodes)
         if alive >= args.nodes:
-            print(f"ray cluster: {alive} of {args.nodes} nodes alive")
+            ids = ", ".join(f"{n.get('NodeID', '?')[:12]} ({n.get('NodeManagerAddress', '?')})" for n in nodes)
+            print(f"ray cluster: {alive} of {args.nodes} nodes alive at {where}: {ids}")
             return 0
         if time.monotonic() > deadline:
             print(
-                f"ray cluster: only {alive} of {args.nodes} nodes alive after {args.timeout:.0f}s; "
+                f"ray cluster: only {alive} of {args.nodes} nodes alive at {where} after {args.timeout:.0f}s; "
                 "check that every worker ran `scripts/ray_cluster.sh start-worker` with the right RAY_HEAD_IP",
                 file=sys.stderr,
             )

@@ -17,6 +17,12 @@
 # A test/demo: no GPU, about 2 cores and a few GB of memory; the default model is random, so do not expect
 # learning from it (the learning benchmark starts from an SFT checkpoint).
 #
+# On a Ray cluster (RAY_ADDRESS set, as in a job that scripts/ray_cluster.sh submit started with
+# DS4_DEVICE=cpu): the driver joins that cluster instead of starting one (no local logical CPU/GPU
+# counts, no dashboard switch; RAY_OVERRIDE_JOB_RUNTIME_ENV=1 lets the recipe's worker env vars
+# combine with the job's), and the trainer spreads over NNODES nodes x NPROC_PER_NODE processes
+# (trainer.nnodes, trainer.n_gpus_per_node: the nodes' logical GPUs).
+#
 # Usage:  bash scripts/run_ds4_proxy_ppo_cpu.sh [--verbose] [extra Hydra overrides...]
 #         DS4_RL_RECIPE=grpo bash scripts/run_ds4_proxy_ppo_cpu.sh
 #
@@ -41,6 +47,8 @@ BATCH=${BATCH:-8}                       # prompts per step
 MINI_BATCH=${MINI_BATCH:-$BATCH}        # prompts per actor/critic update (BATCH / MINI_BATCH updates per step)
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
 CP=${CP:-2}                             # context-parallel size of actor, reference and critic
+NNODES=${NNODES:-1}                     # Ray nodes the trainer spreads over (trainer.nnodes)
+NPROC_PER_NODE=${NPROC_PER_NODE:-2}     # trainer processes per node (trainer.n_gpus_per_node, logical GPUs)
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
@@ -65,6 +73,15 @@ if ! [[ "$BATCH" =~ ^[1-9][0-9]*$ && "$MINI_BATCH" =~ ^[1-9][0-9]*$ ]] || [ $((B
     echo "MINI_BATCH=$MINI_BATCH, BATCH=$BATCH: expected positive integers with MINI_BATCH dividing BATCH" \
          "(BATCH / MINI_BATCH actor/critic updates per step), e.g. BATCH=8 MINI_BATCH=4" >&2
     exit 2
+fi
+
+for knob in NNODES NPROC_PER_NODE CP; do
+    if ! [[ ${!knob} =~ ^[1-9][0-9]*$ ]]; then
+        echo "$knob=${!knob}: expected a positive integer" >&2; exit 2
+    fi
+done
+if [ $((NNODES * NPROC_PER_NODE % CP)) != 0 ]; then
+    echo "CP=$CP does not divide the trainer's $((NNODES * NPROC_PER_NODE)) processes (NNODES=$NNODES x NPROC_PER_NODE=$NPROC_PER_NODE)" >&2; exit 2
 fi
 
 OVERRIDES=()
@@ -127,12 +144,22 @@ MODEL_ARGS=(
 )
 [ "$DS4_RL_RECIPE" = ppo ] && MODEL_ARGS+=(critic.megatron.context_parallel_size="$CP")
 TRAINER=(
+    trainer.nnodes="$NNODES"
+    trainer.n_gpus_per_node="$NPROC_PER_NODE"
     trainer.total_training_steps="$STEPS"
     trainer.save_freq="$SAVE_FREQ"
     trainer.resume_mode="$RESUME_MODE"
     trainer.default_local_dir="$WORK_DIR/checkpoints"
     trainer.v1.ds4_gated_sync.max_log_prob_diff="$MISMATCH_MAX"
 )
+
+CLUSTER_FACT=""
+if [ -n "${RAY_ADDRESS:-}" ]; then
+    # Join the running cluster: ray.init refuses resource counts when connecting to one.
+    TRAINER+=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null ray_kwargs.ray_init.include_dashboard=null)
+    export RAY_OVERRIDE_JOB_RUNTIME_ENV=1
+    CLUSTER_FACT="; Ray cluster $RAY_ADDRESS"
+fi
 
 # Resuming: refuse at start-up, before Ray starts, a checkpoint another run wrote (a changed CP size,
 # model config or task; verl_ds4/recipes/resume_check.py). The trainer checks again (the recipe's
@@ -156,7 +183,7 @@ CONSOLE=(
     --work-dir "$WORK_DIR" --steps "$STEPS" --algo "$DS4_RL_RECIPE"
     --fact "job=$JOB, verl.trainer.main_ppo on CPU (Ray, recipe $RECIPE_NAME)"
     "${MODEL_FACT[@]}"
-    --fact "parallel=CP $CP ($ROLES), TP 1, PP 1"
+    --fact "parallel=CP $CP ($ROLES), TP 1, PP 1; $NNODES node(s) x $NPROC_PER_NODE processes$CLUSTER_FACT"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"

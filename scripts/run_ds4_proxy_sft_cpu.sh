@@ -17,6 +17,12 @@
 # on the CPU: VERL_PLATFORM=cpu selects verl-ds4's CPU platform (gloo), verl imports the CPU
 # platform and the CPU Megatron engines through VERL_USE_EXTERNAL_MODULES.
 #
+# Multi-node (scripts/slurm_sft.sbatch with DS4_DEVICE=cpu sets these on every node): NNODES nodes of
+# NPROC processes each, this node's NODE_RANK, the rendezvous MASTER_ADDR:MASTER_PORT, exactly as the
+# GPU launcher's torchrun gets them. With NNODES > 1 each node writes the (deterministic) assets to
+# $WORK_DIR/assets/node<NODE_RANK> and its log to $WORK_DIR/logs/<timestamp>-node<NODE_RANK>.log;
+# the checkpoints folder is shared.
+#
 # Usage:  bash scripts/run_ds4_proxy_sft_cpu.sh [--verbose] [extra Hydra overrides...]
 #   resume after an interruption: run the same command again (trainer.resume_mode=auto).
 #
@@ -31,8 +37,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # ---------------------------------- user-adjustable ----------------------------------
 PYTHON=${PYTHON:-python}
-NPROC=${NPROC:-2}                       # processes (CPU "devices")
-CP=${CP:-2}                             # context-parallel size; data-parallel size = NPROC / CP
+NPROC=${NPROC:-2}                       # processes (CPU "devices") on this node
+NNODES=${NNODES:-1}                     # nodes (torchrun --nnodes); world size = NNODES * NPROC
+NODE_RANK=${NODE_RANK:-0}               # this node's rank (torchrun --node_rank)
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}   # rendezvous address: node 0's (torchrun --master_addr)
+CP=${CP:-2}                             # context-parallel size; data-parallel size = NNODES * NPROC / CP
 MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4) | ds4_proxy (attention-only) | tiny_dense
 TASK=${TASK:-arithmetic}                # arithmetic (Q/A chats) | digits (the CPU RL task's demonstrations)
 WORK_DIR=${WORK_DIR:-runs/${MODEL}_sft_cpu}
@@ -58,7 +67,25 @@ for arg in "$@"; do
     esac
 done
 
+for knob in NPROC NNODES CP; do
+    if ! [[ ${!knob} =~ ^[1-9][0-9]*$ ]]; then
+        echo "$knob=${!knob}: expected a positive integer" >&2; exit 2
+    fi
+done
+if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
+    echo "NODE_RANK=$NODE_RANK: expected 0 to $((NNODES - 1)) (NNODES=$NNODES)" >&2; exit 2
+fi
+WORLD=$((NNODES * NPROC))
+if [ $((WORLD % CP)) != 0 ]; then
+    echo "CP=$CP does not divide the world size $WORLD (NNODES=$NNODES x NPROC=$NPROC): pick CP among its divisors" >&2; exit 2
+fi
+
 ASSETS="$WORK_DIR/assets"
+NODE_SUFFIX=""
+if [ "$NNODES" -gt 1 ]; then
+    ASSETS="$WORK_DIR/assets/node$NODE_RANK"   # every node writes the same files; none reads another's half-written
+    NODE_SUFFIX="-node$NODE_RANK"
+fi
 if [ "$VERBOSE" = 1 ]; then
     "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"
 elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN" 2>&1); then
@@ -128,15 +155,38 @@ TRAINER=(
 
 CONSOLE=(
     --work-dir "$WORK_DIR" --steps "$STEPS" --every "$PRINT_EVERY"
-    --fact "job=SFT, verl.trainer.sft_trainer on $NPROC CPU processes (torchrun, engine=megatron, $DTYPE)"
+    --fact "job=SFT, verl.trainer.sft_trainer on $WORLD CPU processes (torchrun, engine=megatron, $DTYPE)"
     --fact "model=$MODEL ($ASSETS/model)"
-    --fact "parallel=CP $CP x DP $(( NPROC / CP )), TP 1, PP 1"
+    --fact "parallel=CP $CP x DP $(( WORLD / CP )), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN $TASK conversations), batch $BATCH, $STEPS steps, lr $LR"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
-
-"$PYTHON" -m verl_ds4.cpu.console sft "${CONSOLE[@]}" -- \
-    "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC" --master_port="$MASTER_PORT" \
-    -m verl.trainer.sft_trainer engine=megatron optim=megatron \
+TORCHRUN=(
+    "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" --node_rank="$NODE_RANK"
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
+    -m verl.trainer.sft_trainer engine=megatron optim=megatron
     "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+)
+
+if [ "$NNODES" -gt 1 ]; then
+    NODE_LOG="$WORK_DIR/logs/$(date +%Y%m%d-%H%M%S)$NODE_SUFFIX.log"
+    if [ "$NODE_RANK" -gt 0 ]; then
+        # verl prints the steps on global rank 0 (node 0): this node's console says where it is and how it ended.
+        mkdir -p "$WORK_DIR/logs"
+        echo "[verl-ds4] node        $NODE_RANK of $NNODES ($NPROC processes), rendezvous $MASTER_ADDR:$MASTER_PORT; steps and summary: node 0's output"
+        echo "[verl-ds4] log         $NODE_LOG"
+        status=0
+        "${TORCHRUN[@]}" >"$NODE_LOG" 2>&1 || status=$?
+        if [ "$status" != 0 ]; then
+            echo "[verl-ds4] FAILED (exit $status) on node $NODE_RANK; the last 40 lines of $NODE_LOG:" >&2
+            tail -n 40 "$NODE_LOG" >&2
+            exit "$status"
+        fi
+        echo "[verl-ds4] node $NODE_RANK finished"
+        exit 0
+    fi
+    CONSOLE+=(--fact "nodes=$NNODES x $NPROC processes; this is node 0; rendezvous $MASTER_ADDR:$MASTER_PORT" --log "$NODE_LOG")
+fi
+
+"$PYTHON" -m verl_ds4.cpu.console sft "${CONSOLE[@]}" -- "${TORCHRUN[@]}"

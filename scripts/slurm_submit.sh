@@ -16,7 +16,12 @@
 # Recipe knobs: the local launchers' env variables, passed to the job through the environment:
 #   MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE PP EP CP ROLLOUT_ENGINE ROLLOUT_TP
 #   CKPT_DIR PROJECT_NAME EXP_NAME
-# NNODES (default 1) and GPUS_PER_NODE (default 8) also size the allocation.
+# NNODES (default 1) and GPUS_PER_NODE (default 8) also size the allocation. A GPU job needs MODEL_PATH
+# and TRAIN_FILES (refused before sbatch without them).
+#
+# DS4_DEVICE=cpu (rehearsal, e.g. on scripts/local_slurm.sh): the same batch scripts run the CPU jobs
+# (scripts/run_ds4_proxy_sft_cpu.sh, scripts/run_ds4_proxy_ppo_cpu.sh, the tiny DS4) with
+# NPROC_PER_NODE CPU processes per node (default 2 on one node, 1 per node on more) and no GPU request.
 #
 # Slurm knobs (user-adjustable):
 #   CONTAINER_IMAGE   run every step in this image with pyxis/enroot (e.g. the docker/ image);
@@ -24,6 +29,8 @@
 #   CONTAINER_MOUNTS  pyxis --container-mounts (e.g. /data:/data,/ckpt:/ckpt)
 #   CONTAINER_WORKDIR checkout inside the container (default /opt/verl-ds4, the image's copy)
 #   JOB_NAME          Slurm job name (default ds4-<recipe>)
+#   CLUSTER_LOG_DIR   where the job's output goes (default runs/slurm): <job name>-<job id>.out (the
+#                     plan and the outcome) and <job name>-<job id>/node<N>.log (each node's task)
 #   sbatch's own input variables apply as usual: SBATCH_PARTITION, SBATCH_ACCOUNT,
 #   SBATCH_TIMELIMIT, SBATCH_QOS, ...
 set -euo pipefail
@@ -50,9 +57,13 @@ NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 #########################################################################
 
+ds4_require_device
 ds4_require_positive_int NNODES
 ds4_require_positive_int GPUS_PER_NODE
-export NNODES GPUS_PER_NODE
+ds4_procs_per_node
+export NNODES GPUS_PER_NODE DS4_DEVICE
+[ "$DS4_DEVICE" = cpu ] && export NPROC_PER_NODE
+CLUSTER_LOG_DIR=${CLUSTER_LOG_DIR:-runs/slurm}
 
 recipe=$1
 shift
@@ -64,17 +75,46 @@ esac
 # The batch script's own arguments, then `--` and the pass-through arguments for the recipe.
 batch_args+=(-- "$@")
 ds4_require_recipe_script "$REPO_ROOT" "$(ds4_recipe_script "$recipe")"
+if [ "$DRY_RUN" != 1 ]; then
+    ds4_require_job_knobs
+fi
 
+job_name=${JOB_NAME:-ds4-$recipe}
 sbatch_args=(
-    --job-name="${JOB_NAME:-ds4-$recipe}"
+    --job-name="$job_name"
     --nodes="$NNODES"
     --ntasks-per-node=1
-    --gpus-per-node="$GPUS_PER_NODE"
+)
+# On CPUs no GPU is requested (0 overrides the batch scripts' own #SBATCH --gpus-per-node=8).
+if [ "$DS4_DEVICE" = gpu ]; then
+    sbatch_args+=(--gpus-per-node="$GPUS_PER_NODE")
+else
+    sbatch_args+=(--gpus-per-node=0)
+fi
+# --requeue: a job Slurm requeues (preemption, node failure, `scontrol requeue`) runs the batch script
+# again, and the launchers resume from the last checkpoint in CKPT_DIR / WORK_DIR.
+sbatch_args+=(
+    --requeue
     --exclusive
     --chdir="$REPO_ROOT"
+    --output="$CLUSTER_LOG_DIR/%x-%j.out"
     --export=ALL
 )
+export CLUSTER_LOG_DIR
 
+ds4_say "submit      $recipe ($DS4_DEVICE): $(ds4_recipe_script "$recipe") on $NNODES node(s) x $NPROC_PER_NODE process(es) per node"
+ds4_say "nodes       $NNODES, chosen by Slurm; the job prints their list and the rendezvous address first"
+if [ "$recipe" = sft ]; then
+    ds4_say "rendezvous  torchrun: the first node's address, port ${MASTER_PORT:-29500} (MASTER_PORT)"
+else
+    ds4_say "rendezvous  Ray head on the first node, GCS port ${RAY_PORT:-6379}, job API port ${RAY_DASHBOARD_PORT:-8265}"
+fi
+if [ "$recipe" = sft ]; then
+    ds4_say "logs        $CLUSTER_LOG_DIR/$job_name-<job id>.out and $CLUSTER_LOG_DIR/$job_name-<job id>/node<N>.log"
+else
+    ds4_say "logs        $CLUSTER_LOG_DIR/$job_name-<job id>.out (the trainer) and $CLUSTER_LOG_DIR/$job_name-<job id>/ray-{head,worker-<N>}.log"
+fi
+[ "$DRY_RUN" = 1 ] || mkdir -p "$CLUSTER_LOG_DIR"
 ds4_run sbatch "${sbatch_args[@]}" "$batch_script" "${batch_args[@]}"
 
 if [ "$DRY_RUN" = 1 ]; then

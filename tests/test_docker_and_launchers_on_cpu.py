@@ -395,15 +395,21 @@ def test_ray_node_commands_dry_run(fake_bin):
     worker = _run("scripts/ray_cluster.sh", "--dry-run", "start-worker", fake_bin=fake_bin, env=env)
     wait = _run("scripts/ray_cluster.sh", "--dry-run", "wait-nodes", fake_bin=fake_bin, env=env)
     stop = _run("scripts/ray_cluster.sh", "--dry-run", "stop", fake_bin=fake_bin, env=env)
-    assert all(p.returncode == 0 for p in (head, worker, wait, stop))
+    stop_all = _run("scripts/ray_cluster.sh", "--dry-run", "stop", "--all", fake_bin=fake_bin, env=env)
+    assert all(p.returncode == 0 for p in (head, worker, wait, stop, stop_all))
     _assert_nothing_ran(fake_bin)
     [h] = _commands(head.stdout)
     assert h[:3] == ["ray", "start", "--head"] and "--num-gpus=4" in h and "--block" in h
     assert "--node-ip-address=10.0.0.1" in h and "--dashboard-host=0.0.0.0" in h
-    assert _commands(worker.stdout) == [["ray", "start", "--address=10.0.0.1:6379", "--num-gpus=4"]]
+    # Without --block the script owns the node: `ray start --block` in the background under a PID file.
+    assert _commands(worker.stdout) == [["ray", "start", "--address=10.0.0.1:6379", "--num-gpus=4", "--block"]]
+    assert worker.stdout.rstrip().endswith("&") and "/tmp/verl-ds4-ray/worker/ray_start.log" in worker.stdout
     [w] = _commands(wait.stdout)
     assert w[1:] == ["scripts/ray_wait_nodes.py", "--nodes", "3", "--timeout", "600", "--address", "10.0.0.1:6379"]
-    assert _commands(stop.stdout) == [["ray", "stop"]]
+    # `stop` stops the nodes this script started, by PID; `ray stop` (every Ray on the host) only with --all.
+    assert [c[:2] for c in _commands(stop.stdout)] == [["kill", "-TERM"], ["kill", "-TERM"]]
+    assert "/tmp/verl-ds4-ray/head/ray_start.pid" in stop.stdout
+    assert _commands(stop_all.stdout) == [["ray", "stop"]]
 
 
 @pytest.mark.parametrize(
@@ -534,3 +540,47 @@ def test_ray_wait_nodes_waits_and_times_out(monkeypatch, capsys):
     assert "only 3 of 4 nodes alive" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         module.main(["--nodes", "0"])
+
+
+def test_cpu_switch_changes_device_launcher_and_process_counts_only(fake_bin):
+    # DS4_DEVICE=cpu: no GPU request (0 overrides the script's #SBATCH --gpus-per-node=8), the CPU job's launcher,
+    # NPROC_PER_NODE processes per node (1 each on 2 nodes); the rendezvous is built as on GPUs.
+    out = _run("scripts/slurm_submit.sh", "--dry-run", "sft", "trainer.save_freq=2", fake_bin=fake_bin,
+               env={"DS4_DEVICE": "cpu", "NNODES": "2"})
+    assert out.returncode == 0, out.stderr
+    _assert_nothing_ran(fake_bin)
+    cmds = _commands(out.stdout)
+    [sbatch] = _find(cmds, "sbatch")
+    assert "--gpus-per-node=0" in sbatch and "--nodes=2" in sbatch
+    exports = dict(c[1].split("=", 1) for c in _find(cmds, "export"))
+    assert exports["PET_NNODES"] == "2" and exports["PET_NPROC_PER_NODE"] == "1" and exports["NPROC"] == "1"
+    assert exports["PET_MASTER_ADDR"] == "node1"
+    [srun] = _find(cmds, "srun")
+    assert srun[srun.index("bash") + 3:] == ["scripts/run_ds4_proxy_sft_cpu.sh", "trainer.save_freq=2"]
+    assert "[verl-ds4] processes   1 per node, world size 2" in out.stdout
+    # The same without the switch: the GPU launcher and its GPUs (and a GPU job's knobs are not checked in a dry run).
+    gpu = _run("scripts/slurm_submit.sh", "--dry-run", "sft", fake_bin=fake_bin, env={"NNODES": "2"})
+    [sbatch] = _find(_commands(gpu.stdout), "sbatch")
+    assert "--gpus-per-node=8" in sbatch and "PET_NPROC_PER_NODE=8" in gpu.stdout
+    assert "scripts/run_deepseek_v4_flash_sft_megatron.sh" in gpu.stdout
+
+
+@pytest.mark.parametrize(
+    "script, args, env, message",
+    [
+        ("scripts/slurm_submit.sh", ["sft"], {"DS4_DEVICE": "tpu"}, "DS4_DEVICE=tpu: expected gpu"),
+        ("scripts/slurm_submit.sh", ["sft"], {"DS4_DEVICE": "cpu", "NPROC_PER_NODE": "two"},
+         "NPROC_PER_NODE must be a positive integer"),
+        ("scripts/slurm_submit.sh", ["sft"], {"NPROC_PER_NODE": "4", "GPUS_PER_NODE": "8"},
+         "NPROC_PER_NODE=4 but GPUS_PER_NODE=8"),
+        ("scripts/slurm_submit.sh", ["sft"], {}, "MODEL_PATH is not set"),
+        ("scripts/ray_cluster.sh", ["submit", "ppo"], {"DS4_DEVICE": "cpu", "WORK_DIR": "runs/x"},
+         "needs an absolute WORK_DIR"),
+        ("scripts/ray_cluster.sh", ["start-head"], {"RAY_NODE_PORTS": "some"}, "RAY_NODE_PORTS=some: expected auto"),
+        ("scripts/ray_cluster.sh", ["stop", "now"], {}, "stop takes no arguments but --all"),
+    ],
+)
+def test_cluster_launchers_refuse_bad_knobs_before_submitting(script, args, env, message, fake_bin):
+    out = _run(script, *args, fake_bin=fake_bin, env=env)  # not a dry run: a real submission is refused
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    _assert_nothing_ran(fake_bin)
