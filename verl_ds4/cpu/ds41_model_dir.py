@@ -26,13 +26,15 @@ DS41_TINY_SEED = 4141
 
 
 def ds41_tiny_config(vocab_size: int, tokenizer, **overrides: Any) -> dict[str, Any]:
-    """The tiny V4.1's ``config.json`` for ``tokenizer`` (a fast tokenizer of at most ``vocab_size`` ids; the
+    """The tiny V4.1's ``config.json`` for ``tokenizer`` (a fast tokenizer of exactly ``vocab_size`` ids; the
     CPU jobs pass :func:`verl_ds4.cpu.sft_data.build_char_tokenizer`'s): its Engram key count, pad / bos / eos ids."""
     from verl_ds4 import ds41_facts
     from verl_ds4.models.ds41.engram import engram_token_map
 
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} < the tokenizer's {len(tokenizer)} ids; raise vocab_size.")
+    if len(tokenizer) != vocab_size:
+        # Engram's table covers the tokenizer's ids; sampled ids from padded rows could not be hashed.
+        raise ValueError(f"vocab_size={vocab_size}: the tiny V4.1 uses exactly the tokenizer's {len(tokenizer)} ids; "
+                         f"pass vocab_size={len(tokenizer)}.")  # fmt: skip
     _, compressed = engram_token_map(tokenizer)
     config: dict[str, Any] = dict(
         model_type=ds41_facts.HF_MODEL_TYPE,

@@ -47,6 +47,7 @@ __all__ = [
     "model_hf_config",
     "prepare_cpu_sft_assets",
     "tiny_llama_config",
+    "write_cpu_model_folder",
     "write_model_dir",
     "write_sft_parquet",
 ]
@@ -326,8 +327,31 @@ def model_hf_config(model: str):
     if model == "ds41":  # a config.json dict (transformers 5.10.4 has no deepseek_v41)
         from verl_ds4.cpu.ds41_model_dir import ds41_tiny_config
 
-        return ds41_tiny_config(vocab_size=vocab, tokenizer=build_char_tokenizer())
+        # vocab_size = the tokenizer's ids, unpadded: Engram hashes only ids its tokenizer has, and a
+        # rollout sampling from padded rows would feed it ids it cannot normalise.
+        tokenizer = build_char_tokenizer()
+        return ds41_tiny_config(vocab_size=len(tokenizer), tokenizer=tokenizer)
     raise ValueError(f"model={model!r}; expected one of {MODELS}.")
+
+
+def write_cpu_model_folder(model_dir: str | Path, model: str) -> Path:
+    """The CPU jobs' model folder for ``model`` (one of :data:`MODELS`): the tokenizer, the config and, for
+    ``ds4`` and ``ds41``, the seeded weights."""
+    hf_config = model_hf_config(model)
+    if model == "ds41":
+        from verl_ds4.cpu.ds41_model_dir import write_ds41_weights
+
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        build_char_tokenizer().save_pretrained(model_dir)  # first: Engram's tables come from tokenizer.json
+        write_ds41_weights(model_dir, hf_config)
+        return model_dir
+    model_dir = write_model_dir(model_dir, hf_config=hf_config)
+    if model == "ds4":
+        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
+
+        write_ds4_weights(model_dir, hf_config)
+    return model_dir
 
 
 def prepare_cpu_sft_assets(
@@ -356,20 +380,7 @@ def prepare_cpu_sft_assets(
     paths = {"external_lib": MODEL_EXTERNAL_LIBS[model], **files}
     if reuse_assets(out_dir, recorded, files.values()):
         return paths
-    hf_config = model_hf_config(model)
-    if model == "ds41":
-        from verl_ds4.cpu.ds41_model_dir import write_ds41_weights
-
-        model_dir = out_dir / "model"
-        model_dir.mkdir(parents=True, exist_ok=True)
-        build_char_tokenizer().save_pretrained(model_dir)  # first: Engram's tables come from tokenizer.json
-        write_ds41_weights(model_dir, hf_config)
-    else:
-        model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
-    if model == "ds4":
-        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
-
-        write_ds4_weights(model_dir, hf_config)
+    write_cpu_model_folder(out_dir / "model", model)
     make = arithmetic_conversations if task == "arithmetic" else digit_conversations
     conversations = make(n_train + n_val, seed=seed)
     used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
