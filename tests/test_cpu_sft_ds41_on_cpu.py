@@ -6,10 +6,10 @@ optimizer and dist-checkpointing over gloo, verl-ds4's CPU engine and THD packin
 writes (``python -m verl_ds4.cpu.sft_data --model ds41``: our names, seeded, Engram tables from the
 folder's ``tokenizer.json``), DS4 chat encoding of the data.
 
-Cost, measured on the 2 cores shared with other jobs (each torchrun start-up is ~12-15 s of it),
-143-163 s for the file: writing the assets 8-13 s; CP parity 44-52 s (CP=2 3 steps + CP=1 2 steps);
-the Engram-halo negative control 21-27 s; the zigzag refusal 19-30 s; the critic's values at CP 1
-and 2 38-54 s.
+Cost, measured on the 2 cores shared with other jobs (each torchrun start-up is ~12-15 s of it; the
+range is the load of the other jobs), 143-223 s for the file: writing the assets 8-13 s; CP parity
+44-94 s (CP=2 3 steps + CP=1 2 steps); the Engram-halo negative control 21-36 s; the zigzag refusal
+19-35 s; the critic's values at CP 1 and 2 38-54 s; the in-process checks < 1 s.
 """
 
 from __future__ import annotations
@@ -102,6 +102,42 @@ def test_builder_refuses_a_v4_folder_and_dspark_with_mtp(assets, tmp_path):
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         ds41_builder.ds41_folder_of(AutoConfig.from_pretrained(str(folder)))
+
+
+def test_builder_refuses_an_override_config_it_would_ignore(assets):
+    from transformers import AutoConfig
+
+    from verl_ds4.cpu import ds41_builder
+
+    hf = AutoConfig.from_pretrained(assets["model"])
+    hf.pad_token_id = 3  # verl sets the tokenizer's ids itself: not a user override
+    assert ds41_builder.ds41_folder_of(hf)[0] == Path(assets["model"])
+    hf.sliding_window = 8  # what model.override_config.sliding_window=8 does to verl's config object
+    with pytest.raises(ValueError, match=r"model\.override_config changes sliding_window=8 \(config\.json: 16\)"):
+        ds41_builder.ds41_folder_of(hf)
+
+
+def test_builder_refuses_router_replay_it_would_ignore(assets):
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from verl_ds4 import ds41_facts
+    from verl_ds4.cpu import ds41_builder
+    from verl_ds4.models.ds41.folder import read_folder_config
+    from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
+
+    text = ds41_facts.text_config(read_folder_config(assets["model"]))
+    config = ds41_transformer_config(text, cp_size=1)
+    hf = AutoConfig.from_pretrained(assets["model"])
+    # what verl's engine sets for router_replay.mode R2 / R3 (cpu/engine.py _build_tf_config)
+    key = "moe_enable_routing_replay" if hasattr(config, "moe_enable_routing_replay") else "enable_routing_replay"
+    replay = dataclasses.replace(config)
+    setattr(replay, key, True)
+    with pytest.raises(ValueError, match=r"router_replay\.mode=disabled"):
+        ds41_builder.DS41_CPU_BUILDER.build(replay, hf, pre_process=True, post_process=True, share_embeddings=False)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1"):  # control: without replay it gets past the check
+        ds41_builder.DS41_CPU_BUILDER.build(config, hf, pre_process=False, post_process=True, share_embeddings=False)
 
 
 # -- end to end: verl's SFT trainer ------------------------------------------------------------------

@@ -17,7 +17,8 @@ head is not loaded). ``engine.dist_checkpointing_path`` (loaded by the engine af
 Refused at start-up, with the field and the fix: a folder that is not V4.1 (or breaks a rule), a
 zigzag CP split (``DS41TransformerConfig``), ``model.mtp.enable=true`` on a folder whose ``mtp.*``
 is a DSpark drafter (the CPU model does not train it), override keys that are not
-``TransformerConfig`` fields.
+``TransformerConfig`` fields, a ``model.override_config`` value the builder would not see (it builds
+from ``config.json``), verl's router replay (R2 / R3; not wired to the V4.1 routers yet).
 """
 
 from __future__ import annotations
@@ -54,7 +55,39 @@ def ds41_folder_of(hf_config) -> tuple[Path, dict]:
     problem = ds41_facts.check_v4_mtp(config, mtp_on, key="model.mtp.enable")
     if problem:
         raise ValueError(problem.engine_message())
+    changed = _changed_by_verl_overrides(hf_config, config)
+    if changed:
+        raise ValueError(
+            "model.override_config changes " + ", ".join(f"{k}={seen!r} (config.json: {v!r})" for k, seen, v in changed)
+            + f", but the DeepSeek-V4.1 builder builds from {folder / 'config.json'} and would ignore it: "
+            "remove the override, or write the value into the folder's config.json."
+        )
     return folder, config
+
+
+#: Keys verl sets on its config object itself (the tokenizer's ids; MTP off zeroes the stage count).
+_SET_BY_VERL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "num_nextn_predict_layers"})
+
+
+def _changed_by_verl_overrides(hf_config, config: dict) -> list[tuple[str, object, object]]:
+    """``(key, value on verl's config object, value in config.json)`` for every text key they disagree on."""
+    from verl_ds4 import ds41_facts
+
+    attrs = getattr(hf_config, "__dict__", {})
+    nested = attrs.get("text_config") if isinstance(attrs.get("text_config"), dict) else {}
+    changed = []
+    for key, value in ds41_facts.text_config(config).items():
+        if key in _SET_BY_VERL or key == "rope_scaling":  # transformers renames rope_scaling on its object
+            continue
+        if key in attrs:
+            seen = attrs[key]
+        elif key in nested:
+            seen = nested[key]
+        else:
+            continue
+        if seen != value:
+            changed.append((key, seen, value))
+    return changed
 
 
 def _ds41_transformer_config(hf_config, dtype, overrides):
@@ -91,6 +124,13 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
 
     if not isinstance(tf_config, DS41TransformerConfig):
         raise TypeError(f"The DS41 builder needs a DS41TransformerConfig, got {type(tf_config).__name__}.")
+    from verl_ds4.models.ds4.router_replay import routing_replay_requested
+
+    if routing_replay_requested(tf_config):  # set by verl's engine for router_replay.mode R2 / R3
+        raise ValueError(
+            "router_replay.mode (R2 / R3) is not wired to the DeepSeek-V4.1 routers yet (the CPU V4.1 builder would "
+            "ignore it): set actor_rollout_ref.actor.router_replay.mode=disabled, or use MODEL=ds4."
+        )
     if not (pre_process and post_process):
         raise ValueError("The CPU DeepSeek-V4.1 model runs at pipeline_model_parallel_size=1.")
     if share_embeddings:
