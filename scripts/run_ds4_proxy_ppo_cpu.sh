@@ -10,7 +10,8 @@
 #
 # Actor, reference and critic are the full tiny DS4 (MODEL=ds4: mHC, DS4 attention, DS4 MoE with a hash layer,
 # started from the assets' DS4 checkpoint folder) or, with MODEL=ds4_proxy, the attention-only DS4 proxy, on
-# verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout. MODEL_PATH=<HF DS4 folder>
+# verl-ds4's CPU Megatron engine, THD, context parallel size 2, contiguous layout. MODEL=ds41: the tiny DeepSeek-V4.1
+# (CSA2, Engram, single-pass mHC; its V4.1 folder in our names), the critic DS41MegatronModel(value_head=True). MODEL_PATH=<HF DS4 folder>
 # starts them from that folder instead (e.g. the SFT job's checkpoint converted by
 # `python -m verl_ds4.cpu.sft_to_hf`; benchmarks/bench_rl_learning.sh does SFT -> convert -> RL).
 # The recipes are recipes/recipe/ds4_proxy_{ppo,grpo}_cpu.yaml; every CPU-only setting is in configs/cpu/laptop.yaml.
@@ -39,7 +40,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # ---------------------------------- user-adjustable ----------------------------------
 PYTHON=${PYTHON:-python}
 DS4_RL_RECIPE=${DS4_RL_RECIPE:-ppo}     # ppo (GAE critic) | grpo (group-relative advantages, no critic)
-MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4 checkpoint folder) | ds4_proxy (attention-only proxy)
+MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4 checkpoint folder) | ds4_proxy (attention-only proxy) | ds41 (tiny DeepSeek-V4.1)
 MODEL_PATH=${MODEL_PATH:-}              # an HF DS4 folder to start from (default: the assets' seeded $MODEL)
 WORK_DIR=${WORK_DIR:-runs/${MODEL}_${DS4_RL_RECIPE}_cpu}
 STEPS=${STEPS:-3}                       # RL steps (each: rollout, reward, [values, GAE,] updates, weight sync)
@@ -121,7 +122,7 @@ START_MODEL=${MODEL_PATH:-$ASSETS/model}
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
 export VERL_PLATFORM=cpu
-export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder,verl_ds4.rollout.mismatch_gate,verl_ds4.rollout.agent_loop
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder,verl_ds4.cpu.ds41_builder,verl_ds4.rollout.mismatch_gate,verl_ds4.rollout.agent_loop
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
 
@@ -177,7 +178,7 @@ fi
 if [ -n "$MODEL_PATH" ]; then
     MODEL_FACT=(--fact "model=$MODEL_PATH (MODEL_PATH): $ROLES" --from-checkpoint)
 else
-    MODEL_FACT=(--fact "model=$MODEL ($ASSETS/model; ds4: the tiny DS4 checkpoint, ds4_proxy: attention-only proxy): $ROLES")
+    MODEL_FACT=(--fact "model=$MODEL ($ASSETS/model; ds4: the tiny DS4 checkpoint, ds4_proxy: attention-only proxy, ds41: the tiny DeepSeek-V4.1): $ROLES")
 fi
 CONSOLE=(
     --work-dir "$WORK_DIR" --steps "$STEPS" --algo "$DS4_RL_RECIPE"

@@ -11,6 +11,9 @@
 #              the CPU engine starts from those weights.
 #   ds4_proxy  the attention-only DS4 proxy (DS4 attention, dense MLP, no mHC / MoE), seeded init.
 #   tiny_dense a Llama-shaped dense model (the stepping stone).
+#   ds41       the tiny DeepSeek-V4.1 (CSA2 ratio 0/1/2 layers with shared KV / index sources, Engram
+#              with the folder's tokenizer, single-pass mHC, V4's MoE; no DSpark drafter): a V4.1 folder
+#              in our names (config.json, model.safetensors of a seeded init, tokenizer.json).
 # The file name keeps "proxy" for the README command; WORK_DIR defaults to runs/${MODEL}_sft_cpu.
 #
 # Runs `torchrun --nproc_per_node=2 -m verl.trainer.sft_trainer engine=megatron optim=megatron ...`
@@ -42,7 +45,7 @@ NNODES=${NNODES:-1}                     # nodes (torchrun --nnodes); world size 
 NODE_RANK=${NODE_RANK:-0}               # this node's rank (torchrun --node_rank)
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}   # rendezvous address: node 0's (torchrun --master_addr)
 CP=${CP:-2}                             # context-parallel size; data-parallel size = NNODES * NPROC / CP
-MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4) | ds4_proxy (attention-only) | tiny_dense
+MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4) | ds4_proxy (attention-only) | tiny_dense | ds41 (DeepSeek-V4.1)
 TASK=${TASK:-arithmetic}                # arithmetic (Q/A chats) | digits (the CPU RL task's demonstrations)
 WORK_DIR=${WORK_DIR:-runs/${MODEL}_sft_cpu}
 N_TRAIN=${N_TRAIN:-400}                 # conversations written to the training parquet
@@ -96,7 +99,8 @@ fi
 case "$MODEL" in
     ds4|ds4_proxy) MODEL_LIB=verl_ds4.cpu.ds4_builder ;;   # registers the deepseek_v4 CPU builder
     tiny_dense) MODEL_LIB=verl_ds4.cpu.tiny_dense ;;          # registers the llama CPU builder
-    *) echo "MODEL=$MODEL: expected ds4, ds4_proxy or tiny_dense" >&2; exit 2 ;;
+    ds41) MODEL_LIB=verl_ds4.cpu.ds41_builder ;;              # registers the deepseek_v41 CPU builder
+    *) echo "MODEL=$MODEL: expected ds4, ds4_proxy, tiny_dense or ds41" >&2; exit 2 ;;
 esac
 case "$DTYPE" in
     # verl's McoreEngineConfig admits only half precision; the CPU engine's config subclass adds fp32.

@@ -19,10 +19,13 @@ class CPUModelBuilder:
 
     ``transformer_config(hf_config, dtype, overrides) -> TransformerConfig``;
     ``build(tf_config, hf_config, *, pre_process, post_process, share_embeddings) -> GPTModel``.
+    ``builds_value_head``: ``build`` also takes ``value_head=`` and builds verl's critic itself
+    (otherwise the engine puts its own hidden -> 1 head in place of ``output_layer``).
     """
 
     transformer_config: Callable[..., Any]
     build: Callable[..., Any]
+    builds_value_head: bool = False
 
 
 CPU_MODEL_BUILDERS: dict[str, CPUModelBuilder] = {}

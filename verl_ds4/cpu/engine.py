@@ -157,7 +157,7 @@ class _CPUMegatronEngineMixin:
             raise ValueError(
                 f"No CPU model builder for HF model_type={model_type!r}; registered: {sorted(CPU_MODEL_BUILDERS)}. "
                 "Set model.external_lib to the module that registers it: verl_ds4.cpu.ds4_builder (the tiny "
-                "DS4 or the DS4 proxy, deepseek_v4) or verl_ds4.cpu.tiny_dense (the tiny dense model, llama); or call "
+                "DS4 or the DS4 proxy, deepseek_v4), verl_ds4.cpu.ds41_builder (DeepSeek-V4.1, deepseek_v41) or verl_ds4.cpu.tiny_dense (the tiny dense model, llama); or call "
                 "verl_ds4.cpu.engine.register_cpu_model_builder()."
             )
         self._cpu_model_builder = builder
@@ -188,14 +188,17 @@ class _CPUMegatronEngineMixin:
         from verl.utils.model import load_mcore_dist_weights, print_model_size
 
         hf_config = self.model_config.hf_config
-        model = self._cpu_model_builder.build(
+        builder = self._cpu_model_builder
+        head = {"value_head": self.is_value_model} if builder.builds_value_head else {}
+        model = builder.build(
             self.tf_config,
             hf_config,
             pre_process=True,
             post_process=True,
             share_embeddings=self.share_embeddings_and_output_weights,
+            **head,
         )
-        if self.is_value_model:
+        if self.is_value_model and not builder.builds_value_head:
             model.output_layer = _ValueHead(self.tf_config.hidden_size).to(self.param_dtype)
         for key, value in (self.engine_config.override_mcore_model_config or {}).items():
             raise ValueError(

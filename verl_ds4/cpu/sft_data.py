@@ -15,7 +15,9 @@
 * :func:`prepare_cpu_sft_assets` - the CPU jobs' folder: for ``model="ds4"`` (the default) a real
   DS4 checkpoint folder (tiny ``DeepseekV4Config``, safetensors of a seeded init, the tokenizer:
   :mod:`verl_ds4.cpu.ds4_model_dir`); ``ds4_proxy`` (attention-only proxy) and ``tiny_dense``
-  write a config and the tokenizer only (seeded init in the engine).
+  write a config and the tokenizer only (seeded init in the engine); ``ds41`` a tiny DeepSeek-V4.1
+  folder in our names (config.json, model.safetensors of a seeded init, the tokenizer whose
+  normalisation tables Engram hashes: :mod:`verl_ds4.cpu.ds41_model_dir`).
 
 verl reads all of it through its normal code paths (``HFModelConfig`` loads the tokenizer
 and config from the folder, ``MultiTurnSFTDataset`` applies the chat template).
@@ -45,6 +47,7 @@ __all__ = [
     "model_hf_config",
     "prepare_cpu_sft_assets",
     "tiny_llama_config",
+    "write_cpu_model_folder",
     "write_model_dir",
     "write_sft_parquet",
 ]
@@ -301,10 +304,12 @@ def write_model_dir(out_dir: str | Path, hf_config=None) -> Path:
     return out_dir
 
 
-#: ds4: the full tiny DeepSeek-V4 (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped.
-MODELS = ("ds4", "ds4_proxy", "tiny_dense")
+#: ds4: the full tiny DeepSeek-V4 (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped;
+#: ds41: the tiny DeepSeek-V4.1 (CSA2, Engram, single-pass mHC; no DSpark drafter).
+MODELS = ("ds4", "ds4_proxy", "tiny_dense", "ds41")
 #: The module that registers each model's CPU builder; verl imports it via ``model.external_lib``.
-MODEL_EXTERNAL_LIBS = {"ds4": "verl_ds4.cpu.ds4_builder", "ds4_proxy": "verl_ds4.cpu.ds4_builder", "tiny_dense": "verl_ds4.cpu.tiny_dense"}
+MODEL_EXTERNAL_LIBS = {"ds4": "verl_ds4.cpu.ds4_builder", "ds4_proxy": "verl_ds4.cpu.ds4_builder",
+                       "tiny_dense": "verl_ds4.cpu.tiny_dense", "ds41": "verl_ds4.cpu.ds41_builder"}
 
 
 def model_hf_config(model: str):
@@ -319,7 +324,34 @@ def model_hf_config(model: str):
         return ds4_proxy_hf_config(vocab_size=vocab)
     if model == "tiny_dense":
         return tiny_llama_config(vocab_size=vocab)
+    if model == "ds41":  # a config.json dict (transformers 5.10.4 has no deepseek_v41)
+        from verl_ds4.cpu.ds41_model_dir import ds41_tiny_config
+
+        # vocab_size = the tokenizer's ids, unpadded: Engram hashes only ids its tokenizer has, and a
+        # rollout sampling from padded rows would feed it ids it cannot normalise.
+        tokenizer = build_char_tokenizer()
+        return ds41_tiny_config(vocab_size=len(tokenizer), tokenizer=tokenizer)
     raise ValueError(f"model={model!r}; expected one of {MODELS}.")
+
+
+def write_cpu_model_folder(model_dir: str | Path, model: str) -> Path:
+    """The CPU jobs' model folder for ``model`` (one of :data:`MODELS`): the tokenizer, the config and, for
+    ``ds4`` and ``ds41``, the seeded weights."""
+    hf_config = model_hf_config(model)
+    if model == "ds41":
+        from verl_ds4.cpu.ds41_model_dir import write_ds41_weights
+
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        build_char_tokenizer().save_pretrained(model_dir)  # first: Engram's tables come from tokenizer.json
+        write_ds41_weights(model_dir, hf_config)
+        return model_dir
+    model_dir = write_model_dir(model_dir, hf_config=hf_config)
+    if model == "ds4":
+        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
+
+        write_ds4_weights(model_dir, hf_config)
+    return model_dir
 
 
 def prepare_cpu_sft_assets(
@@ -348,12 +380,7 @@ def prepare_cpu_sft_assets(
     paths = {"external_lib": MODEL_EXTERNAL_LIBS[model], **files}
     if reuse_assets(out_dir, recorded, files.values()):
         return paths
-    hf_config = model_hf_config(model)
-    model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
-    if model == "ds4":
-        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
-
-        write_ds4_weights(model_dir, hf_config)
+    write_cpu_model_folder(out_dir / "model", model)
     make = arithmetic_conversations if task == "arithmetic" else digit_conversations
     conversations = make(n_train + n_val, seed=seed)
     used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
@@ -395,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Write the CPU demo's model folder (char tokenizer + HF config) and an SFT parquet (arithmetic chats or the RL task's demonstrations).",
     )
     parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created inside)")
-    parser.add_argument("--model", choices=MODELS, default="ds4", help="ds4: the full tiny DS4 checkpoint (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped")
+    parser.add_argument("--model", choices=MODELS, default="ds4", help="ds4: the full tiny DS4 checkpoint (default); ds4_proxy: the attention-only proxy; tiny_dense: Llama-shaped; "
+                             "ds41: the tiny DeepSeek-V4.1 (our names, seeded; Engram tables from the tokenizer)")
     parser.add_argument("--task", choices=SFT_TASKS, default="arithmetic",
                         help="arithmetic: integer Q/A chats (default); digits: demonstrations of the CPU RL task "
                              "('Repeat the digit 7.' -> '7777'), the SFT before the RL learning benchmark")

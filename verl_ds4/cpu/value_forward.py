@@ -1,4 +1,4 @@
-"""Forward the tiny DS4's *value head* (the critic) through verl's own ``TrainingWorker`` on CPU processes.
+"""Forward the tiny DS4's (or the assets' model's: ``assets.json``) *value head* (the critic) through verl's own ``TrainingWorker`` on CPU processes.
 
     torchrun --nproc_per_node=2 -m verl_ds4.cpu.value_forward ASSETS_DIR CP OUT.json
 
@@ -15,6 +15,17 @@ from __future__ import annotations
 
 import json
 import sys
+
+
+def _external_lib(assets: str) -> str:
+    """The builder module of the assets' model (their ``assets.json``; the DS4 builder without one)."""
+    from pathlib import Path
+
+    from verl_ds4.cpu.sft_data import ASSETS_RECORD, MODEL_EXTERNAL_LIBS
+
+    record = Path(assets) / ASSETS_RECORD
+    model = json.loads(record.read_text()).get("model", "ds4") if record.is_file() else "ds4"
+    return MODEL_EXTERNAL_LIBS[model]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     initialize_global_process_group()
     worker, model_config = cpu_training_worker(
-        "value_model", f"{assets}/model", cp, overrides=["model.external_lib=verl_ds4.cpu.ds4_builder", "engine.forward_only=True"]
+        "value_model", f"{assets}/model", cp, overrides=[f"model.external_lib={_external_lib(assets)}", "engine.forward_only=True"]
     )
     dataset = DS4ChatSFTDataset(
         f"{assets}/data/train.parquet", model_config.tokenizer, OmegaConf.create({"max_length": 256})

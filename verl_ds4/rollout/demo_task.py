@@ -66,7 +66,7 @@ def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-PPO_MODELS = ("ds4", "ds4_proxy")
+PPO_MODELS = ("ds4", "ds4_proxy", "ds41")
 
 
 def write_ppo_assets(
@@ -79,19 +79,14 @@ def write_ppo_assets(
     if model not in PPO_MODELS:
         raise ValueError(f"model={model!r}; the CPU PPO run trains one of {PPO_MODELS}.")
     out_dir = Path(out_dir)
-    from verl_ds4.cpu.sft_data import model_hf_config, record_assets, reuse_assets, write_model_dir
+    from verl_ds4.cpu.sft_data import record_assets, reuse_assets, write_cpu_model_folder
 
     recorded = {"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}
     paths = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet"),
              "val": str(out_dir / "data" / "val.parquet")}
     if reuse_assets(out_dir, recorded, paths.values()):
         return paths
-    hf_config = model_hf_config(model)
-    model_dir = write_model_dir(out_dir / "model", hf_config=hf_config)
-    if model == "ds4":
-        from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
-
-        write_ds4_weights(model_dir, hf_config)
+    write_cpu_model_folder(out_dir / "model", model)
     rows = digit_prompts(n_train + n_val, seed=seed)
     _write_parquet(Path(paths["train"]), rows[:n_train])
     _write_parquet(Path(paths["val"]), rows[n_train:] or rows[:1])
@@ -105,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-train", type=int, default=256, help="training prompts (default 256)")
     parser.add_argument("--n-val", type=int, default=16, help="validation prompts (default 16)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", choices=PPO_MODELS, default="ds4", help="ds4: the full tiny DS4 (default); ds4_proxy: attention-only proxy")
+    parser.add_argument("--model", choices=PPO_MODELS, default="ds4", help="ds4: the full tiny DS4 (default); ds4_proxy: attention-only proxy; ds41: the tiny DeepSeek-V4.1")
     args = parser.parse_args(argv)
     for name, path in write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, model=args.model).items():
         print(f"{name}: {path}")
