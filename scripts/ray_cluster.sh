@@ -39,7 +39,7 @@
 #   RAY_NUM_CPUS       CPUs each node offers to Ray (default: Ray detects them)
 #   RAY_WORKING_DIR    directory shipped as the job's working_dir (default: this checkout;
 #                      set it empty to run the launcher from the image's copy instead)
-#   RAY_JOB_ID         submission id (default: Ray generates one)
+#   RAY_JOB_ID         submission id (default ds4-<recipe>-<date>-<pid>); a failed job exits with its trainer's status
 #   RAY_NO_WAIT        1: return after submitting instead of following the job's logs
 #   RAY_WAIT_TIMEOUT   seconds wait-nodes waits for $NNODES nodes (default 600)
 #   EXTRA_ENV_VARS     more env variable names to carry to the job, space separated
@@ -339,13 +339,20 @@ case "$command_name" in
         # The launcher that runs on the cluster: the shipped working_dir's, else this checkout's.
         launcher_path=${RAY_WORKING_DIR:-$REPO_ROOT}/$(ds4_recipe_script "$recipe")
         runtime_env=$(ds4_ray_runtime_env_json "$RAY_WORKING_DIR" "$(ds4_plugin_modules "$REPO_ROOT")" "$launcher_path")
-        submit_args=(--address="$address" --runtime-env-json="$runtime_env")
-        [ -n "$RAY_JOB_ID" ] && submit_args+=(--submission-id="$RAY_JOB_ID")
+        # A known submission id, so that a failed job's own exit status can be read back below.
+        RAY_JOB_ID=${RAY_JOB_ID:-ds4-$recipe-$(date +%Y%m%d-%H%M%S)-$$}
+        submit_args=(--address="$address" --runtime-env-json="$runtime_env" --submission-id="$RAY_JOB_ID")
         [ "$RAY_NO_WAIT" = 1 ] && submit_args+=(--no-wait)
         ds4_say "submit      $recipe ($DS4_DEVICE): $(ds4_recipe_script "$recipe") to $address"
         ds4_say "processes   $NNODES node(s) x $NPROC_PER_NODE per node"
         ds4_say "logs        the driver's output follows here (ray job logs <id> --address $address); workers: each node's ${RAY_TEMP_DIR:-/tmp/ray}/session_latest/logs; the job's own: ${WORK_DIR:-WORK_DIR}/logs"
-        ds4_run ray job submit "${submit_args[@]}" -- bash "$script" "$@"
+        status=0
+        ds4_run ray job submit "${submit_args[@]}" -- bash "$script" "$@" || status=$?
+        if [ "$status" != 0 ] && [ "$RAY_NO_WAIT" != 1 ]; then
+            # `ray job submit` exits 1 for any failed job: exit with the trainer's own status instead.
+            "$PYTHON" "$REPO_ROOT/scripts/ray_job_exit.py" --address "$address" --job-id "$RAY_JOB_ID" || status=$?
+        fi
+        exit "$status"
         ;;
     stop)
         if [ "${1:-}" = --all ]; then

@@ -446,7 +446,9 @@ def test_slurm_ppo_job_exits_with_the_trainers_status_and_the_node_log_tails(slu
     job_id, _ = slurm.submit(["ppo"], _ppo_env(slurm, work, marker, JOB_NAME="ds4-ppo-bad", MINI_BATCH="3"))
     info = slurm.wait(job_id)
     out = (work / "slurm" / f"ds4-ppo-bad-{job_id}.out").read_text(errors="replace")
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, out[-4000:])
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{out[-6000:]}"
+    # The status comes from Ray's job record (`ray job submit` itself exits 1 for any failed job).
+    assert "entrypoint exit code 2" in out, out[-6000:]
     assert "MINI_BATCH=3, BATCH=8: expected positive integers with MINI_BATCH dividing BATCH" in out
     assert "---- Ray head (ds4n1): last 40 lines of" in out and "---- Ray worker 0 (ds4n2): last 40 lines" in out
     assert "[verl-ds4] FAILED (exit 2)" in out
