@@ -22,7 +22,7 @@ PYTHON=${PYTHON:-python3}
 DS4_DEVICE=${DS4_DEVICE:-gpu}
 
 ds4_die() {
-    echo "error: $*" >&2
+    echo "error: $*" >&2  # error-catalogue: the die helper itself; its callers are the sites
     exit 2
 }
 
@@ -370,7 +370,7 @@ ds4_srun_step() {
         opts+=("$1")
         shift
     done
-    [ "${1:-}" = -- ] || ds4_die "ds4_srun_step: missing -- before the command"
+    [ "${1:-}" = -- ] || ds4_die "ds4_srun_step: missing -- before the command"  # error-catalogue: internal: a launcher called the helper wrongly
     shift
     local -a cmd=(srun "${opts[@]}" "${DS4_CONTAINER_ARGS[@]+"${DS4_CONTAINER_ARGS[@]}"}" "$@")
     if [ "$DRY_RUN" = 1 ]; then

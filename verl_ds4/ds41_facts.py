@@ -139,7 +139,7 @@ def check_model_type(config: Any, family: str) -> Violation | None:
             f"model family ds41) or point at a {V4_MODEL_TYPE!r} folder.",
         )
     if family != "ds41":
-        raise ValueError(f"family must be 'ds4' or 'ds41', got {family!r}")
+        raise ValueError(f"family must be 'ds4' or 'ds41', got {family!r}")  # error-catalogue: internal: a caller passed a bad argument
     if found in (HF_MODEL_TYPE, HF_TEXT_MODEL_TYPE):
         return None
     what = "a DeepSeek-V4 checkpoint (its layers are V4's: ratios 0/4/128, MTP, hc_head)" if found == V4_MODEL_TYPE else "not a DeepSeek-V4.1 config"

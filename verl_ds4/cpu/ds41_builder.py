@@ -123,7 +123,7 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
     from verl_ds4.models.ds41.mcore_model import DS41MegatronModel, DS41TransformerConfig
 
     if not isinstance(tf_config, DS41TransformerConfig):
-        raise TypeError(f"The DS41 builder needs a DS41TransformerConfig, got {type(tf_config).__name__}.")
+        raise TypeError(f"The DS41 builder needs a DS41TransformerConfig, got {type(tf_config).__name__}.")  # error-catalogue: internal: verl passed another config class
     from verl_ds4.models.ds4.router_replay import routing_replay_requested
 
     if routing_replay_requested(tf_config):  # set by verl's engine for router_replay.mode R2 / R3

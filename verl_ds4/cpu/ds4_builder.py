@@ -80,7 +80,7 @@ def _ds4_build(tf_config, hf_config, *, pre_process, post_process, share_embeddi
     from verl_ds4.models.ds4.model_config import DS4TransformerConfig
 
     if not isinstance(tf_config, DS4TransformerConfig):
-        raise TypeError(f"The DS4 builder needs a DS4TransformerConfig, got {type(tf_config).__name__}.")
+        raise TypeError(f"The DS4 builder needs a DS4TransformerConfig, got {type(tf_config).__name__}.")  # error-catalogue: internal: verl passed another config class
     model = DS4Model(
         tf_config,
         vocab_size=hf_config.vocab_size,

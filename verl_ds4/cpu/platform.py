@@ -330,7 +330,7 @@ def self_check() -> None:
             "before verl_ds4.cpu.platform was imported. Set VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform."
         )
     if verl_dist.initialize_global_process_group is not initialize_global_process_group_cpu:
-        raise RuntimeError("verl_ds4.cpu.platform.install() did not run: verl would initialise nccl on CPU.")
+        raise RuntimeError("verl_ds4.cpu.platform.install() did not run: verl would initialise nccl on CPU.")  # error-catalogue: internal: the platform module's install step was skipped by code
 
 
 install()

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         if args.balance:
             plans.append((f"balanced ({args.balance} cost)", build_plan(lengths, PlanOptions(**base, balance=args.balance))))
     except ValueError as exc:
-        print(f"verl-ds4 plan: error: {exc}", file=sys.stderr)
+        print(f"verl-ds4 plan: error: {exc}", file=sys.stderr)  # error-catalogue: prefixes the message of the error it caught, catalogued where raised
         return 2
     summaries = []
     for title, plan in plans:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_plans(plans, summaries, args.plot, cost_model)
         except ImportError as exc:
-            print(f"verl-ds4 plan: error: {exc}", file=sys.stderr)
+            print(f"verl-ds4 plan: error: {exc}", file=sys.stderr)  # error-catalogue: prefixes the message of the error it caught, catalogued where raised
             return 2
         print(f"wrote {args.plot}")
     return 0

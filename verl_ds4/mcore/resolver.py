@@ -130,7 +130,7 @@ class ResolvedCPLayout:
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
-            raise CPLayoutError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+            raise CPLayoutError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")  # error-catalogue: internal: ResolvedCPLayout built with a bad layout by code, not by a user
         if self.balance is not None and self.layout != CONTIGUOUS:
             raise CPLayoutError(
                 f"cp_balance={self.balance_name!r} reorders the sequences of the contiguous CP layout, but this engine's "
@@ -140,11 +140,11 @@ class ResolvedCPLayout:
         for name in ("cp_size", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise CPLayoutError(f"{name} must be a positive int, got {value!r}")
+                raise CPLayoutError(f"{name} must be a positive int, got {value!r}")  # error-catalogue: internal: a caller passed a bad argument
         for name in ("min_local_rows", "pad_to_length_bucket"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise CPLayoutError(f"{name} must be None or a positive int, got {value!r}")
+                raise CPLayoutError(f"{name} must be None or a positive int, got {value!r}")  # error-catalogue: internal: a caller passed a bad argument
 
     def effective_cp_size(self, local_cp_size: int | None = None) -> int:
         """CP size of one micro-batch: ``local_cp_size`` under dynamic CP, else the static size."""
@@ -522,7 +522,7 @@ def _wrapper_levels(chunk: torch.nn.Module):
 def register_layout(model, resolved: ResolvedCPLayout, tf_config=None) -> None:
     """Record ``resolved`` for every model chunk (each wrapper level), their configs and ``tf_config``."""
     if not isinstance(resolved, ResolvedCPLayout):
-        raise TypeError(f"expected a ResolvedCPLayout, got {type(resolved).__name__}")
+        raise TypeError(f"expected a ResolvedCPLayout, got {type(resolved).__name__}")  # error-catalogue: internal: a caller passed a bad argument
     for chunk in _chunks(model):
         for level in _wrapper_levels(chunk):
             REGISTRY.set(level, resolved)

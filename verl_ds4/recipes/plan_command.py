@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return run_fit(args)
         except ValueError as e:
-            print(f"verl-ds4 plan --fit: {e}", file=sys.stderr)
+            print(f"verl-ds4 plan --fit: {e}", file=sys.stderr)  # error-catalogue: prefixes the message of the error it caught, catalogued where raised
             return 2
     if args.cp is None:
         print("verl-ds4 plan: --cp is required for a layout plan (or use --fit to find meshes).", file=sys.stderr)

@@ -167,7 +167,7 @@ def _add(report: ValidationReport, engine_key: str, violation: ds4_facts.Violati
     """Report a DS4 rule violation (the same rule the engine raises at start-up) as an error."""
     if violation is not None:
         key, message, fix = violation.recipe_problem()
-        report.errors.append(Problem(f"{engine_key}.{key}", message, fix))
+        report.errors.append(Problem(f"{engine_key}.{key}", message, fix))  # error-catalogue: a ds4_facts.Violation, a site where it is built
 
 
 def _check_role(role: RoleMesh, report: ValidationReport) -> None:
@@ -457,7 +457,7 @@ def validate_recipe(
         The report (errors, warnings, notes, resolved meshes, model facts).
     """
     if trainer not in ("sft", "ppo"):
-        raise ValueError(f"trainer must be 'sft' or 'ppo', got {trainer!r}")
+        raise ValueError(f"trainer must be 'sft' or 'ppo', got {trainer!r}")  # error-catalogue: internal: a caller passed a bad argument
     if _get(cfg, "ds4") is None:
         raise RecipeValidationError(
             [

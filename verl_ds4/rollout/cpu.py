@@ -283,7 +283,7 @@ class CPURolloutServer:
         params = dict(sampling_params or {})
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
-            raise ValueError("generate needs a non-empty prompt_ids.")
+            raise ValueError("generate needs a non-empty prompt_ids.")  # error-catalogue: internal: verl sent an empty request
         max_tokens = self._max_tokens(len(prompt), params)
         return _Request(
             prompt=prompt,

@@ -62,13 +62,13 @@ def mismatch_metrics(
     from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
 
     if old_log_probs.shape != rollout_log_probs.shape or old_log_probs.shape != response_mask.shape:
-        raise ValueError(
+        raise ValueError(  # error-catalogue: internal: verl's batch is inconsistent
             f"mismatch gate: old_log_probs {tuple(old_log_probs.shape)}, rollout_log_probs "
             f"{tuple(rollout_log_probs.shape)} and response_mask {tuple(response_mask.shape)} must have one shape."
         )
     mask = response_mask.bool()
     if not mask.any():
-        raise ValueError("mismatch gate: the response mask selects no token; there is nothing to compare.")
+        raise ValueError("mismatch gate: the response mask selects no token; there is nothing to compare.")  # error-catalogue: internal: verl's batch is inconsistent
     old, rollout = old_log_probs.double(), rollout_log_probs.double()
     diff = (old - rollout).abs()[mask]
     k3 = compute_offpolicy_metrics(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask.double())["k3_kl"]
@@ -132,7 +132,7 @@ def _gated_trainer_class():
         @trainer_mode.setter
         def trainer_mode(self, value: str) -> None:
             if value not in (TRAINER_MODE, "sync"):
-                raise ValueError(f"GatedPPOTrainerSync runs trainer.v1.trainer_mode={TRAINER_MODE!r}, got {value!r}.")
+                raise ValueError(f"GatedPPOTrainerSync runs trainer.v1.trainer_mode={TRAINER_MODE!r}, got {value!r}.")  # error-catalogue: internal: the trainer class and its mode disagree
 
         def __init__(self, config, *args: Any, **kwargs: Any):
             self.mismatch_threshold = gate_threshold(config)

@@ -55,7 +55,7 @@ def layer_kind_for_ratio(ratio: int) -> LayerKind:
         return "csa"
     if ratio > 1:
         return "hca"
-    raise ValueError(f"DS4 compression ratio must be 0, {CSA_RATIO} or another integer > 1 (128 in DS4); got {ratio}.")
+    raise ValueError(f"DS4 compression ratio must be 0, {CSA_RATIO} or another integer > 1 (128 in DS4); got {ratio}.")  # error-catalogue: internal: the model config layer validated the ratios before
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class DS4AttentionSpec:
         if not self.indexer_loss_coeff >= 0.0:
             problems.append(f"indexer_loss_coeff must be >= 0, got {self.indexer_loss_coeff}")
         if problems:
-            raise ValueError("Invalid DS4 attention sizes: " + "; ".join(problems) + ".")
+            raise ValueError("Invalid DS4 attention sizes: " + "; ".join(problems) + ".")  # error-catalogue: internal: the model config layer validated the sizes before
 
     @property
     def min_local_rows(self) -> int:
@@ -322,7 +322,7 @@ class DS4HybridAttention(nn.Module):
         cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
         self.check_cp_partition(cp_partition_mode, cp_size)
         if x.dim() != 2 or x.shape[1] != spec.hidden_size:
-            raise ValueError(f"DS4 attention expects packed rows [T, {spec.hidden_size}], got {tuple(x.shape)}.")
+            raise ValueError(f"DS4 attention expects packed rows [T, {spec.hidden_size}], got {tuple(x.shape)}.")  # error-catalogue: internal: a forward got a tensor of another model
         local_rows = x.shape[0]
         total = int(cu_seqlens_padded[-1])
         if total != local_rows * cp_size:

@@ -201,7 +201,7 @@ def render_conversation(
         if text.startswith(EOS_TOKEN, pos):
             end = pos + len(EOS_TOKEN)
             if open_at is None:
-                raise MalformedRowError(row, "rendered an end-of-sentence token outside an assistant turn.")
+                raise MalformedRowError(row, "rendered an end-of-sentence token outside an assistant turn.")  # error-catalogue: internal: the renderer broke its own turn structure
             spans.append((open_at, end))
             open_at, pos = None, end
             continue
@@ -218,7 +218,7 @@ def render_conversation(
                 pos += 1
     n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
     if len(spans) != n_assistant:
-        raise MalformedRowError(
+        raise MalformedRowError(  # error-catalogue: internal: the renderer's spans disagree with its messages
             row, f"rendered {len(spans)} assistant spans for {n_assistant} assistant messages (unsupported layout)."
         )
     return RenderedConversation(text=text, spans=tuple(spans))
