@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's two commands live here, so CI (.ci/run) and people run exactly the same thing.
 #
-#   bash scripts/dev.sh demo [args]   set up .venv, then run the main job: tiny DS4-proxy SFT on CPU
+#   bash scripts/dev.sh demo [args]   set up .venv, then run the main job: tiny DS4 SFT on CPU (verl's SFT trainer, CP=2)
 #                                     (scripts/run_ds4_proxy_sft_cpu.sh; args are Hydra overrides)
 #   bash scripts/dev.sh test [args]   run the test suite in two lanes (args go to pytest in both):
 #                                     lane 1: .venv (PYTHON, megatron-core 0.16.1), every test;

@@ -183,14 +183,23 @@ def test_sharded_state_dict_and_dist_checkpoint_round_trip(hf_folder, tmp_path):
     assert differs_before and equal_after
 
 
-def test_verify_cli_compares_a_folder_with_transformers(hf_folder, capsys):
+def test_verify_cli_compares_a_folder_with_transformers(hf_folder, capsys, monkeypatch, tmp_path):
+    import transformers.utils.logging as hf_logging
+
     from verl_ds4.cli import main
 
+    monkeypatch.setenv("VERL_DS4_LOG_DIR", str(tmp_path))
+    # Negative controls: a tolerance no fp64 computation meets fails the run; with --verbose transformers'
+    # loading progress bar shows (the quiet console below hides it).
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    assert main(["--verbose", "verify", "--hf-checkpoint", str(hf_folder), "--fp64-rtol", "0"]) == 1
+    assert "Loading weights" in capsys.readouterr().err
     assert main(["verify", "--hf-checkpoint", str(hf_folder), "--cp", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "logits     max rel error" in out and "PASSED" in out
-    # negative control: a tolerance no fp64 computation meets fails the run
-    assert main(["verify", "--hf-checkpoint", str(hf_folder), "--fp64-rtol", "0"]) == 1
+    captured = capsys.readouterr()
+    assert "logits     max rel error" in captured.out and "PASSED" in captured.out
+    assert "Loading weights" not in captured.err and "%|" not in captured.err, captured.err
+    hf_logging.enable_progress_bar()
 
 
 # Megatron-LM dev's DSv4 attention parameters (csa.py at the image's pin, 12eed0a5: the layer's

@@ -66,6 +66,17 @@ def third_party_output_to(path: Path):
         handler.close()
 
 
+def _quiet_progress_bars() -> None:
+    """No progress bars of the Hugging Face libraries (transformers' "Loading weights" bar of ``verify
+    --hf-checkpoint``) on the console: they read this variable when imported, and ones imported already are
+    told directly."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        importlib.import_module("transformers.utils.logging").disable_progress_bar()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-ds4",
@@ -94,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         return int(args._module.run(args) or 0)
     path = log_path(args.command)
+    _quiet_progress_bars()
     with third_party_output_to(path) as counted:
         rc = int(args._module.run(args) or 0)
     if counted["records"]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device check of this repository on a GPU machine that has Python 3.12 and CUDA torch but no
-# Megatron, TransformerEngine or verl (see benchmarks/README.md, "Device check").
+# Megatron, TransformerEngine or verl (see docs/benchmarks.md, "GPU checks").
 set -uo pipefail
 
 usage() {
