@@ -238,14 +238,15 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``(anchors [A], keep [A])``: ``min(A, candidates)`` distinct candidates drawn uniformly with
-    ``generator`` (one uniform key per position ``0..S-2``; the smallest keys among candidates win),
-    sorted; the rest dropped blocks (anchor 0, ``keep`` false). Same generator state, same anchors."""
+    ``generator`` (one float32 uniform key per position ``0..S-2``, whatever the default dtype; the
+    smallest keys among candidates win), sorted; the rest dropped blocks (anchor 0, ``keep`` false).
+    Same generator state, same anchors."""
     valid = anchor_candidates(loss_mask)
     anchors = torch.zeros(num_anchors, dtype=torch.long)
     keep = torch.zeros(num_anchors, dtype=torch.bool)
     if valid.numel() == 0:
         return anchors, keep
-    keys = torch.rand(valid.shape[0], generator=generator).masked_fill(~valid.cpu(), 2.0)
+    keys = torch.rand(valid.shape[0], generator=generator, dtype=torch.float32).masked_fill(~valid.cpu(), 2.0)
     count = min(int(valid.sum()), num_anchors)
     anchors[:count] = keys.argsort(stable=True)[:count].sort().values
     keep[:count] = True
