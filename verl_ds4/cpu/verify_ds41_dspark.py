@@ -129,7 +129,7 @@ def _rank_step(rank: int, world: int, case: DSparkCase):
             raise RuntimeError(f"verify DSpark: the weights do not fit the Megatron model: {missing[:3]} {unexpected[:3]}")
         target.train()
         drafter = case.drafter().train()
-        features, last, _ = megatron_target_features(target, case.sequences, parallel_state.get_context_parallel_rank(), world, group)
+        features, last, logits = megatron_target_features(target, case.sequences, parallel_state.get_context_parallel_rank(), world, group)
         out = case.objective()(drafter, target, case.sequences, features, last, case.masks,
                                generator=torch.Generator().manual_seed(case.anchor_seed))  # fmt: skip
         out.loss.backward()
@@ -140,6 +140,8 @@ def _rank_step(rank: int, world: int, case: DSparkCase):
             "grads": {n: (None if p.grad is None else p.grad.tolist()) for n, p in drafter.named_parameters()},
             "backbone_grads": backbone,
             "anchors": [(a.tolist(), k.tolist()) for a, k in out.anchors],
+            "local_rows": int(logits.shape[1]),
+            "total_rows": sum(int(s.numel()) for s in case.sequences),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -173,6 +175,8 @@ def compare_dspark_with_nemo(cp: int, seed: int = 1234, case: DSparkCase | None 
             "backbone_grads": sorted({n for r in ranks for n in r["backbone_grads"]}),
             "drafter_tensors_trained": sum(g is not None and any(torch.tensor(g).flatten().ne(0)) for g in ranks[0]["grads"].values()),
             "anchors_equal": all(r["anchors"] == ranks[0]["anchors"] for r in ranks),
+            "local_rows": max(r["local_rows"] for r in ranks),
+            "total_rows": ranks[0]["total_rows"],
         }
         if base is None:
             base = ranks[0]
