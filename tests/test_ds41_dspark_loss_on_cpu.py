@@ -115,7 +115,7 @@ def _features(case, target, layer_ids=None):
     with dl.DSparkFeatureCapture(target, layer_ids) as capture:
         target(torch.cat(case.sequences), cu_seqlens_padded=cu)
     features, last = capture.local()
-    return dl.gather_sequences(features, lengths, cu), dl.gather_sequences(last, lengths, cu)
+    return dl.split_sequences(features, lengths, cu), dl.split_sequences(last, lengths, cu)
 
 
 def _loss(case, target, features, anchors=None):
@@ -147,6 +147,41 @@ def test_negative_controls_move_the_loss(case, compared, monkeypatch):
           + f"; without the detach {len(reached)} backbone tensors get gradients")  # fmt: skip
     assert min(figures.values()) > 1e-4
     assert "embedding.word_embeddings.weight" in reached and "output_layer.weight" in reached and len(reached) > 50
+
+
+def test_other_settings_equal_nemo(case):
+    """Slot decay (``decay_gamma`` 2), a confidence head reading detached inputs and other term weights:
+    loss and drafter gradients equal NeMo's with the same settings; with equal slot weights instead
+    (negative control) the loss moves."""
+    from verl_ds4.cpu.verify_ds41_dspark import grad_errors
+    from verl_ds4.models.ds41.dspark_reference import dspark_fp64_reference, nemo_dspark_step
+    from verl_ds4.models.ds41.model import DS41Model
+
+    target, draft = case.reference
+    draft.zero_grad(set_to_none=True)
+    draft.confidence_head_stop_gradient = True
+    anchors = case.anchors()
+    try:
+        with dspark_fp64_reference():
+            nemo = nemo_dspark_step(target, draft, case.sequences, case.masks, anchors, case.text["pad_token_id"],
+                                    loss_decay_gamma=2.0, ce_loss_alpha=0.3, l1_loss_alpha=0.5, confidence_head_alpha=0.7)  # fmt: skip
+    finally:
+        draft.confidence_head_stop_gradient = False
+    ours = DS41Model(case.text, case.table, dtype=torch.float64)
+    ours.load_state_dict(case.target_state)
+    features = _features(case, ours)
+    settings = dict(num_anchors=case.num_anchors, ce_alpha=0.3, l1_alpha=0.5, confidence_alpha=0.7, confidence_stop_gradient=True)
+    drafter = case.drafter()
+    out = dl.DSparkObjective(case.text, dl.DSparkLossConfig(decay_gamma=2.0, **settings))(
+        drafter, ours, case.sequences, *features, case.masks, anchors=anchors)  # fmt: skip
+    out.loss.backward()
+    grads = grad_errors({n: p.grad for n, p in drafter.named_parameters()}, ref.dspark_reference_tensors(drafter, draft, grads=True))
+    flat = dl.DSparkObjective(case.text, dl.DSparkLossConfig(**settings))(
+        case.drafter(), ours, case.sequences, *features, case.masks, anchors=anchors)  # fmt: skip
+    print(f"decay 2, confidence stop-gradient, weights 0.3/0.5/0.7 vs NeMo: loss {rel(float(out.loss), nemo['loss']):.1e}, "
+          f"gradients {max(grads.values()):.1e}; without the decay the loss moves {rel(float(flat.loss), nemo['loss']):.1e}")  # fmt: skip
+    assert rel(float(out.loss), nemo["loss"]) <= 1e-10 and max(grads.values()) <= 1e-10
+    assert rel(float(flat.loss), nemo["loss"]) > 1e-3
 
 
 def test_cp2_without_the_gather_moves_the_loss(case, compared, monkeypatch):
@@ -189,5 +224,7 @@ def test_bad_settings_and_inputs_are_refused(case):
     objective = case.objective()
     with pytest.raises(ValueError, match=r"sequence 0 has 27 tokens but features \(13, 96\).*gather the CP slices"):
         objective(case.drafter(), target, [ids], [torch.zeros(13, 96)], [torch.zeros(13, 32)], [mask], generator=torch.Generator())
+    with pytest.raises(ValueError, match=r"lengths \[27, 9\] do not fit cu_seqlens_padded=\[0, 27, 30\].*gathered over CP"):
+        dl.split_sequences(torch.zeros(30, 4), [27, 9], torch.tensor([0, 27, 30]))
     with pytest.raises(ValueError, match="either generator= .* or anchors="):
         objective(case.drafter(), target, [ids], [torch.zeros(27, 96)], [torch.zeros(27, 32)], [mask])

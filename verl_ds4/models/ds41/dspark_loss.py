@@ -3,21 +3,21 @@
 One step, per packed micro-batch (the target backbone frozen for the drafter)::
 
     with DSparkFeatureCapture(target) as capture:          # DS41Model or DS41MegatronModel
-        logits = target(...)                                # this CP rank's rows
+        logits = target(...)                                # the packed rows (no CP)
     features, last = capture.local()                        # [rows, L * h], [rows, h], detached
-    per_seq = gather_sequences(features, lengths, cu_seqlens_padded, cp_group)   # every rank: whole sequences
-    out = objective(drafter, target, sequences, per_seq_features, per_seq_last, loss_masks, generator=g)
+    features = split_sequences(features, lengths, cu)       # per sequence (likewise last)
+    out = objective(drafter, target, sequences, features, last, loss_masks, generator=g)
     out.loss.backward()                                     # reaches the drafter only
 
-(:func:`megatron_target_features` does the first three lines for the Megatron model through verl-ds4's
-THD plan.)
+:func:`megatron_target_features` does the first four lines for the Megatron model through verl-ds4's
+THD plan (contiguous CP: each rank's rows captured, then gathered and unpacked on every rank).
 
 **Target features.** For each ``dspark_target_layer_ids`` layer, the residual streams entering that
 layer's attention mHC site (after its Engram update), averaged over the ``hc_mult`` streams; the
 layers concatenated: ``[rows, L * h]``. Also the final-norm output ``[rows, h]`` (the input of the
 target's output layer: its next-token distribution is the probability-distance teacher). Both are
 detached when captured. Under contiguous CP each rank captures its own rows; the drafter reads the
-whole sequence (:func:`gather_sequences` all-gathers the rows in rank order), so every CP rank runs
+whole sequence (:func:`megatron_target_features` all-gathers the rows in rank order), so every CP rank runs
 the same drafter step on the same anchors and holds the same drafter gradient (a reduction that
 sums over CP must divide by the CP size; one that averages gets CP 1's gradient).
 
@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_ds4 import ds41_facts
@@ -71,7 +70,7 @@ __all__ = [
     "DSparkFeatureCapture",
     "anchor_candidates",
     "check_anchors",
-    "gather_sequences",
+    "split_sequences",
     "megatron_target_features",
     "sample_anchors",
 ]
@@ -181,24 +180,17 @@ class DSparkFeatureCapture:
         return features, self._seen["last"].reshape(features.shape[0], -1)
 
 
-def gather_sequences(local: torch.Tensor, lengths: Sequence[int], cu_seqlens_padded: torch.Tensor | None = None,
-                     cp_group=None) -> list[torch.Tensor]:  # fmt: skip
-    """This rank's rows ``[rows, ...]`` of a packed buffer (contiguous CP split: rank ``r`` holds the
-    ``r``-th slice) -> every sequence's rows, on every rank. ``cu_seqlens_padded``: the packed
-    sequence starts (global; default: the sequences back to back)."""
-    full = local
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        from ..ds4.cp_comm import all_gather_rows
-
-        counts = [torch.zeros((), dtype=torch.long) for _ in range(dist.get_world_size(cp_group))]
-        dist.all_gather(counts, torch.tensor(local.shape[0], dtype=torch.long), group=cp_group)
-        full = all_gather_rows(local, [int(c) for c in counts], cp_group)
+def split_sequences(rows: torch.Tensor, lengths: Sequence[int], cu_seqlens_padded: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """A whole packed buffer's rows ``[total, ...]`` (no CP, or gathered) -> each sequence's rows.
+    ``cu_seqlens_padded``: the packed sequence starts (default: the sequences back to back). Under CP
+    use :func:`megatron_target_features`, which gathers the ranks' rows through the THD plan."""
     lengths = [int(n) for n in lengths]
     cu = torch.tensor([0, *lengths]).cumsum(0) if cu_seqlens_padded is None else cu_seqlens_padded.long().cpu()
-    if len(cu) != len(lengths) + 1 or int(cu[-1]) != full.shape[0] or any(int(cu[i]) + n > int(cu[i + 1]) for i, n in enumerate(lengths)):
-        raise ValueError(f"gather_sequences: {len(lengths)} sequences of lengths {lengths} do not fit cu_seqlens_padded="
-                         f"{cu.tolist()} over {full.shape[0]} gathered rows; pass the packed micro-batch's global padded offsets.")  # fmt: skip
-    return [full[int(cu[i]) : int(cu[i]) + n] for i, n in enumerate(lengths)]
+    if len(cu) != len(lengths) + 1 or int(cu[-1]) != rows.shape[0] or any(int(cu[i]) + n > int(cu[i + 1]) for i, n in enumerate(lengths)):
+        raise ValueError(f"split_sequences: {len(lengths)} sequences of lengths {lengths} do not fit cu_seqlens_padded="
+                         f"{cu.tolist()} over {rows.shape[0]} rows; pass the whole packed buffer (gathered over CP) and "
+                         "its global padded offsets.")  # fmt: skip
+    return [rows[int(cu[i]) : int(cu[i]) + n] for i, n in enumerate(lengths)]
 
 
 def megatron_target_features(model, sequences: Sequence[torch.Tensor], cp_rank: int = 0, cp_size: int = 1, cp_group=None,
