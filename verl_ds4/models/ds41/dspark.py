@@ -115,10 +115,12 @@ class DS41DSpark(nn.Module):
         self.mtp.layers = nn.ModuleList(DSparkStage(text, k, dtype=dtype, cache_qdq=cache_qdq) for k in range(stages))
 
     def forward(self, noise: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                previous_ids: torch.Tensor | None = None):  # fmt: skip
+                previous_ids: torch.Tensor | None = None, confidence: bool = True,
+                confidence_stop_gradient: bool = False):  # fmt: skip
         """``noise`` ``[D, h]``, ``features`` ``[C, L * h]``, ``positions`` ``[C + D]``, ``visible``
         ``[D, C + D]``, ``previous_ids`` ``[D]`` -> ``(normed [D, h], transition logits [D, V] or None,
-        confidence logits [D] or None)``."""
+        confidence logits [D] or None)``. ``confidence=False`` skips the confidence head;
+        ``confidence_stop_gradient``: it reads detached inputs (its loss trains only ``confidence_head``)."""
         streams = noise.unsqueeze(-2).expand(noise.shape[0], self.hc_mult, noise.shape[-1])
         carried = initial_carried_pre(noise.shape[:1], self.hc_mult, dtype=noise.dtype, device=noise.device)
         context = features
@@ -129,5 +131,8 @@ class DS41DSpark(nn.Module):
         if previous_ids is None:
             return normed, None, None
         markov = last.markov_head.embed(previous_ids)
-        confidence = last.confidence_head.proj(torch.cat([normed, markov], dim=-1)).squeeze(-1)
-        return normed, last.markov_head.head(markov), confidence
+        score = None
+        if confidence:
+            inputs = torch.cat([normed, markov], dim=-1)
+            score = last.confidence_head.proj(inputs.detach() if confidence_stop_gradient else inputs).squeeze(-1)
+        return normed, last.markov_head.head(markov), score
