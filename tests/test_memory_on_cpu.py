@@ -295,7 +295,7 @@ def test_plan_fit_table_json_and_a_config_folder(tmp_path):
         (["--gpu", "H200"], "--fit needs --gpus"),
         (["--gpu", "A100", "--gpus", "64"], "known: ['B200'"),
         (["--gpu", "H200", "--gpus", "3-7"], "holds no multiple of 8 GPUs per node"),
-        (["--gpu", "H200", "--gpus", "64", "--model", "/nonexistent"], "expected flash, pro, a config.json"),
+        (["--gpu", "H200", "--gpus", "64", "--model", "/nonexistent"], "expected flash, pro, v41_flash, a config.json"),
         (["--gpu", "H200", "--gpus", "64", "--headroom", "1.5"], "headroom is 1.5"),
     ],
 )
