@@ -66,7 +66,18 @@ KNOWN_CP_PARTITION_MODES: dict[tuple[str, str], str] = {
     ("megatron.core", "DotProductAttention"): ZIGZAG,
     ("megatron.core", "TEDotProductAttention"): ZIGZAG,
     ("transformer_engine", "DotProductAttention"): ZIGZAG,
+    # Megatron-LM dev's DeepSeek-V4.1 core attention (every V4.1 layer: window-only, Full, Reindex, Reuse),
+    # read at NVIDIA/Megatron-LM e80d15ffa5 (``experimental_attention_variant/csa2.py``; a later refactor
+    # moves it into the ``csa2/`` package, same class name, same prefix). Its packed path builds its
+    # layout with ``csa_utils/thd_utils.build_csa2_thd_layout`` (read at 09b70a5933), which raises
+    # "CSA2 THD CP requires a contiguous partition" unless ``PackedSeqParams.cp_partition_mode`` is
+    # "contiguous" with CP > 1; each rank takes its left halo from the previous rank
+    # (``csa_utils/csa2_context_parallel.py``). Rows per rank: the V4.1 config's rule (resolver).
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2"): CONTIGUOUS,
 }
+
+#: The CSA2 core attention's entry above (the resolver names it in V4.1 messages; doctor looks for it).
+DS41_CORE_ATTENTION = ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2")
 
 
 class CPLayoutError(ValueError):

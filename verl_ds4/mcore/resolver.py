@@ -24,6 +24,13 @@ is listed in the one table of modules known without a declaration,
 :data:`~verl_ds4.mcore.requirements.KNOWN_CP_PARTITION_MODES` (Megatron-Core's and
 TransformerEngine's ``DotProductAttention``: ``zigzag``). On top of that:
 
+* ``TransformerConfig.dsv4_version == "v4.1"`` (DeepSeek-V4.1 on Megatron-LM dev, beside
+  ``experimental_attention_variant == "dsv4_hybrid"``): ``contiguous`` with at least
+  ``max(csa_window_size, largest csa_compress_ratios entry, Engram lookback)`` rows per CP rank
+  (``engram_max_ngram_size - 1`` when ``engram_layer_ids`` is set; the same rule as
+  ``DS41TransformerConfig.min_local_rows``, which a config that has it supplies itself). Every attention
+  module must be one the resolver knows (dev's ``CompressedSparseAttention2``, a declaring module): an
+  unknown one under CP is refused, never guessed.
 * ``TransformerConfig.experimental_attention_variant == "dsv4_hybrid"`` (DeepSeek-V4):
   ``contiguous`` with at least D_window rows per CP rank, TP = 1. When the model's attention
   modules declare the protocol (the project's pure-PyTorch DS4 attention) they must agree, and they
@@ -56,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl_ds4 import ds4_facts
+from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.mcore import megatron_api, requirements
 from verl_ds4.mcore.registry import IdentityRegistry
 
@@ -216,6 +223,36 @@ def transformer_config_fields() -> frozenset[str]:
 # --------------------------------------------------------------------------------------------
 
 
+#: Megatron-LM dev's V4.1 switch on ``TransformerConfig`` (``dsv4_version``) and its value.
+DSV4_VERSION_FIELD, DS41_VERSION = "dsv4_version", "v4.1"
+#: Megatron's own default of ``engram_max_ngram_size`` (``EngramConfig.from_transformer_config``).
+MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT = 3
+
+
+def _is_ds41_config(tf_config) -> bool:
+    return getattr(tf_config, DSV4_VERSION_FIELD, None) == DS41_VERSION
+
+
+def _ds41_min_rows(tf_config) -> int:
+    """Rows every CP rank needs for V4.1: the config's own ``min_local_rows`` (``DS41TransformerConfig``)
+    or ``max(window, largest ratio, Engram lookback)`` from Megatron-LM dev's field names."""
+    own = getattr(tf_config, "min_local_rows", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    window = getattr(tf_config, "csa_window_size", None)
+    if not isinstance(window, int) or window < 1:
+        raise CPLayoutError(
+            f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} but csa_window_size={window!r}; expected the "
+            "V4.1 window (a positive int, 128 for Flash). Set it from the checkpoint's sliding_window."
+        )
+    ratios = [int(r) for r in (getattr(tf_config, "csa_compress_ratios", None) or ())]
+    lookback = 0
+    if getattr(tf_config, "engram_layer_ids", None):
+        n = getattr(tf_config, "engram_max_ngram_size", None) or MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT
+        lookback = int(n) - 1
+    return max([window, lookback, *ratios])
+
+
 def _is_ds4_config(tf_config) -> bool:
     return getattr(tf_config, "experimental_attention_variant", None) == ds4_facts.ATTENTION_VARIANT
 
@@ -229,6 +266,16 @@ def _ds4_window(tf_config) -> int:
 def is_ds4_hf_config(hf_config) -> bool:
     """Whether a Hugging Face config describes a model Megatron-Bridge builds with DS4 attention."""
     return getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE
+
+
+def is_ds41_hf_config(hf_config) -> bool:
+    """Whether a Hugging Face config describes DeepSeek-V4.1 (CSA2 and Engram: the same CP rules as DS4)."""
+    return getattr(hf_config, "model_type", None) in (ds41_facts.HF_MODEL_TYPE, ds41_facts.HF_TEXT_MODEL_TYPE)
+
+
+#: How the CP rules name each family's attention in their messages.
+V4_ATTENTION = "DeepSeek-V4 attention"
+V41_ATTENTION = "DeepSeek-V4.1 attention (CSA2) and Engram"
 
 
 def _chunks(model) -> list[torch.nn.Module]:
@@ -247,6 +294,17 @@ class _Consumers:
 
 def _consumers(chunks: list[torch.nn.Module], tf_config) -> _Consumers:
     scan = requirements.scan_attention_modules(chunks)
+    if tf_config is not None and _is_ds41_config(tf_config):
+        # V4.1 (Megatron-LM dev or this project's model): every attention module must be known or declare;
+        # the config adds the rows rule. dev's CSA2 is in KNOWN_CP_PARTITION_MODES (contiguous).
+        v41 = LayoutRequirement(
+            CONTIGUOUS,
+            _ds41_min_rows(tf_config),
+            f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} ({V41_ATTENTION})",
+            frozenset([CONTIGUOUS]),
+            self_describing=bool(scan.declared) and not scan.known,
+        )
+        return _Consumers([v41, *scan.declared, *scan.known], scan.undeclared)
     if tf_config is None or not _is_ds4_config(tf_config):
         return _Consumers([*scan.declared, *scan.known], scan.undeclared)
     ds4 = LayoutRequirement(
@@ -306,12 +364,14 @@ def transformer_config_fills(
     """
     api = api or megatron_api.installed_api()
     api.check_overrides(user_overrides)  # a layout key of the other Megatron spelling: refused for any model
-    if not is_ds4_hf_config(hf_config):
+    v41 = is_ds41_hf_config(hf_config)
+    if not (is_ds4_hf_config(hf_config) or v41):
         return {}
     user = dict(user_overrides or {})
+    mode = user.get(CP_PARTITION_MODE) or api.explicit_layout(user)
     _raise_if(
         ds4_facts.check_tensor_parallel(tp_size),
-        ds4_facts.check_cp_partition_mode(user.get(CP_PARTITION_MODE) or api.explicit_layout(user), cp_size, dynamic_cp),
+        ds4_facts.check_cp_partition_mode(mode, cp_size, dynamic_cp, V41_ATTENTION if v41 else V4_ATTENTION),
         ds4_facts.check_packing_scheduler(user.get(SEQUENCE_PACKING_SCHEDULER), cp_size, dynamic_cp),
     )
     if not (cp_size > 1 or dynamic_cp):
