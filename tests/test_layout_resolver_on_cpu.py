@@ -506,8 +506,8 @@ def test_bad_cp_balance_fails_at_config_and_engine_start_up():
 # ------------------------------------------------------------------ DeepSeek-V4.1 on Megatron-LM dev
 
 # Stand-ins with the module path and class name of Megatron-LM dev's V4.1 core attention (read at
-# NVIDIA/Megatron-LM e80d15ffa5, experimental_attention_variant/csa2.py; the later csa2/ package keeps
-# the class name under the same prefix). megatron-core 0.16.1 has neither, so the resolver is checked
+# NVIDIA/Megatron-LM e80d15ffa5, experimental_attention_variant/csa2.py: CompressedSparseAttention2; after
+# the refactor into the csa2/ package, 02ab972cd1: csa2/attention.py's CSA2Attention). megatron-core 0.16.1 has neither, so the resolver is checked
 # on classes that only carry dev's names: it must know them by the table, not by a default.
 DEV_CSA2 = "megatron.core.transformer.experimental_attention_variant.csa2"
 
@@ -526,14 +526,14 @@ def _v41_config(model, **fields):
     return config
 
 
-@pytest.mark.parametrize("module", [DEV_CSA2, DEV_CSA2 + ".attention"])
-def test_dev_v41_attention_resolves_contiguous_with_the_v41_rows(parallel_state, with_cp_partition_mode, module):
-    csa2 = _dev_class(module)
+@pytest.mark.parametrize("module, name", [(DEV_CSA2, "CompressedSparseAttention2"), (DEV_CSA2 + ".attention", "CSA2Attention")])
+def test_dev_v41_attention_resolves_contiguous_with_the_v41_rows(parallel_state, with_cp_partition_mode, module, name):
+    csa2 = _dev_class(module, name)
     model = build_tiny_gpt(attention=lambda i: csa2())
     config = _v41_config(model)
     resolved = resolver.resolve_cp_layout(model, config, cp_size=4)
     assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 128)
-    assert "dsv4_version='v4.1'" in resolved.describe() and "CompressedSparseAttention2" in resolved.describe()
+    assert "dsv4_version='v4.1'" in resolved.describe() and name in resolved.describe()
     # rows = max(window, largest ratio, Engram lookback): a window below the lookback is raised to it
     config.csa_window_size, config.engram_layer_ids, config.engram_max_ngram_size = 2, [1, 14], 4
     assert resolver.resolve_cp_layout(model, config, cp_size=4).min_local_rows == 3
@@ -542,7 +542,7 @@ def test_dev_v41_attention_resolves_contiguous_with_the_v41_rows(parallel_state,
     # Megatron-Core without PackedSeqParams.cp_partition_mode cannot tell CSA2 the layout: refused
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(resolver, "packed_seq_params_has_cp_partition_mode", lambda: False)
-        with pytest.raises(CPLayoutError, match="PackedSeqParams.cp_partition_mode.*CompressedSparseAttention2"):
+        with pytest.raises(CPLayoutError, match=f"PackedSeqParams.cp_partition_mode.*{name}"):
             resolver.resolve_cp_layout(model, config, cp_size=4)
 
 
@@ -584,7 +584,7 @@ def test_v41_unknown_attention_is_refused_never_guessed(parallel_state, with_cp_
     model = build_tiny_gpt(attention=lambda i: csa2())
     from verl_ds4.mcore import requirements
 
-    table = {k: v for k, v in requirements.KNOWN_CP_PARTITION_MODES.items() if k != requirements.DS41_CORE_ATTENTION}
+    table = {k: v for k, v in requirements.KNOWN_CP_PARTITION_MODES.items() if k not in requirements.DS41_CORE_ATTENTIONS}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(requirements, "KNOWN_CP_PARTITION_MODES", table)
         with pytest.raises(CPLayoutError, match="CompressedSparseAttention2\\) declares none"):

@@ -66,18 +66,25 @@ KNOWN_CP_PARTITION_MODES: dict[tuple[str, str], str] = {
     ("megatron.core", "DotProductAttention"): ZIGZAG,
     ("megatron.core", "TEDotProductAttention"): ZIGZAG,
     ("transformer_engine", "DotProductAttention"): ZIGZAG,
-    # Megatron-LM dev's DeepSeek-V4.1 core attention (every V4.1 layer: window-only, Full, Reindex, Reuse),
-    # read at NVIDIA/Megatron-LM e80d15ffa5 (``experimental_attention_variant/csa2.py``; a later refactor
-    # moves it into the ``csa2/`` package, same class name, same prefix). Its packed path builds its
-    # layout with ``csa_utils/thd_utils.build_csa2_thd_layout`` (read at 09b70a5933), which raises
-    # "CSA2 THD CP requires a contiguous partition" unless ``PackedSeqParams.cp_partition_mode`` is
-    # "contiguous" with CP > 1; each rank takes its left halo from the previous rank
-    # (``csa_utils/csa2_context_parallel.py``). Rows per rank: the V4.1 config's rule (resolver).
+    # Megatron-LM dev's DeepSeek-V4.1 core attention (every V4.1 layer: window-only, Full, Reindex, Reuse).
+    # Read at NVIDIA/Megatron-LM e80d15ffa5 (``experimental_attention_variant/csa2.py``:
+    # ``CompressedSparseAttention2``) and after the refactor into the ``csa2/`` package (02ab972cd1,
+    # b8ac8e6697: ``csa2/attention.py``'s ``CSA2Attention`` inside ``DSv41SelfAttention``, built by
+    # ``models/deepseek_v41/layer_specs.hybrid_dsv41_stack_spec``). Their packed path splits the flat
+    # row axis into contiguous blocks (``csa2/thd.py``; ``csa_utils/thd_utils.build_csa2_thd_layout``
+    # at 09b70a5933 raises "CSA2 THD CP requires a contiguous partition" unless
+    # ``PackedSeqParams.cp_partition_mode`` is "contiguous" with CP > 1) and takes a left halo from the
+    # previous rank (``csa_utils/csa2_context_parallel.py``). Rows per rank: the V4.1 config's rule
+    # (the resolver). Same prefix for the module and the package.
     ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2"): CONTIGUOUS,
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CSA2Attention"): CONTIGUOUS,
 }
 
-#: The CSA2 core attention's entry above (the resolver names it in V4.1 messages; doctor looks for it).
-DS41_CORE_ATTENTION = ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2")
+#: The CSA2 core-attention entries above (tests and ``verl-ds4 doctor`` look for them).
+DS41_CORE_ATTENTIONS = (
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2"),
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CSA2Attention"),
+)
 
 
 class CPLayoutError(ValueError):
