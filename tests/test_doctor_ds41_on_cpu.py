@@ -67,5 +67,5 @@ def test_doctor_prints_the_v41_line_and_require_ds41_fails_here(capsys):
     out = capsys.readouterr().out
     block = out.split("DeepSeek-V4.1 with context parallelism on this stack:")[1]
     assert block.splitlines()[1].startswith("  NO; V4.1 modules found: none")
-    assert "no V4.1 CSA2 core attention" in block and "fix: install Megatron-LM dev with V4.1 (0d4c86d17" in block
+    assert "no V4.1 CSA2 core attention" in block and "fix: install a megatron.core with V4.1 (the dev commit 0d4c86d17" in block
     assert status == 1

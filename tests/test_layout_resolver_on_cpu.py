@@ -505,8 +505,8 @@ def test_bad_cp_balance_fails_at_config_and_engine_start_up():
 
 # ------------------------------------------------------------------ DeepSeek-V4.1 on Megatron-LM dev
 
-# Stand-ins with the module path and class name of Megatron-LM dev's V4.1 core attention (read at
-# NVIDIA/Megatron-LM e80d15ffa5, experimental_attention_variant/csa2.py: CompressedSparseAttention2; after
+# Stand-ins with the module path and class name of the dev branch's V4.1 core attention (megatron.core
+# source read at e80d15ffa5, experimental_attention_variant/csa2.py: CompressedSparseAttention2; after
 # the refactor into the csa2/ package, 02ab972cd1: csa2/attention.py's CSA2Attention). megatron-core 0.16.1 has neither, so the resolver is checked
 # on classes that only carry dev's names: it must know them by the table, not by a default.
 DEV_CSA2 = "megatron.core.transformer.experimental_attention_variant.csa2"

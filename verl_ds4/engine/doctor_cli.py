@@ -32,9 +32,9 @@ PACKAGES = {
 MIN_TRANSFORMER_ENGINE = (2, 9)
 DS4_ATTENTION_MODULE = "megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention"
 DS4_BRIDGE_MODULE = "megatron.bridge.models.deepseek.deepseek_v4_bridge"
-#: Megatron-LM dev's V4.1 pieces (read at NVIDIA/Megatron-LM e80d15ffa5 / 02ab972cd1, see
-#: verl_ds4/mcore/requirements.py) and Megatron-Bridge's V4.1 bridge (which asks for Megatron-LM dev
-#: 0d4c86d17, PR #7503, or a descendant).
+#: The V4.1 pieces of megatron.core on the dev branch (source read at e80d15ffa5 / 02ab972cd1, see
+#: verl_ds4/mcore/requirements.py) and Megatron-Bridge's V4.1 bridge (which asks for the dev commit
+#: 0d4c86d17 of PR #7503, or a descendant).
 DS41_CSA2_MODULE = "megatron.core.transformer.experimental_attention_variant.csa2"
 DS41_CSA2_CLASSES = ("CompressedSparseAttention2", "CSA2Attention")
 DS41_MODEL_MODULE = "megatron.core.models.deepseek_v41"
@@ -42,8 +42,8 @@ DS41_CONFIG_MODULE = "megatron.core.transformer.transformer_config"
 DS41_BRIDGE_MODULE = "megatron.bridge.models.deepseek.deepseek_v41_bridge"
 #: Phrases of early CSA2 commits that refuse context parallelism.
 DS41_CP_REFUSALS = ("requires TP=CP=1", "currently requires CP=1", "supports unpacked sequences with CP=1")
-DS41_FIX = ("install Megatron-LM dev with V4.1 (0d4c86d17, PR #7503, or a descendant) and a Megatron-Bridge with "
-            "deepseek_v41_bridge; docker/README.md says why the image does not pin them yet")
+DS41_FIX = ("install a megatron.core with V4.1 (the dev commit 0d4c86d17 of PR #7503, or a descendant) and a "
+            "Megatron-Bridge with deepseek_v41_bridge; docker/README.md says why the image does not pin them yet")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

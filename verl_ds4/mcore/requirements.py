@@ -66,8 +66,8 @@ KNOWN_CP_PARTITION_MODES: dict[tuple[str, str], str] = {
     ("megatron.core", "DotProductAttention"): ZIGZAG,
     ("megatron.core", "TEDotProductAttention"): ZIGZAG,
     ("transformer_engine", "DotProductAttention"): ZIGZAG,
-    # Megatron-LM dev's DeepSeek-V4.1 core attention (every V4.1 layer: window-only, Full, Reindex, Reuse).
-    # Read at NVIDIA/Megatron-LM e80d15ffa5 (``experimental_attention_variant/csa2.py``:
+    # The dev branch's DeepSeek-V4.1 core attention (every V4.1 layer: window-only, Full, Reindex, Reuse).
+    # megatron.core source read at e80d15ffa5 (``experimental_attention_variant/csa2.py``:
     # ``CompressedSparseAttention2``) and after the refactor into the ``csa2/`` package (02ab972cd1,
     # b8ac8e6697: ``csa2/attention.py``'s ``CSA2Attention`` inside ``DSv41SelfAttention``, built by
     # ``models/deepseek_v41/layer_specs.hybrid_dsv41_stack_spec``). Their packed path splits the flat
