@@ -143,3 +143,15 @@ def test_launchers_select_v41_with_model_version(script, recipe):
     env["MODEL_VERSION"] = "v5"
     assert subprocess.run(["bash", f"scripts/{script}", "--dry-run"], capture_output=True, text=True, cwd=REPO,
                           env=env).returncode == 2
+
+
+def test_plan_fit_reads_a_v41_folder_like_the_model_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(v41_config()))
+    args = ("plan", "--fit", "--gpu", "GB300", "--gpus", "96", "--recipe", "grpo", "--json")
+    rc, folder, _ = cli(*args, "--model", str(tmp_path))
+    assert rc == 0 and json.loads(folder)["meshes"] == json.loads(cli(*args, "--model", "v41_flash")[1])["meshes"]
+    bad = v41_config()
+    bad["text_config"]["kv_source_layer_ids"] = [3, 8, 14, 20]
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    rc, _, err = cli(*args, "--model", str(tmp_path))
+    assert rc == 2 and "kv_source_layer_ids=[3, 8, 14, 20]" in err and "comes later" in err
