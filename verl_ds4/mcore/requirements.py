@@ -39,6 +39,10 @@ Which modules are attention modules: every declaring module, every module in the
 ``core_attention`` of every Megatron-Core ``Attention`` (``SelfAttention``, ``CrossAttention``,
 ``MLASelfAttention``, ...). A ``core_attention`` that is neither declared nor in the table is
 reported by name (:attr:`ModuleScan.undeclared`); the resolver refuses it under CP.
+
+A DeepSeek-V4.1 config (``dsv4_version == "v4.1"``) adds its own requirement
+(:func:`ds41_config_requirement`: contiguous, :func:`ds41_min_rows` rows per rank), and every attention
+module of such a model must be declared or in the table.
 """
 
 from __future__ import annotations
@@ -121,6 +125,47 @@ class ModuleScan:
     known: list[LayoutRequirement] = field(default_factory=list)
     #: ``core_attention`` modules that neither declare nor are known: ``"path (Class)"`` each.
     undeclared: list[str] = field(default_factory=list)
+
+
+#: Megatron-LM dev's V4.1 switch on ``TransformerConfig`` (``dsv4_version``) and its value.
+DSV4_VERSION_FIELD, DS41_VERSION = "dsv4_version", "v4.1"
+#: Megatron's own default of ``engram_max_ngram_size`` (``EngramConfig.from_transformer_config``).
+MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT = 3
+
+
+def is_ds41_config(tf_config) -> bool:
+    return getattr(tf_config, DSV4_VERSION_FIELD, None) == DS41_VERSION
+
+
+def ds41_min_rows(tf_config) -> int:
+    """Rows every CP rank needs for V4.1: the config's own ``min_local_rows`` (``DS41TransformerConfig``)
+    or ``max(window, largest ratio, Engram lookback)`` from Megatron-LM dev's field names."""
+    own = getattr(tf_config, "min_local_rows", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    window = getattr(tf_config, "csa_window_size", None)
+    if not isinstance(window, int) or window < 1:
+        raise CPLayoutError(
+            f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} but csa_window_size={window!r}; expected the "
+            "V4.1 window (a positive int, 128 for Flash). Set it from the checkpoint's sliding_window."
+        )
+    ratios = [int(r) for r in (getattr(tf_config, "csa_compress_ratios", None) or ())]
+    lookback = 0
+    if getattr(tf_config, "engram_layer_ids", None):
+        n = getattr(tf_config, "engram_max_ngram_size", None) or MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT
+        lookback = int(n) - 1
+    return max([window, lookback, *ratios])
+
+
+def ds41_config_requirement(tf_config, attention: str, self_describing: bool) -> LayoutRequirement:
+    """The V4.1 config's own requirement: contiguous, :func:`ds41_min_rows` rows per CP rank."""
+    return LayoutRequirement(
+        CONTIGUOUS,
+        ds41_min_rows(tf_config),
+        f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} ({attention})",
+        frozenset([CONTIGUOUS]),
+        self_describing=self_describing,
+    )
 
 
 def known_cp_partition_mode(module: torch.nn.Module) -> str | None:

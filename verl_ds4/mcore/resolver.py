@@ -223,36 +223,6 @@ def transformer_config_fields() -> frozenset[str]:
 # --------------------------------------------------------------------------------------------
 
 
-#: Megatron-LM dev's V4.1 switch on ``TransformerConfig`` (``dsv4_version``) and its value.
-DSV4_VERSION_FIELD, DS41_VERSION = "dsv4_version", "v4.1"
-#: Megatron's own default of ``engram_max_ngram_size`` (``EngramConfig.from_transformer_config``).
-MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT = 3
-
-
-def _is_ds41_config(tf_config) -> bool:
-    return getattr(tf_config, DSV4_VERSION_FIELD, None) == DS41_VERSION
-
-
-def _ds41_min_rows(tf_config) -> int:
-    """Rows every CP rank needs for V4.1: the config's own ``min_local_rows`` (``DS41TransformerConfig``)
-    or ``max(window, largest ratio, Engram lookback)`` from Megatron-LM dev's field names."""
-    own = getattr(tf_config, "min_local_rows", None)
-    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
-        return own
-    window = getattr(tf_config, "csa_window_size", None)
-    if not isinstance(window, int) or window < 1:
-        raise CPLayoutError(
-            f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} but csa_window_size={window!r}; expected the "
-            "V4.1 window (a positive int, 128 for Flash). Set it from the checkpoint's sliding_window."
-        )
-    ratios = [int(r) for r in (getattr(tf_config, "csa_compress_ratios", None) or ())]
-    lookback = 0
-    if getattr(tf_config, "engram_layer_ids", None):
-        n = getattr(tf_config, "engram_max_ngram_size", None) or MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT
-        lookback = int(n) - 1
-    return max([window, lookback, *ratios])
-
-
 def _is_ds4_config(tf_config) -> bool:
     return getattr(tf_config, "experimental_attention_variant", None) == ds4_facts.ATTENTION_VARIANT
 
@@ -294,15 +264,11 @@ class _Consumers:
 
 def _consumers(chunks: list[torch.nn.Module], tf_config) -> _Consumers:
     scan = requirements.scan_attention_modules(chunks)
-    if tf_config is not None and _is_ds41_config(tf_config):
+    if tf_config is not None and requirements.is_ds41_config(tf_config):
         # V4.1 (Megatron-LM dev or this project's model): every attention module must be known or declare;
         # the config adds the rows rule. dev's CSA2 is in KNOWN_CP_PARTITION_MODES (contiguous).
-        v41 = LayoutRequirement(
-            CONTIGUOUS,
-            _ds41_min_rows(tf_config),
-            f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} ({V41_ATTENTION})",
-            frozenset([CONTIGUOUS]),
-            self_describing=bool(scan.declared) and not scan.known,
+        v41 = requirements.ds41_config_requirement(
+            tf_config, V41_ATTENTION, self_describing=bool(scan.declared) and not scan.known
         )
         return _Consumers([v41, *scan.declared, *scan.known], scan.undeclared)
     if tf_config is None or not _is_ds4_config(tf_config):
