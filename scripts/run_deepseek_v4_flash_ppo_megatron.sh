@@ -7,6 +7,8 @@
 #   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_ppo_megatron.sh
 #
 # Start the Ray cluster first (ray start --head / --address on every node); this runs the driver.
+# DeepSeek-V4.1-Flash (GRPO only): MODEL_VERSION=v41 (recipe deepseek_v41_grpo, ds4_model=v41_flash,
+# its default mesh gb300_96gpu_pp4_ep24_cp4).
 # DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_256gpu_pp4_ep64` (and MODEL_PATH to the Pro checkpoint);
 # `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256` lists the meshes that fit.
 # Before Ray starts, the full config is composed and validated (`verl-ds4 recipe ppo`): a bad
@@ -30,6 +32,20 @@ for arg in "$@"; do
 done
 
 # ---------------- user-adjustable ----------------
+# v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1, GRPO only: its recipe, model file and the defaults below).
+MODEL_VERSION=${MODEL_VERSION:-v4}
+case "$MODEL_VERSION:$RL_RECIPE" in
+    v4:*) RECIPE_NAME=deepseek_v4_$RL_RECIPE DS4_MODEL=flash ;;
+    v41:grpo)
+        RECIPE_NAME=deepseek_v41_grpo DS4_MODEL=v41_flash
+        MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4.1-Flash}
+        MESH=${MESH:-gb300_96gpu_pp4_ep24_cp4}
+        PROJECT_NAME=${PROJECT_NAME:-deepseek-v41-grpo}
+        EXP_NAME=${EXP_NAME:-v41-flash-megatron}
+        ;;
+    v41:*) echo "MODEL_VERSION=v41: DeepSeek-V4.1 has a GRPO recipe only (deepseek_v41_grpo); use scripts/run_deepseek_v4_flash_grpo_megatron.sh" >&2; exit 2 ;;
+    *) echo "MODEL_VERSION=$MODEL_VERSION: expected v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1)" >&2; exit 2 ;;
+esac
 MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4-Flash}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_rl/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_rl/test.parquet}
@@ -64,8 +80,8 @@ PYTHON=${PYTHON:-python3}
 
 RECIPE=(
     "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"
-    "+recipe=deepseek_v4_$RL_RECIPE"
-    ds4_model=flash
+    "+recipe=$RECIPE_NAME"
+    "ds4_model=$DS4_MODEL"
     "ds4_mesh=$MESH"
 )
 

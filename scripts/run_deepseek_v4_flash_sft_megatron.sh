@@ -8,6 +8,8 @@
 #   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh optim.lr=5e-6
 #
 # Multi-node: run the same command on every node with NODE_RANK, MASTER_ADDR and MASTER_PORT set.
+# DeepSeek-V4.1-Flash: MODEL_VERSION=v41 (recipe deepseek_v41_sft, ds4_model=v41_flash, its default mesh
+# h200_192gpu_pp4_ep48_cp4, MTP off: V4.1's mtp.* stages are a DSpark drafter).
 # DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_256gpu_pp4_ep64` (and MODEL_PATH to the Pro checkpoint);
 # `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256` lists the meshes that fit.
 # Before torchrun starts, the full config is composed and validated (`verl-ds4 recipe sft`): a bad
@@ -24,6 +26,20 @@ for arg in "$@"; do
 done
 
 # ---------------- user-adjustable ----------------
+# v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1: its recipe, model file and the defaults below).
+MODEL_VERSION=${MODEL_VERSION:-v4}
+case "$MODEL_VERSION" in
+    v4) RECIPE_NAME=deepseek_v4_sft DS4_MODEL=flash ;;
+    v41)
+        RECIPE_NAME=deepseek_v41_sft DS4_MODEL=v41_flash
+        MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4.1-Flash}
+        MESH=${MESH:-h200_192gpu_pp4_ep48_cp4}
+        MTP=${MTP:-false}
+        PROJECT_NAME=${PROJECT_NAME:-deepseek-v41-sft}
+        EXP_NAME=${EXP_NAME:-v41-flash-megatron}
+        ;;
+    *) echo "MODEL_VERSION=$MODEL_VERSION: expected v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1)" >&2; exit 2 ;;
+esac
 MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4-Flash}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_sft/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_sft/test.parquet}
@@ -53,8 +69,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 
 RECIPE=(
     "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"
-    +recipe=deepseek_v4_sft
-    ds4_model=flash
+    "+recipe=$RECIPE_NAME"
+    "ds4_model=$DS4_MODEL"
     "ds4_mesh=$MESH"
 )
 

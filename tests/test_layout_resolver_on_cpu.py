@@ -501,3 +501,98 @@ def test_bad_cp_balance_fails_at_config_and_engine_start_up():
         DS4MegatronEngineWithLMHead._check_startup_settings(
             object.__new__(DS4MegatronEngineWithLMHead), SimpleNamespace(hf_config=DENSE_HF), config
         )
+
+
+# ------------------------------------------------------------------ DeepSeek-V4.1 on Megatron-LM dev
+
+# Stand-ins with the module path and class name of the dev branch's V4.1 core attention (megatron.core
+# source read at e80d15ffa5, experimental_attention_variant/csa2.py: CompressedSparseAttention2; after
+# the refactor into the csa2/ package, 02ab972cd1: csa2/attention.py's CSA2Attention). megatron-core 0.16.1 has neither, so the resolver is checked
+# on classes that only carry dev's names: it must know them by the table, not by a default.
+DEV_CSA2 = "megatron.core.transformer.experimental_attention_variant.csa2"
+
+
+def _dev_class(module: str, name: str = "CompressedSparseAttention2"):
+    return type(name, (torch.nn.Module,), {"__module__": module})
+
+
+def _v41_config(model, **fields):
+    config = model.config
+    config.experimental_attention_variant = "dsv4_hybrid"
+    values = dict(dsv4_version="v4.1", csa_window_size=128, csa_compress_ratios=[0, 0, 2, 1], engram_layer_ids=None)
+    values.update(fields)
+    for key, value in values.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("module, name", [(DEV_CSA2, "CompressedSparseAttention2"), (DEV_CSA2 + ".attention", "CSA2Attention")])
+def test_dev_v41_attention_resolves_contiguous_with_the_v41_rows(parallel_state, with_cp_partition_mode, module, name):
+    csa2 = _dev_class(module, name)
+    model = build_tiny_gpt(attention=lambda i: csa2())
+    config = _v41_config(model)
+    resolved = resolver.resolve_cp_layout(model, config, cp_size=4)
+    assert (resolved.layout, resolved.min_local_rows) == ("contiguous", 128)
+    assert "dsv4_version='v4.1'" in resolved.describe() and name in resolved.describe()
+    # rows = max(window, largest ratio, Engram lookback): a window below the lookback is raised to it
+    config.csa_window_size, config.engram_layer_ids, config.engram_max_ngram_size = 2, [1, 14], 4
+    assert resolver.resolve_cp_layout(model, config, cp_size=4).min_local_rows == 3
+    del config.engram_max_ngram_size  # Megatron's own default (EngramConfig: 3)
+    assert resolver.resolve_cp_layout(model, config, cp_size=4).min_local_rows == 2
+    # Megatron-Core without PackedSeqParams.cp_partition_mode cannot tell CSA2 the layout: refused
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(resolver, "packed_seq_params_has_cp_partition_mode", lambda: False)
+        with pytest.raises(CPLayoutError, match=f"PackedSeqParams.cp_partition_mode.*{name}"):
+            resolver.resolve_cp_layout(model, config, cp_size=4)
+
+
+def test_dev_v41_refuses_zigzag_naming_v41(parallel_state, with_cp_partition_mode):
+    csa2 = _dev_class(DEV_CSA2)
+    model = build_tiny_gpt(attention=lambda i: csa2())
+    config = _v41_config(model)
+    with pytest.raises(CPLayoutError, match="cp_partition_mode='zigzag'.*dsv4_version='v4.1' \\(DeepSeek-V4.1.*cannot consume zigzag"):
+        resolver.resolve_cp_layout(model, config, cp_size=2, user_overrides={"cp_partition_mode": "zigzag"})
+    v41_hf = SimpleNamespace(model_type="deepseek_v41")
+    with pytest.raises(CPLayoutError, match="cp_partition_mode='zigzag'.*DeepSeek-V4.1 attention \\(CSA2\\) and Engram"):
+        resolver.transformer_config_fills(v41_hf, user_overrides={"cp_partition_mode": "zigzag"}, cp_size=2, tp_size=1,
+                                          config_fields=FIELDS)
+    with pytest.raises(CPLayoutError, match="tensor_model_parallel_size=2"):
+        resolver.transformer_config_fills(v41_hf, user_overrides={}, cp_size=2, tp_size=2, config_fields=FIELDS)
+    assert resolver.transformer_config_fills(v41_hf, user_overrides={}, cp_size=2, tp_size=1, config_fields=FIELDS) == {
+        "cp_partition_mode": "contiguous", "sequence_packing_scheduler": "default_dynamic_cp"}
+
+
+def test_v41_unknown_attention_is_refused_never_guessed(parallel_state, with_cp_partition_mode):
+    """Negative controls: dev's class name under another module, another name under dev's module, and
+    Megatron's zigzag attention, each in a V4.1 config: refused under CP (a V4 config would have let an
+    unknown core attention through on the config's word)."""
+    for stand_in in (_dev_class("my_project.attention"), _dev_class(DEV_CSA2, "CompressedSparseAttention3")):
+        model = build_tiny_gpt(attention=lambda i, cls=stand_in: cls())
+        config = _v41_config(model)
+        with pytest.raises(CPLayoutError, match=f"core_attention \\({stand_in.__name__}\\) declares none"):
+            resolver.resolve_cp_layout(model, config, cp_size=2)
+        assert resolver.resolve_cp_layout(model, config, cp_size=1).layout == "contiguous"  # CP=1: nothing split
+    plain = build_tiny_gpt()  # Megatron's DotProductAttention: zigzag, which V4.1 cannot take
+    with pytest.raises(CPLayoutError, match="different CP partition modes.*v4.1.*DotProductAttention.*zigzag"):
+        resolver.resolve_cp_layout(plain, _v41_config(plain), cp_size=2)
+    # one V4.1 layer swapped for an unknown class is enough
+    csa2, other = _dev_class(DEV_CSA2), _dev_class("my_project.attention", "Mystery")
+    mixed = build_tiny_gpt(num_layers=3, attention=lambda i: other() if i == 2 else csa2())
+    with pytest.raises(CPLayoutError, match="layers.2.self_attention.core_attention \\(Mystery\\)"):
+        resolver.resolve_cp_layout(mixed, _v41_config(mixed), cp_size=2)
+    # and the table entry is what makes dev's class known: without it the same model is refused
+    model = build_tiny_gpt(attention=lambda i: csa2())
+    from verl_ds4.mcore import requirements
+
+    table = {k: v for k, v in requirements.KNOWN_CP_PARTITION_MODES.items() if k not in requirements.DS41_CORE_ATTENTIONS}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(requirements, "KNOWN_CP_PARTITION_MODES", table)
+        with pytest.raises(CPLayoutError, match="CompressedSparseAttention2\\) declares none"):
+            resolver.resolve_cp_layout(model, _v41_config(model), cp_size=2)
+
+
+def test_v41_config_without_a_window_is_refused(parallel_state, with_cp_partition_mode):
+    csa2 = _dev_class(DEV_CSA2)
+    model = build_tiny_gpt(attention=lambda i: csa2())
+    with pytest.raises(CPLayoutError, match="csa_window_size=None; expected the V4.1 window"):
+        resolver.resolve_cp_layout(model, _v41_config(model, csa_window_size=None), cp_size=2)

@@ -5,6 +5,9 @@
 * Megatron's storage rules: dense optimizer states shard over DP x CP, routed experts' over
   expert-DP; the precision-aware optimizer and Megatron's CPU optimizer offload lower the figure by
   exactly what they store less on the GPU.
+* DeepSeek-V4.1 (``v41_flash``): the Engram tables shard like the routed experts (over EP, their
+  optimizer state over expert-DP), and its recipes (deepseek_v41_sft / deepseek_v41_grpo) x meshes
+  pass the check.
 * Every shipped recipe x mesh pair, for each model the mesh names, passes the check, except the
   pairs the mesh marks as needing Megatron's CPU optimizer offload: those are refused as shipped
   and pass with the fraction the mesh states, which is the smallest the check suggests.
@@ -22,19 +25,22 @@ import pytest
 import yaml
 
 from verl_ds4.models.ds4.sizes import DS4Sizes
+from verl_ds4.models.ds41.sizes import DS41Sizes
 from verl_ds4.recipes.compose import compose_recipe
 from verl_ds4.recipes.memory import (
     GPU_MEMORY_GIB, Mesh, OptimizerSettings, gpu_memory_gib, rollout_weights_gib, training_memory, worst_stage,
 )
 from verl_ds4.recipes.validate import RecipeValidationError, validate_recipe
 
-TRAINER = {"sft": "sft", "ppo": "ppo", "grpo": "ppo"}
-RECIPES = tuple(TRAINER)
+TRAINER = {"sft": "sft", "ppo": "ppo", "grpo": "ppo", "deepseek_v41_sft": "sft", "deepseek_v41_grpo": "ppo"}
+RECIPES = ("sft", "ppo", "grpo")
+#: The recipes of each model family (a mesh's ``models`` entry decides which ones it is checked with).
+MODEL_RECIPES = {"v41_flash": ("deepseek_v41_sft", "deepseek_v41_grpo")}
 
 
 def sizes(model: str) -> DS4Sizes:
     block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / f"{model}.yaml").read_text())
-    return DS4Sizes.from_hf_config({}, model, fallback=block)
+    return (DS41Sizes if model.startswith("v41") else DS4Sizes).from_hf_config({}, model, fallback=block)
 
 
 def meshes() -> dict[str, dict]:
@@ -62,6 +68,9 @@ def static(model, world, pp, ep, cp=1, mtp=False, **optim):
         ("flash", 64, 8, 8, 1, False, 90.6),  # PPO/GRPO h200_64gpu_pp8_ep8
         ("pro", 32, 4, 8, 1, False, 900.3),  # Pro on gb300_32gpu_pp4_ep8
         ("pro", 256, 4, 64, 1, False, 147.4),  # Pro GRPO on gb300_256gpu_pp4_ep64
+        ("v41_flash", 192, 4, 48, 4, False, 96.3),  # V4.1 SFT h200_192gpu_pp4_ep48_cp4
+        ("v41_flash", 96, 4, 24, 4, False, 178.7),  # V4.1 GRPO gb300_96gpu_pp4_ep24_cp4
+        ("v41_flash", 64, 2, 32, 8, False, 271.0),  # Megatron's V4.1 mesh (#7285), tables trained: 8 GiB left
     ],
 )
 def test_states_per_gpu_of_the_listed_combinations(model, world, pp, ep, cp, mtp, expected):
@@ -93,6 +102,29 @@ def test_optimizer_sharding_follows_megatron_groups():
     assert full.optimizer_gib == pytest.approx(12 * (dense + routed / 8) / gib)
 
 
+def test_v41_engram_tables_shard_like_the_routed_experts():
+    s = sizes("v41_flash")
+    stage = training_memory(s, Mesh(192, 4, 48, 4))[0]  # layers 0..9: the embedding and layer 1's table
+    parts = [s.layer_params(i) for i in range(10)]
+    routed = sum(p["moe_routed"] for p in parts)
+    table = sum(p["engram_table"] for p in parts)
+    dense = sum(sum(p.values()) for p in parts) - routed - table + s.embedding()
+    assert table == 384_006_168 * 256 and sum(p["engram"] for p in parts) > 0  # layer 1 only; layer 14 is stage 1's
+    gib = float(1 << 30)
+    local = dense + (routed + table) / 48
+    assert stage.weights_gib == pytest.approx(2 * local / gib) and stage.grads_gib == pytest.approx(4 * local / gib)
+    # dense over DP x CP = 192/4 = 48, experts and tables over expert-DP = 192/(48*4) = 1
+    assert stage.optimizer_gib == pytest.approx(12 * (dense / 48 + (routed + table) / 48) / gib)
+    # negative control: a table kept whole on every GPU (not split over EP) would not fit an H200 at all
+    class WholeTables(DS41Sizes):
+        expert_sharded = ("moe_routed",)
+
+    whole = WholeTables(**{f: getattr(s, f) for f in s.__dataclass_fields__})
+    assert worst_stage(training_memory(whole, Mesh(192, 4, 48, 4))).static_gib > 4 * GPU_MEMORY_GIB["H200"]
+    # the DSpark drafter is not trained: MTP on adds nothing (V4.1 has no MTP layer)
+    assert training_memory(s, Mesh(192, 4, 48, 4), mtp=True) == training_memory(s, Mesh(192, 4, 48, 4))
+
+
 def test_precision_aware_optimizer_and_cpu_offload():
     base = training_memory(sizes("flash"), Mesh(32, 4, 8))[1]
     aware = training_memory(sizes("flash"), Mesh(32, 4, 8), OptimizerSettings(main_params_bytes=2, exp_avg_bytes=2, exp_avg_sq_bytes=2))[1]
@@ -116,7 +148,7 @@ def test_gpu_capacity_by_hardware_and_explicit_value():
 def _pairs():
     for mesh_name, mesh in sorted(meshes().items()):
         for model in mesh["models"]:
-            for kind in RECIPES:
+            for kind in MODEL_RECIPES.get(model, RECIPES):
                 yield kind, mesh_name, model
 
 
@@ -151,6 +183,10 @@ def test_launcher_defaults_and_suggestions_are_shipped_pairs():
     shipped = {(m, model) for _, m, model in _pairs()}
     for kind in RECIPES:
         text = (scripts / f"run_deepseek_v4_flash_{kind}_megatron.sh").read_text()
+        v41 = re.search(r"\n +v41(?::grpo)?\)\n(.*?);;", text, re.S)  # MODEL_VERSION=v41's defaults
+        if v41:
+            assert (re.search(r"MESH=\$\{MESH:-(\w+)\}", v41.group(1)).group(1), "v41_flash") in shipped
+            text = text.replace(v41.group(0), "")
         default = re.search(r"MESH=\$\{MESH:-(\w+)\}", text)
         if default:
             assert (default.group(1), "flash") in shipped
@@ -259,6 +295,16 @@ def test_plan_fit_reproduces_the_published_meshes_that_run():
     assert (40, 5, 8) in _meshes(plan_fit("--model", "flash", "--gpu", "GB200", "--gpus", "40", "--recipe", "grpo", "--json")[1])
 
 
+def test_plan_fit_for_v41_flash():
+    rc, text = plan_fit("--model", "v41_flash", "--gpu", "H200", "--gpus", "64-192", "--max", "2")
+    assert rc == 0 and text.splitlines()[0].startswith(
+        "DeepSeek-V4.1-Flash: 748.49B parameters incl. 196.61B Engram tables (16.13B activated), MTP off; H200")
+    h200 = _meshes(plan_fit("--model", "v41_flash", "--gpu", "H200", "--gpus", "64-192", "--json")[1])
+    assert (192, 4, 48) in h200 and min(g for g, _, _ in h200) == 192  # the shipped SFT mesh; nothing on fewer H200
+    gb300 = _meshes(plan_fit("--model", "v41_flash", "--gpu", "GB300", "--gpus", "64-96", "--recipe", "grpo", "--json")[1])
+    assert (96, 4, 24) in gb300 and (64, 2, 32) not in gb300  # Megatron's 64-GB300 mesh freezes the tables
+
+
 def test_plan_fit_leaves_out_the_combinations_that_do_not_fit():
     rc, text = plan_fit("--model", "flash", "--gpu", "H100-80GB", "--gpus", "32")
     assert rc == 1 and "no TP=1 mesh fits on 32 GPUs" in text  # the SFT default as shipped before
@@ -295,7 +341,7 @@ def test_plan_fit_table_json_and_a_config_folder(tmp_path):
         (["--gpu", "H200"], "--fit needs --gpus"),
         (["--gpu", "A100", "--gpus", "64"], "known: ['B200'"),
         (["--gpu", "H200", "--gpus", "3-7"], "holds no multiple of 8 GPUs per node"),
-        (["--gpu", "H200", "--gpus", "64", "--model", "/nonexistent"], "expected flash, pro, a config.json"),
+        (["--gpu", "H200", "--gpus", "64", "--model", "/nonexistent"], "expected flash, pro, v41_flash, a config.json"),
         (["--gpu", "H200", "--gpus", "64", "--headroom", "1.5"], "headroom is 1.5"),
     ],
 )

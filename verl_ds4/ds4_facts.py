@@ -190,15 +190,17 @@ def check_tensor_parallel(tp_size: int) -> Violation | None:
     )
 
 
-def check_cp_partition_mode(mode: str | None, cp_size: int, dynamic_cp: bool = False) -> Violation | None:
+def check_cp_partition_mode(
+    mode: str | None, cp_size: int, dynamic_cp: bool = False, attention: str = "DeepSeek-V4 attention"
+) -> Violation | None:
     """An explicit partition mode other than contiguous, with CP. ``None`` (unset) is fine: the
-    engine fills in :data:`CP_PARTITION_MODE`."""
+    engine fills in :data:`CP_PARTITION_MODE`. ``attention`` names the consumer in the message."""
     if mode is None or mode == CP_PARTITION_MODE or not (cp_size > 1 or dynamic_cp):
         return None
     return Violation(
         "override_transformer_config.cp_partition_mode",
         mode,
-        f"DeepSeek-V4 attention needs the {CP_PARTITION_MODE} CP layout: each rank addresses its rows from one "
+        f"{attention} needs the {CP_PARTITION_MODE} CP layout: each rank addresses its rows from one "
         f"offset, and a {mode} rank holds two chunks of every sequence and silently gets wrong positions",
         f"Remove the override or set cp_partition_mode={CP_PARTITION_MODE} (recipe knob ds4.cp_partition_mode).",
         context=f" with CP={'dynamic' if dynamic_cp else cp_size}",

@@ -3,10 +3,12 @@
 Reports (1) whether verl's EngineRegistry resolves ``language_model`` / ``value_model`` on
 ``strategy=megatron`` to verl-ds4's engines (on NVIDIA GPUs, and on this machine's platform),
 (2) the installed versions of verl, megatron-core, Megatron-Bridge, TransformerEngine, vLLM and
-torch, and (3) whether this stack can run DeepSeek-V4 with context parallelism, and what is missing.
+torch, (3) whether this stack can run DeepSeek-V4 with context parallelism, and what is missing, and
+(4) the same for DeepSeek-V4.1: Megatron-LM dev's CSA2 core attention (and whether it takes CP > 1),
+its V4.1 model package, the ``dsv4_version`` switch and Megatron-Bridge's V4.1 bridge.
 
 Exit status: 0 when the engines resolve to verl-ds4's; 1 otherwise; with ``--require-ds4`` also 1
-when the stack cannot run DS4 with CP.
+when the stack cannot run DS4 with CP, with ``--require-ds41`` when it cannot run V4.1 with CP.
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ PACKAGES = {
 MIN_TRANSFORMER_ENGINE = (2, 9)
 DS4_ATTENTION_MODULE = "megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention"
 DS4_BRIDGE_MODULE = "megatron.bridge.models.deepseek.deepseek_v4_bridge"
+#: The V4.1 pieces of megatron.core on the dev branch (source read at e80d15ffa5 / 02ab972cd1, see
+#: verl_ds4/mcore/requirements.py) and Megatron-Bridge's V4.1 bridge (which asks for the dev commit
+#: 0d4c86d17 of PR #7503, or a descendant).
+DS41_CSA2_MODULE = "megatron.core.transformer.experimental_attention_variant.csa2"
+DS41_CSA2_CLASSES = ("CompressedSparseAttention2", "CSA2Attention")
+DS41_MODEL_MODULE = "megatron.core.models.deepseek_v41"
+DS41_CONFIG_MODULE = "megatron.core.transformer.transformer_config"
+DS41_BRIDGE_MODULE = "megatron.bridge.models.deepseek.deepseek_v41_bridge"
+#: Phrases of early CSA2 commits that refuse context parallelism.
+DS41_CP_REFUSALS = ("requires TP=CP=1", "currently requires CP=1", "supports unpacked sequences with CP=1")
+DS41_FIX = ("install a megatron.core with V4.1 (the dev commit 0d4c86d17 of PR #7503, or a descendant) and a "
+            "Megatron-Bridge with deepseek_v41_bridge; docker/README.md says why the image does not pin them yet")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--require-ds4",
         action="store_true",
         help="exit 1 unless this stack can run DeepSeek-V4 with context parallelism on GPUs",
+    )
+    parser.add_argument(
+        "--require-ds41",
+        action="store_true",
+        help="exit 1 unless this stack can run DeepSeek-V4.1 with context parallelism on GPUs",
     )
 
 
@@ -148,6 +167,66 @@ def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
     return missing
 
 
+def module_source(name: str) -> str | None:
+    """The source text of module ``name`` (a package: its ``__init__`` and every ``.py`` in it), or ``None``
+    when it is not installed. Imports only the parent packages (``find_spec``)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    paths = [spec.origin]
+    if spec.submodule_search_locations:
+        folder = os.path.dirname(spec.origin)
+        paths += sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")
+    texts = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        except OSError:
+            continue
+    return "\n".join(texts)
+
+
+def ds41_cp_report(ds4_missing: list[str], source_of=module_source) -> tuple[list[str], list[str]]:
+    """``(found, missing)``: the V4.1 pieces this stack has, and what it lacks to run V4.1 with CP on GPUs.
+
+    V4.1 runs on V4's stack (``ds4_missing``: the DS4 hybrid attention, the CP layout API, TE, kernels, GPU)
+    plus Megatron-LM dev's CSA2 core attention taking CP > 1, its V4.1 model package, the ``dsv4_version``
+    switch, and Megatron-Bridge's V4.1 bridge. ``source_of`` reads a module's source (tests pass fakes).
+    """
+    found, missing = [], list(ds4_missing)
+    csa2 = source_of(DS41_CSA2_MODULE)
+    classes = [c for c in DS41_CSA2_CLASSES if csa2 and f"class {c}(" in csa2]
+    if not classes:
+        missing.append(f"Megatron-Core has no V4.1 CSA2 core attention ({DS41_CSA2_MODULE}: "
+                       f"{' / '.join(DS41_CSA2_CLASSES)})")
+    else:
+        refusal = next((p for p in DS41_CP_REFUSALS if p in csa2), None)
+        if refusal:
+            missing.append(f"{DS41_CSA2_MODULE}.{classes[0]} refuses context parallelism on this commit "
+                           f"('{refusal}')")
+        else:
+            found.append(f"{DS41_CSA2_MODULE}.{classes[0]} (contiguous CP, told by PackedSeqParams.cp_partition_mode)")
+    config = source_of(DS41_CONFIG_MODULE)
+    if config and "dsv4_version" in config:
+        found.append("TransformerConfig.dsv4_version")
+    else:
+        missing.append("TransformerConfig has no dsv4_version (the V4.1 switch)")
+    if source_of(DS41_MODEL_MODULE) is not None:
+        found.append(DS41_MODEL_MODULE)
+    else:
+        missing.append(f"Megatron-Core has no {DS41_MODEL_MODULE} (V4.1 model, Engram, DSpark)")
+    if source_of(DS41_BRIDGE_MODULE) is not None:
+        found.append(DS41_BRIDGE_MODULE)
+    else:
+        missing.append(f"Megatron-Bridge has no DeepSeek-V4.1 bridge ({DS41_BRIDGE_MODULE}: maps HF "
+                       "DeepseekV41ForCausalLM)")
+    return found, missing
+
+
 def run(args: argparse.Namespace) -> int:
     versions = {label: installed_version(names) for label, names in PACKAGES.items()}
     print(f"verl-ds4 doctor  (python {sys.version.split()[0]}, {sys.executable})")
@@ -191,7 +270,18 @@ def run(args: argparse.Namespace) -> int:
         print("   can still use the contiguous layout with CP on this stack)")
     else:
         print("  yes")
+    found41, missing41 = ds41_cp_report(missing)
+    print("\nDeepSeek-V4.1 with context parallelism on this stack:")
+    print(f"  {'yes' if not missing41 else 'NO'}; V4.1 modules found: {', '.join(found41) or 'none'}")
+    if missing41:
+        print("  missing:")
+        for item in missing41:
+            print(f"    - {item}")
+        print(f"  fix: {DS41_FIX}")
+        print("  (verl-ds4's own V4.1 model, verl_ds4.models.ds41, declares the contiguous layout and runs with CP on CPU)")
     status = 0 if ours else 1
     if args.require_ds4 and missing:
+        status = 1
+    if getattr(args, "require_ds41", False) and missing41:
         status = 1
     return status

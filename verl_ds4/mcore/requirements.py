@@ -39,6 +39,10 @@ Which modules are attention modules: every declaring module, every module in the
 ``core_attention`` of every Megatron-Core ``Attention`` (``SelfAttention``, ``CrossAttention``,
 ``MLASelfAttention``, ...). A ``core_attention`` that is neither declared nor in the table is
 reported by name (:attr:`ModuleScan.undeclared`); the resolver refuses it under CP.
+
+A DeepSeek-V4.1 config (``dsv4_version == "v4.1"``) adds its own requirement
+(:func:`ds41_config_requirement`: contiguous, :func:`ds41_min_rows` rows per rank), and every attention
+module of such a model must be declared or in the table.
 """
 
 from __future__ import annotations
@@ -66,7 +70,25 @@ KNOWN_CP_PARTITION_MODES: dict[tuple[str, str], str] = {
     ("megatron.core", "DotProductAttention"): ZIGZAG,
     ("megatron.core", "TEDotProductAttention"): ZIGZAG,
     ("transformer_engine", "DotProductAttention"): ZIGZAG,
+    # The dev branch's DeepSeek-V4.1 core attention (every V4.1 layer: window-only, Full, Reindex, Reuse).
+    # megatron.core source read at e80d15ffa5 (``experimental_attention_variant/csa2.py``:
+    # ``CompressedSparseAttention2``) and after the refactor into the ``csa2/`` package (02ab972cd1,
+    # b8ac8e6697: ``csa2/attention.py``'s ``CSA2Attention`` inside ``DSv41SelfAttention``, built by
+    # ``models/deepseek_v41/layer_specs.hybrid_dsv41_stack_spec``). Their packed path splits the flat
+    # row axis into contiguous blocks (``csa2/thd.py``; ``csa_utils/thd_utils.build_csa2_thd_layout``
+    # at 09b70a5933 raises "CSA2 THD CP requires a contiguous partition" unless
+    # ``PackedSeqParams.cp_partition_mode`` is "contiguous" with CP > 1) and takes a left halo from the
+    # previous rank (``csa_utils/csa2_context_parallel.py``). Rows per rank: the V4.1 config's rule
+    # (the resolver). Same prefix for the module and the package.
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2"): CONTIGUOUS,
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CSA2Attention"): CONTIGUOUS,
 }
+
+#: The CSA2 core-attention entries above (tests and ``verl-ds4 doctor`` look for them).
+DS41_CORE_ATTENTIONS = (
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CompressedSparseAttention2"),
+    ("megatron.core.transformer.experimental_attention_variant.csa2", "CSA2Attention"),
+)
 
 
 class CPLayoutError(ValueError):
@@ -103,6 +125,47 @@ class ModuleScan:
     known: list[LayoutRequirement] = field(default_factory=list)
     #: ``core_attention`` modules that neither declare nor are known: ``"path (Class)"`` each.
     undeclared: list[str] = field(default_factory=list)
+
+
+#: Megatron-LM dev's V4.1 switch on ``TransformerConfig`` (``dsv4_version``) and its value.
+DSV4_VERSION_FIELD, DS41_VERSION = "dsv4_version", "v4.1"
+#: Megatron's own default of ``engram_max_ngram_size`` (``EngramConfig.from_transformer_config``).
+MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT = 3
+
+
+def is_ds41_config(tf_config) -> bool:
+    return getattr(tf_config, DSV4_VERSION_FIELD, None) == DS41_VERSION
+
+
+def ds41_min_rows(tf_config) -> int:
+    """Rows every CP rank needs for V4.1: the config's own ``min_local_rows`` (``DS41TransformerConfig``)
+    or ``max(window, largest ratio, Engram lookback)`` from Megatron-LM dev's field names."""
+    own = getattr(tf_config, "min_local_rows", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    window = getattr(tf_config, "csa_window_size", None)
+    if not isinstance(window, int) or window < 1:
+        raise CPLayoutError(
+            f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} but csa_window_size={window!r}; expected the "
+            "V4.1 window (a positive int, 128 for Flash). Set it from the checkpoint's sliding_window."
+        )
+    ratios = [int(r) for r in (getattr(tf_config, "csa_compress_ratios", None) or ())]
+    lookback = 0
+    if getattr(tf_config, "engram_layer_ids", None):
+        n = getattr(tf_config, "engram_max_ngram_size", None) or MEGATRON_ENGRAM_MAX_NGRAM_DEFAULT
+        lookback = int(n) - 1
+    return max([window, lookback, *ratios])
+
+
+def ds41_config_requirement(tf_config, attention: str, self_describing: bool) -> LayoutRequirement:
+    """The V4.1 config's own requirement: contiguous, :func:`ds41_min_rows` rows per CP rank."""
+    return LayoutRequirement(
+        CONTIGUOUS,
+        ds41_min_rows(tf_config),
+        f"TransformerConfig.{DSV4_VERSION_FIELD}={DS41_VERSION!r} ({attention})",
+        frozenset([CONTIGUOUS]),
+        self_describing=self_describing,
+    )
 
 
 def known_cp_partition_mode(module: torch.nn.Module) -> str | None:

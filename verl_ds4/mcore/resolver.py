@@ -24,6 +24,13 @@ is listed in the one table of modules known without a declaration,
 :data:`~verl_ds4.mcore.requirements.KNOWN_CP_PARTITION_MODES` (Megatron-Core's and
 TransformerEngine's ``DotProductAttention``: ``zigzag``). On top of that:
 
+* ``TransformerConfig.dsv4_version == "v4.1"`` (DeepSeek-V4.1 on Megatron-LM dev, beside
+  ``experimental_attention_variant == "dsv4_hybrid"``): ``contiguous`` with at least
+  ``max(csa_window_size, largest csa_compress_ratios entry, Engram lookback)`` rows per CP rank
+  (``engram_max_ngram_size - 1`` when ``engram_layer_ids`` is set; the same rule as
+  ``DS41TransformerConfig.min_local_rows``, which a config that has it supplies itself). Every attention
+  module must be one the resolver knows (dev's ``CompressedSparseAttention2``, a declaring module): an
+  unknown one under CP is refused, never guessed.
 * ``TransformerConfig.experimental_attention_variant == "dsv4_hybrid"`` (DeepSeek-V4):
   ``contiguous`` with at least D_window rows per CP rank, TP = 1. When the model's attention
   modules declare the protocol (the project's pure-PyTorch DS4 attention) they must agree, and they
@@ -56,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl_ds4 import ds4_facts
+from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.mcore import megatron_api, requirements
 from verl_ds4.mcore.registry import IdentityRegistry
 
@@ -231,6 +238,16 @@ def is_ds4_hf_config(hf_config) -> bool:
     return getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE
 
 
+def is_ds41_hf_config(hf_config) -> bool:
+    """Whether a Hugging Face config describes DeepSeek-V4.1 (CSA2 and Engram: the same CP rules as DS4)."""
+    return getattr(hf_config, "model_type", None) in (ds41_facts.HF_MODEL_TYPE, ds41_facts.HF_TEXT_MODEL_TYPE)
+
+
+#: How the CP rules name each family's attention in their messages.
+V4_ATTENTION = "DeepSeek-V4 attention"
+V41_ATTENTION = "DeepSeek-V4.1 attention (CSA2) and Engram"
+
+
 def _chunks(model) -> list[torch.nn.Module]:
     if isinstance(model, torch.nn.Module):
         return [model]
@@ -247,6 +264,13 @@ class _Consumers:
 
 def _consumers(chunks: list[torch.nn.Module], tf_config) -> _Consumers:
     scan = requirements.scan_attention_modules(chunks)
+    if tf_config is not None and requirements.is_ds41_config(tf_config):
+        # V4.1 (Megatron-LM dev or this project's model): every attention module must be known or declare;
+        # the config adds the rows rule. dev's CSA2 is in KNOWN_CP_PARTITION_MODES (contiguous).
+        v41 = requirements.ds41_config_requirement(
+            tf_config, V41_ATTENTION, self_describing=bool(scan.declared) and not scan.known
+        )
+        return _Consumers([v41, *scan.declared, *scan.known], scan.undeclared)
     if tf_config is None or not _is_ds4_config(tf_config):
         return _Consumers([*scan.declared, *scan.known], scan.undeclared)
     ds4 = LayoutRequirement(
@@ -306,12 +330,14 @@ def transformer_config_fills(
     """
     api = api or megatron_api.installed_api()
     api.check_overrides(user_overrides)  # a layout key of the other Megatron spelling: refused for any model
-    if not is_ds4_hf_config(hf_config):
+    v41 = is_ds41_hf_config(hf_config)
+    if not (is_ds4_hf_config(hf_config) or v41):
         return {}
     user = dict(user_overrides or {})
+    mode = user.get(CP_PARTITION_MODE) or api.explicit_layout(user)
     _raise_if(
         ds4_facts.check_tensor_parallel(tp_size),
-        ds4_facts.check_cp_partition_mode(user.get(CP_PARTITION_MODE) or api.explicit_layout(user), cp_size, dynamic_cp),
+        ds4_facts.check_cp_partition_mode(mode, cp_size, dynamic_cp, V41_ATTENTION if v41 else V4_ATTENTION),
         ds4_facts.check_packing_scheduler(user.get(SEQUENCE_PACKING_SCHEDULER), cp_size, dynamic_cp),
     )
     if not (cp_size > 1 or dynamic_cp):

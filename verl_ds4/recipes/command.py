@@ -3,7 +3,8 @@
     verl-ds4 recipe sft  --dry-run  [hydra overrides ...]
     verl-ds4 recipe ppo  --shell-env [hydra overrides ...]
 
-KIND is sft (verl.trainer.sft_trainer), ppo or grpo (verl.trainer.main_ppo). The overrides are
+KIND is sft (verl.trainer.sft_trainer), ppo or grpo (verl.trainer.main_ppo), or a V4.1 recipe:
+deepseek_v41_sft / deepseek_v41_grpo. The overrides are
 exactly what the trainer receives; the search path and +recipe= are added when missing.
 
 --dry-run prints the plan and exits 0 when the config is valid (missing model/data paths are
@@ -21,7 +22,7 @@ from verl_ds4.recipes.compose import TRAINERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kind", choices=sorted(TRAINERS), help="which recipe: sft, ppo (GAE critic) or grpo")
+    parser.add_argument("kind", choices=sorted(TRAINERS), help="which recipe: sft, ppo (GAE critic) or grpo (DeepSeek-V4); deepseek_v41_sft or deepseek_v41_grpo (V4.1)")
     parser.add_argument(
         "--dry-run",
         action="store_true",

@@ -37,6 +37,9 @@ TRAINERS: dict[str, Trainer] = {
     "sft": Trainer("sft", "sft_trainer_engine", "verl.trainer.sft_trainer", "deepseek_v4_sft"),
     "ppo": Trainer("ppo", "ppo_trainer", "verl.trainer.main_ppo", "deepseek_v4_ppo"),
     "grpo": Trainer("ppo", "ppo_trainer", "verl.trainer.main_ppo", "deepseek_v4_grpo"),
+    # DeepSeek-V4.1 (ds4_model=v41_flash): the V4 recipes with V4.1's model file and mesh.
+    "deepseek_v41_sft": Trainer("sft", "sft_trainer_engine", "verl.trainer.sft_trainer", "deepseek_v41_sft"),
+    "deepseek_v41_grpo": Trainer("ppo", "ppo_trainer", "verl.trainer.main_ppo", "deepseek_v41_grpo"),
 }
 
 

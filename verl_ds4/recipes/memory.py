@@ -40,11 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verl_ds4 import ds41_facts
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
+from verl_ds4.models.ds41.sizes import DS41Sizes
 
 __all__ = [
     "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "activation_elements",
+    "layer_activation_elements",
     "gpu_memory_gib", "rollout_weights_gib", "training_memory", "worst_stage",
 ]
 
@@ -177,16 +180,44 @@ def activation_elements(sizes: DS4Sizes, ratio: int, recompute: frozenset[str] =
     return mhc + attention + moe
 
 
-def _stage_params(sizes: DS4Sizes, pp: int, stage: int, mtp: bool, value_head: bool) -> tuple[int, int, list[int]]:
-    """(dense parameters, routed-expert parameters, layer ratios) of one pipeline stage."""
+def layer_activation_elements(sizes: DS4Sizes, layer: int, recompute: frozenset[str] = frozenset({"moe_act", "mhc"})) -> int:
+    """:func:`activation_elements` of decoder layer ``layer`` (V4: by its ratio; V4.1: by its role)."""
+    if isinstance(sizes, DS41Sizes):
+        return _v41_activation_elements(sizes, layer, recompute)
+    return activation_elements(sizes, sizes.compress_ratios[layer], recompute)
+
+
+def _v41_activation_elements(sizes: DS41Sizes, layer: int, recompute: frozenset[str]) -> int:
+    """V4.1's per-token estimate: V4's window-only layer (mHC, attention, MoE), plus a Full layer's
+    compressor rows (KV ``d``, and the gate ``d`` at ratio > 1), an index source's indexer queries
+    and head weights (``n_I d_I + n_I``, a Full layer's key ``d_I`` too), and an Engram layer's
+    gathered table rows ``(N-1) heads hd`` with its projected key / value ``2 (N-1) heads hd``."""
+    elements = activation_elements(sizes, 0, recompute)
+    role, ratio = sizes.roles[layer], sizes.compress_ratios[layer]
+    if role == ds41_facts.FULL:
+        elements += sizes.head_dim * (2 if ratio > 1 else 1) + sizes.index_head_dim
+    if role in (ds41_facts.FULL, ds41_facts.REINDEX):
+        elements += sizes.index_n_heads * (sizes.index_head_dim + 1)
+    if layer in sizes.engram_layers:
+        elements += 3 * (sizes.engram_max_ngram_size - 1) * sizes.engram_n_heads * sizes.engram_head_dim
+    return elements
+
+
+def _stage_params(sizes: DS4Sizes, pp: int, stage: int, mtp: bool, value_head: bool, recompute: frozenset[str]) -> tuple[int, int, list[int]]:
+    """(dense parameters, expert-sharded parameters, per-layer activation elements) of one pipeline stage.
+
+    Expert-sharded: the components :attr:`DS4Sizes.expert_sharded` names (V4: routed experts; V4.1:
+    routed experts and the Engram tables), split over EP, their optimizer state over expert-DP."""
     counts = pipeline_stage_layers(sizes.num_layers, pp)
     start = sum(counts[:stage])
-    ratios = list(sizes.compress_ratios[start : start + counts[stage]])
+    layers = range(start, start + counts[stage])
     dense = routed = 0
-    for r in ratios:
-        parts = sizes.layer(r)
-        routed += parts[ROUTED]
-        dense += sum(v for key, v in parts.items() if key != ROUTED)
+    acts = []
+    for i in layers:
+        parts = sizes.layer_params(i)
+        routed += sum(parts[k] for k in sizes.expert_sharded)
+        dense += sum(v for key, v in parts.items() if key not in sizes.expert_sharded)
+        acts.append(layer_activation_elements(sizes, i, recompute))
     if stage == 0:
         dense += sizes.embedding()
     if stage == pp - 1:
@@ -196,8 +227,8 @@ def _stage_params(sizes: DS4Sizes, pp: int, stage: int, mtp: bool, value_head: b
                 parts = sizes.mtp_layer()
                 routed += parts[ROUTED]
                 dense += sum(v for key, v in parts.items() if key != ROUTED)
-                ratios.append(0)
-    return dense, routed, ratios
+                acts.append(activation_elements(sizes, 0, recompute))
+    return dense, routed, acts
 
 
 def training_memory(
@@ -218,7 +249,7 @@ def training_memory(
     optimizer = optimizer or OptimizerSettings()
     out = []
     for stage in range(mesh.pp):
-        dense, routed, ratios = _stage_params(sizes, mesh.pp, stage, mtp, value_head)
+        dense, routed, layer_acts = _stage_params(sizes, mesh.pp, stage, mtp, value_head, recompute)
         local = dense + routed // mesh.ep
         weights = 2 * local
         grads = optim = host = 0.0
@@ -229,16 +260,16 @@ def training_memory(
             state = optimizer.state_bytes * (shard_dense + shard_routed)
             f = optimizer.cpu_offload_fraction
             optim, host = state * (1 - f), f * (state + 4 * (shard_dense + shard_routed))
-        per_token = 2 * sum(activation_elements(sizes, r, recompute) for r in ratios)
+        per_token = 2 * sum(layer_acts)
         if trainable:
             in_flight = mesh.pp - stage if micro_batches is None else max(1, min(mesh.pp - stage, micro_batches))
             acts = per_token * tokens_per_gpu * in_flight
             if stage == mesh.pp - 1 and not value_head:
                 acts += 6 * tokens_per_gpu * sizes.vocab_size  # logits: bf16 + fp32 for the loss
         else:
-            acts = per_token / max(len(ratios), 1) * tokens_per_gpu  # forward only: about one layer live
+            acts = per_token / max(len(layer_acts), 1) * tokens_per_gpu  # forward only: about one layer live
         out.append(
-            StageMemory(stage, len(ratios), local, weights / GIB, grads / GIB, optim / GIB, acts / GIB, host / GIB)
+            StageMemory(stage, len(layer_acts), local, weights / GIB, grads / GIB, optim / GIB, acts / GIB, host / GIB)
         )
     return out
 

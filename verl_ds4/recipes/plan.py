@@ -43,6 +43,19 @@ def _scheduler(value: Any, report: ValidationReport) -> str:
     return _fmt(value)
 
 
+def _v41_line(facts) -> list[str]:
+    """V4.1's own facts (CSA2 roles, Engram, the DSpark drafter), one line; nothing for V4."""
+    if getattr(facts, "family", None) != "ds41" or facts.sizes is None:
+        return []
+    s = facts.sizes
+    roles = ", ".join(f"{s.roles.count(r)} {r}" for r in ("full", "reindex", "reuse", "window"))
+    return [
+        f"V4.1    : CSA2 layers {roles}; Engram on layers {list(facts.engram_layers)} ({s.engram_tables() / 1e9:.2f}B "
+        f"table parameters, split over EP; needs the checkpoint's tokenizer.json); DSpark drafter "
+        f"{facts.dspark_stages} stages ({s.dspark_total() / 1e9:.2f}B, not trained); {s.total() / 1e9:.2f}B parameters"
+    ]
+
+
 def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = None) -> str:
     """Render the resolved parallel plan, the DS4 settings that matter, and every finding."""
     facts = report.facts
@@ -53,6 +66,7 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
         f"routed experts (top-{facts.num_experts_per_tok}), hidden {facts.hidden_size}, {facts.num_attention_heads} "
         f"heads, window {facts.csa_window_size}, CSA top-{facts.index_topk}, >= {facts.min_local_rows} rows per CP "
         f"rank  [facts from {facts.source}]",
+        *_v41_line(facts),
         f"cluster : {report.nnodes} nodes x {report.gpus_per_node} GPUs = {report.world_size} GPUs"
         f"  [named mesh {_fmt(mesh.get('name'))} ({_fmt(mesh.get('hardware'))}){_mesh_changes(mesh)}]",
         f"max sequence length: {report.max_seq_len} tokens",

@@ -4,7 +4,7 @@ Layout (default): given sequence lengths, the CP size and the layout, print each
 padding, cost and the straggler ratio (see the options below; --balance, --plot).
     verl-ds4 plan --lengths 5,127,1000,23 --cp 2 --min-local-rows 128
 
-Fit (--fit): given a model (flash, pro, or a config.json / HF folder), a GPU type and a GPU count
+Fit (--fit): given a model (flash, pro, v41_flash, or a config.json / HF folder), a GPU type and a GPU count
 or range, list the TP=1 meshes (PP, EP, CP, DP) whose weights + gradients + optimizer states fit
 with the stated headroom left for activations, fewest GPUs first, each with its per-GPU figures
 (the memory model of `verl-ds4 recipe --dry-run`, verl_ds4/recipes/memory.py).
@@ -20,7 +20,7 @@ import sys
 
 from verl_ds4.layout import plan_cli
 
-MODELS = ("flash", "pro")
+MODELS = ("flash", "pro", "v41_flash")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             action.help += " (layout plan: required)"
     fit = parser.add_argument_group("--fit: meshes that fit a model on a GPU type")
     fit.add_argument("--fit", action="store_true", help="list the meshes that fit instead of a layout plan")
-    fit.add_argument("--model", default="flash", help="flash, pro, or a config.json / HF model folder (default flash)")
+    fit.add_argument("--model", default="flash", help="flash, pro, v41_flash, or a config.json / HF model folder (default flash)")
     fit.add_argument("--gpu", help="GPU type: H100-80GB, H200, B200, GB200, GB300")
     fit.add_argument("--gpu-memory-gib", type=float, help="GiB per GPU (instead of, or to correct, --gpu)")
     fit.add_argument("--gpus", help="GPU count or range, e.g. 64 or 32-256 (multiples of --gpus-per-node)")
@@ -62,12 +62,15 @@ def _sizes(model: str):
 
     import yaml
 
+    from verl_ds4 import ds41_facts
     from verl_ds4.models.ds4.provider import load_model_facts
+    from verl_ds4.models.ds41.provider import DS41ModelFacts, is_v41_block, load_ds41_model_facts
 
     name = model if model in MODELS else "flash"
     block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / f"{name}.yaml").read_text())
     if model in MODELS:
-        facts = load_model_facts(None, block, f"configs/ds4_model/{model}.yaml")
+        load = load_ds41_model_facts if is_v41_block(block) else load_model_facts
+        facts = load(None, block, f"configs/ds4_model/{model}.yaml")
     else:
         import os
 
@@ -75,10 +78,15 @@ def _sizes(model: str):
 
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         if not os.path.isfile(path):
-            raise ValueError(f"--model {model!r}: expected flash, pro, a config.json or a folder holding one.")
+            raise ValueError(f"--model {model!r}: expected {', '.join(MODELS)}, a config.json or a folder holding one.")
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
-        facts = DS4ModelFacts.from_hf_config(config, path, DS4ModelFacts.from_recipe_block(block, "flash.yaml"))
+        if ds41_facts.check_model_type(config, "ds41") is None:
+            facts = DS41ModelFacts.from_config(config, path, "DeepSeek-V4.1")
+            if facts.violations:
+                raise ValueError("; ".join(v.engine_message() for v in facts.violations))
+        else:
+            facts = DS4ModelFacts.from_hf_config(config, path, DS4ModelFacts.from_recipe_block(block, "flash.yaml"))
     if facts.sizes is None:
         raise ValueError(facts.sizes_missing)
     return facts
@@ -105,7 +113,9 @@ def run_fit(args: argparse.Namespace) -> int:
         return 0 if fits else 1
     s = facts.sizes
     mtp_on = (args.recipe == "sft") if mtp is None else mtp
-    print(f"{facts.name}: {s.total() / 1e9:.2f}B parameters ({s.activated() / 1e9:.2f}B activated), MTP {'on' if mtp_on else 'off'}; "
+    mtp_on = mtp_on and s.mtp_layers > 0
+    extra = f" incl. {s.engram_tables() / 1e9:.2f}B Engram tables" if hasattr(s, "engram_tables") else ""
+    print(f"{facts.name}: {s.total() / 1e9:.2f}B parameters{extra} ({s.activated() / 1e9:.2f}B activated), MTP {'on' if mtp_on else 'off'}; "
           f"{args.gpu or 'GPU'} {capacity:.1f} GiB; fits = states <= {1 - headroom:.2f} x GPU (headroom {headroom:g})"
           + ("; activation estimate checked" if args.check_activations else ""))
     if not fits:

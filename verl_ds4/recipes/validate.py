@@ -41,6 +41,7 @@ from omegaconf import DictConfig, ListConfig
 
 from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
+from verl_ds4.models.ds41.provider import DS41ModelFacts, is_v41_block, load_ds41_model_facts
 from verl_ds4.recipes.checkpoint_check import check_checkpoint_format
 from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
 
@@ -85,7 +86,7 @@ class ValidationReport:
     world_size: int
     nnodes: int
     gpus_per_node: int
-    facts: DS4ModelFacts
+    facts: DS4ModelFacts | DS41ModelFacts
     roles: list[RoleMesh]
     max_seq_len: int
     errors: list[Problem] = field(default_factory=list)
@@ -254,7 +255,7 @@ def _check_context_parallel(role: RoleMesh, report: ValidationReport) -> None:
                 f"set {role.model_key}.use_remove_padding=true (verl copies it into the engine).",
             )
         )
-    _add(report, ek, ds4_facts.check_cp_partition_mode(role.cp_partition_mode, role.cp, role.dynamic_cp))
+    _add(report, ek, ds4_facts.check_cp_partition_mode(role.cp_partition_mode, role.cp, role.dynamic_cp, _attention(report)))
     if role.uses_cp and role.cp_partition_mode is None:
         report.notes.append(
             f"{ek}.override_transformer_config.cp_partition_mode is unset; verl-ds4's engine sets "
@@ -270,6 +271,31 @@ def _check_context_parallel(role: RoleMesh, report: ValidationReport) -> None:
                 "use the verl-ds4 engine, which keeps your choice, or accept default_dynamic_cp.",
             )
         )
+
+
+def _attention(report: ValidationReport) -> str:
+    """The attention the CP rules speak for (V4's or V4.1's)."""
+    if isinstance(report.facts, DS41ModelFacts):
+        return "DeepSeek-V4.1 (Megatron-LM dev's CSA2 attention or verl-ds4's DS41Attention, and Engram)"
+    return "DeepSeek-V4 attention"
+
+
+def _check_v41_model(report: ValidationReport, model_key: str, roles: list[RoleMesh]) -> None:
+    """A V4.1 recipe: every V4.1 config rule (field, why, fix), and no MTP (the ``mtp.*`` stages are DSpark)."""
+    facts = report.facts
+    in_recipe = not facts.source.endswith("config.json")
+    for v in facts.violations:
+        where = f"ds4.model.{v.key}" if in_recipe else f"{model_key} ({facts.source}) {v.key}"
+        fix = v.fix if not in_recipe else f"{v.fix} (recipe: ds4.model.{v.key}=..., or ds4_model=v41_flash)"
+        report.errors.append(Problem(where, f"is {v.value!r}{v.context}, but {v.reason}.", fix))
+    for role in roles:
+        if role.mtp and role.role != "critic":
+            report.errors.append(Problem(
+                f"{role.model_key}.mtp.enable",
+                f"is True, but {facts.name} has no MTP layer: its {facts.dspark_stages or 'mtp.*'} mtp.* stages are a "
+                "DSpark drafter, which verl's MTP path would half-load and these recipes do not train.",
+                "set ds4.mtp=false (the V4.1 recipes' default).",
+            ))
 
 
 def _check_cp_balance(role: RoleMesh, report: ValidationReport) -> None:
@@ -472,7 +498,9 @@ def validate_recipe(
     nnodes = int(_get(cfg, "trainer.nnodes", 1))
     gpus = int(_get(cfg, "trainer.n_gpus_per_node", 1))
     model_key = "model.path" if trainer == "sft" else "actor_rollout_ref.model.path"
-    facts = load_model_facts(_get(cfg, model_key), _get(cfg, "ds4.model"), "recipe ds4.model (configs/ds4_model)")
+    block = _get(cfg, "ds4.model")
+    load = load_ds41_model_facts if is_v41_block(block) else load_model_facts
+    facts = load(_get(cfg, model_key), block, "recipe ds4.model (configs/ds4_model)")
     if trainer == "sft":
         max_seq_len = int(_get(cfg, "data.max_length", 0))
     else:
@@ -496,7 +524,9 @@ def validate_recipe(
             report.raise_if_errors()
         return report
     v41 = ds41_facts.check_model_type({"model_type": facts.model_type}, "ds4")
-    if v41 is not None:
+    if isinstance(facts, DS41ModelFacts):
+        _check_v41_model(report, model_key, roles)
+    elif v41 is not None:
         report.errors.append(Problem(model_key, f"points at a model_type={facts.model_type!r} checkpoint ({facts.source}): {v41.reason}.", v41.fix))
     elif facts.model_type != ds4_facts.HF_MODEL_TYPE:
         report.errors.append(
@@ -534,7 +564,11 @@ def validate_recipe(
 
     report.memory = check_memory(cfg, report)
     _check_paths(cfg, trainer, roles, report, dry_run)
-    check_checkpoint_format(cfg, trainer, roles, report)
+    if isinstance(facts, DS41ModelFacts):
+        report.notes.append("V4.1: the checkpoint's tensor format is not checked (FP8 32x32 blocks, FP4 experts: "
+                            "docs/ds41-model.md, What remains).")
+    else:
+        check_checkpoint_format(cfg, trainer, roles, report)
     if raise_on_error:
         report.raise_if_errors()
     return report

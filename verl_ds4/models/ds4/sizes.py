@@ -90,6 +90,9 @@ class DS4Sizes:
     compress_ratios: tuple[int, ...]
     mtp_layers: int = 0
 
+    #: Components split over EP whose optimizer state shards over expert-DP (the memory model reads it).
+    expert_sharded = (ROUTED,)
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config", fallback: Mapping[str, Any] | None = None) -> "DS4Sizes":
         """From a ``config.json`` dict (or a ``ds4.model`` recipe block: same key names).
@@ -165,6 +168,10 @@ class DS4Sizes:
             "moe_routed": self.n_routed_experts * self.expert(),
             "moe_shared": self.n_shared_experts * self.expert(),
         }
+
+    def layer_params(self, layer: int) -> dict[str, int]:
+        """Parameters of decoder layer ``layer`` (0-based), per component (V4: by its ratio)."""
+        return self.layer(self.compress_ratios[layer])
 
     # ---- outside the layers ------------------------------------------------------------------
     def embedding(self) -> int:

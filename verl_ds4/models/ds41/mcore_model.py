@@ -48,7 +48,8 @@ class DS41TransformerConfig(TransformerConfig):
         if self.tensor_model_parallel_size != 1 or self.pipeline_model_parallel_size != 1:
             raise ValueError("The CPU DeepSeek-V4.1 model runs at tensor_model_parallel_size=1 and "
                              "pipeline_model_parallel_size=1 (scale with context or data parallelism).")  # fmt: skip
-        problem = ds4_facts.check_cp_partition_mode(self.cp_partition_mode, self.context_parallel_size)
+        problem = ds4_facts.check_cp_partition_mode(self.cp_partition_mode, self.context_parallel_size,
+                                                    attention="DeepSeek-V4.1 attention (CSA2) and Engram")
         if problem:
             raise ValueError(problem.engine_message())
 
