@@ -84,7 +84,7 @@ def _sizes(model: str):
         if ds41_facts.check_model_type(config, "ds41") is None:
             facts = DS41ModelFacts.from_config(config, path, "DeepSeek-V4.1")
             if facts.violations:
-                raise ValueError("; ".join(v.engine_message() for v in facts.violations))
+                raise ValueError("; ".join(v.engine_message() for v in facts.violations))  # error-catalogue: passes on ds41_facts Violations, sites where they are built
         else:
             facts = DS4ModelFacts.from_hf_config(config, path, DS4ModelFacts.from_recipe_block(block, "flash.yaml"))
     if facts.sizes is None:
