@@ -114,12 +114,11 @@ def _ds41_transformer_config(hf_config, dtype, overrides):
 
 def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embeddings, value_head: bool = False):
     import torch
-    from safetensors.torch import load_file
     from transformers import PreTrainedTokenizerFast
 
     from verl_ds4 import ds41_facts
     from verl_ds4.models.ds41.engram import engram_token_map
-    from verl_ds4.models.ds41.folder import WEIGHTS
+    from verl_ds4.models.ds41.released import read_folder_tensors
     from verl_ds4.models.ds41.mcore_model import DS41MegatronModel, DS41TransformerConfig
 
     if not isinstance(tf_config, DS41TransformerConfig):
@@ -141,7 +140,7 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / ds41_facts.TOKENIZER_FILE))
         table = engram_token_map(tokenizer)[0]
     model = DS41MegatronModel(tf_config, token_map=table, value_head=value_head)
-    tensors = load_file(str(folder / WEIGHTS))
+    tensors, style, skipped = read_folder_tensors(folder, config)
     expected = model.state_dict()
     skip = {"output_layer.weight"} if value_head else set()
     wanted = {k for k in expected if not k.endswith("_extra_state")} - skip
@@ -150,7 +149,7 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
     wrong = sorted(k for k in wanted & set(tensors) if tensors[k].shape != expected[k].shape)
     if missing or unexpected or wrong:
         raise ValueError(
-            f"{folder / WEIGHTS} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"{folder} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
             f"wrong shape {[(k, tuple(tensors[k].shape), tuple(expected[k].shape)) for k in wrong[:5]]}. "
             "Write the folder with verl_ds4.models.ds41.folder.save_folder from the same config."
         )
@@ -168,7 +167,8 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
         head = "value head (hidden -> 1, seeded)" if value_head else "LM head"
         print(f"[verl-ds4 cpu] DeepSeek-V4.1 model ({tf_config.num_layers} layers, ratios "
               f"{list(ds41_facts.read_config(config).compress_ratios)}, Engram {list(ds41_facts.read_config(config).engram_layers)}, "
-              f"{head}): weights from {folder / WEIGHTS}")  # fmt: skip
+              f"{head}): weights from {folder} ({style} names"
+              + "".join(f"; not loaded: {n} {what}" for what, n in skipped.items()) + ")")  # fmt: skip
     return model
 
 

@@ -6,13 +6,14 @@
 Everything the folder must satisfy is checked before a weight is read (:func:`read_folder_config`):
 ``model_type`` (a V4 folder is refused with the fix), every ``ds41_facts`` rule, and for Engram the
 tokenizer whose normalisation tables it hashes with (``tokenizer.json``). Tensors carry our names
-(:class:`~.model.DS41Model`'s state dict); DeepSeek's released on-disk names and FP8 / FP4 formats
-are a later step (``docs/ds41-model.md``).
+(:class:`~.model.DS41Model`'s state dict). :func:`load_folder` also reads DeepSeek's released on-disk
+names with their FP8 / FP4 weights, and NeMo Automodel's names (:mod:`.released`).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,9 @@ def save_folder(model, folder: str | Path, config: dict, tokenizer: Any = None) 
 
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, cache_qdq: bool = False):
     """A :class:`~.model.DS41Model` from ``folder``; every tensor must be there with its shape."""
-    from safetensors.torch import load_file
-
     from .engram import engram_token_map
     from .model import DS41Model
+    from .released import read_folder_tensors
 
     folder = Path(folder)
     config = read_folder_config(folder)
@@ -66,14 +66,17 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, cache_qd
 
         table = engram_token_map(PreTrainedTokenizerFast(tokenizer_file=str(folder / ds41_facts.TOKENIZER_FILE)))[0]
     model = DS41Model(config, table, dtype=dtype, cache_qdq=cache_qdq)
-    tensors = load_file(str(folder / WEIGHTS))
+    tensors, style, skipped = read_folder_tensors(folder, config)
+    if skipped:
+        print(f"[verl-ds4] {folder}: {style} names; not loaded (the text model does not build them): "
+              + ", ".join(f"{n} {what}" for what, n in skipped.items()), file=sys.stderr)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = sorted(k for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
     if missing or unexpected or wrong:
         raise ValueError(
-            f"{folder / WEIGHTS} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"{folder} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
             f"wrong shape {[(k, tuple(tensors[k].shape), tuple(expected[k].shape)) for k in wrong[:5]]}. "
             "Write the folder with save_folder from the same config."
         )
