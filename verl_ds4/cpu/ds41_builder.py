@@ -77,7 +77,9 @@ def _changed_by_verl_overrides(hf_config, config: dict) -> list[tuple[str, objec
     nested = attrs.get("text_config") if isinstance(attrs.get("text_config"), dict) else {}
     changed = []
     for key, value in ds41_facts.text_config(config).items():
-        if key in _SET_BY_VERL or key == "rope_scaling":  # transformers renames rope_scaling on its object
+        # transformers renames rope_scaling on its object and takes dtype / torch_dtype for itself (the model's
+        # dtype comes from verl's engine settings, not config.json).
+        if key in _SET_BY_VERL or key in ("rope_scaling", "dtype", "torch_dtype"):
             continue
         if key in attrs:
             seen = attrs[key]

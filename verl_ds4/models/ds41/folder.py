@@ -21,7 +21,7 @@ import torch
 
 from verl_ds4 import ds41_facts
 
-__all__ = ["read_folder_config", "save_folder", "load_folder", "load_drafter"]
+__all__ = ["read_folder_config", "save_folder", "load_folder", "load_drafter", "token_table"]
 
 WEIGHTS = "model.safetensors"
 
@@ -65,7 +65,7 @@ def save_folder(model, folder: str | Path, config: dict, tokenizer: Any = None, 
     return folder
 
 
-def _token_table(folder: Path, config: dict):
+def token_table(folder: Path, config: dict):
     if not ds41_facts.read_config(config).engram_layers:
         return None
     from transformers import PreTrainedTokenizerFast
@@ -90,7 +90,7 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, cache_qd
 
     folder = Path(folder)
     config = read_folder_config(folder)
-    model = DS41Model(config, _token_table(folder, config), dtype=dtype, cache_qdq=cache_qdq)
+    model = DS41Model(config, token_table(folder, config), dtype=dtype, cache_qdq=cache_qdq)
     style, skipped = load_checked(model, folder, config)
     _note(folder, style, skipped)
     return model
