@@ -15,7 +15,7 @@ NeMo Automodel 0.7.0's adapter describes it (``deepseek_v41/state_dict_adapter.p
 * FP8 Engram tables with one scale per row and 32 channels;
 * float32 where NeMo keeps float32 (``_keep_in_fp32_modules_strict``): mHC mixers (``hc_*``), attention
   sinks, the compressors' ``wkv`` / ``wgate``, the routers' biases (``ffn.gate.bias``, the image-token
-  ``ffn.gate.bias_vl``, written per backbone layer, random) and the head; bf16 for the rest (norms,
+  ``ffn.gate.bias_vl``, written per layer and drafter stage, random) and the head; bf16 for the rest (norms,
   embedding, router weights, indexer keys, the drafter's heads);
 * ``shards`` safetensors files with ``model.safetensors.index.json``, ``config.json`` with the released
   ``quantization_config``, and the tokenizer.
@@ -101,7 +101,7 @@ def write_ds41_hub_folder(state: dict[str, torch.Tensor], config: dict[str, Any]
             for k, v in {**state, **(drafter_state or {})}.items() if not k.endswith("_extra_state")}
     named = ours_to_released(ours)
     gen = torch.Generator().manual_seed(0)
-    for key in [k for k in named if k.endswith(".ffn.gate.bias") and k.startswith("layers.")]:
+    for key in [k for k in named if k.endswith(".ffn.gate.bias")]:
         named[key + "_vl"] = 0.1 * torch.randn(named[key].shape, generator=gen, dtype=torch.float64)
     stored, exact = quantise_released(named)
     stored.update(extra or {})
