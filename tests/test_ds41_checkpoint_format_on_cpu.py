@@ -323,10 +323,11 @@ def test_v4_and_v41_folders_are_refused_both_ways(hub, tmp_path, capsys):
 def test_verify_hf_checkpoint(hub, tmp_path, capsys):
     """``verl-ds4 verify --model ds41 --hf-checkpoint DIR --cp 2``: ours (the CPU builder on 2 gloo ranks) and
     NeMo Automodel (its adapter) read the released FP8 / FP4 folder; logits and log-probs within 1e-10.
-    Our export in released names (float64) read by ours is the same model as NeMo's reading of the FP8 original.
+    Our export in released names (float64) read by ours is the same model as NeMo's reading of the FP8 original;
+    folders in our names and in NeMo's in-memory names pass too.
     Negative control: NeMo reading a copy with one scale byte one higher (its 32 x 32 block doubled) is caught."""
     from verl_ds4.cpu import verify_cli
-    from verl_ds4.cpu.verify_ds41_hf import compare_folder_with_nemo
+    from verl_ds4.cpu.verify_ds41_hf import compare_folder_with_nemo, nemo_model_from_folder
     from verl_ds4.models.ds41.folder import save_folder
 
     parser = __import__("argparse").ArgumentParser()
@@ -343,6 +344,14 @@ def test_verify_hf_checkpoint(hub, tmp_path, capsys):
     assert released.name_style(released.read_headers(exported)[0]) == "released"
     same = compare_folder_with_nemo(exported, cp=1, reference_folder=hub.folder)
     assert same["logits"] < 1e-10 and same["log_probs"] < 1e-10
+
+    # Our names and NeMo's in-memory names, each read by both sides (NeMo: renamed by our writer / as is).
+    save_folder(load_folder(hub.folder, dtype=torch.float64), tmp_path / "ours", CONFIG, ref.local_tokenizer())
+    nemo = nemo_model_from_folder(hub.folder)
+    _folder(tmp_path / "nemo", {k: v.detach().clone().contiguous() for k, v in nemo.state_dict().items()})
+    for names in ("ours", "nemo"):
+        got = compare_folder_with_nemo(tmp_path / names, cp=1)
+        assert got["style"] == names and got["logits"] < 1e-10 and got["log_probs"] < 1e-10, (names, got)
 
     flipped = _copy(hub.folder, tmp_path / "flipped")
 
