@@ -339,6 +339,17 @@ def test_verify_hf_checkpoint(hub, tmp_path, capsys):
     assert result["passed"] and result["style"] == "released" and result["cp"] == 2
     assert result["logits"] < 1e-10 and result["log_probs"] < 1e-10
 
+    # Exit codes: the same numbers against a tolerance no fp64 computation meets exit 1; no reference exits 2.
+    from verl_ds4.cpu import verify_ds41_hf
+    from verl_ds4.models.ds41 import reference
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_ds41_hf, "compare_folder_with_nemo", lambda *a, **k: {k: v for k, v in result.items() if k in ("logits", "log_probs", "lengths", "style", "seconds")})
+        assert verify_cli.run(parser.parse_args(["--model", "ds41", "--hf-checkpoint", str(hub.folder), "--fp64-rtol", "1e-30"])) == 1
+        mp.setattr(reference, "reference_missing", lambda: "NeMo Automodel 0.7.0 is not installed: pip install ...")
+        assert verify_cli.run(parser.parse_args(["--model", "ds41", "--hf-checkpoint", str(hub.folder)])) == 2
+    assert "FAILED" in capsys.readouterr().out
+
     exported = save_folder(load_folder(hub.folder, dtype=torch.float64), tmp_path / "export", CONFIG,
                            ref.local_tokenizer(), names="released")
     assert released.name_style(released.read_headers(exported)[0]) == "released"
