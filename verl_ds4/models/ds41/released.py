@@ -20,7 +20,17 @@ dequantised exactly (float64 products of FP8 / FP4 values and powers of two, wit
 :mod:`verl_ds4.models.ds4.hf_dequant`). Tensors the text model does not build are left out and
 counted (``mtp.*`` when the model has no drafter, the vision tower and the routers' image-token bias
 ``ffn.gate.bias_vl``); nothing else is dropped: a
-name the mapping does not know is an error that names it.
+name the mapping does not know is an error that names it. With ``part="drafter"`` the ``mtp.<k>.*``
+stages map onto :class:`~.dspark.DS41DSpark` (``mtp.layers.<k>.*``; released or our names).
+
+Before a weight is read (``expected=``, or :func:`load_checked`, which the folder loader and the CPU
+builder use): :func:`check_quantization_config` (only the released 32 x 32 UE8M0 layout), :func:`read_headers`
+(dtypes and shapes from the safetensors headers as ``meta`` tensors; the index must match the shards), the
+whole mapping run on those ``meta`` tensors (scale grids checked by ``hf_dequant.fp8_block_shape`` /
+``fp4_shape``), then missing / unexpected / wrong-shape tensors against the model, named.
+
+:func:`ours_to_released` is the writer's inverse map (``folder.save_folder(names="released")``): equal to
+NeMo Automodel's ``to_hf`` names and values bit for bit (tests), unquantised.
 """
 
 from __future__ import annotations
