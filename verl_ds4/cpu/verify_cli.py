@@ -19,12 +19,11 @@ prints the max relative errors of logits and per-token log-probs.
 With ``--model ds41 --cp N`` it compares the tiny DeepSeek-V4.1 in Megatron-Core at CP = 1 and N
 with NeMo Automodel's V4.1 at fp64 (:mod:`verl_ds4.cpu.verify_ds41`).
 
-With ``--model ds41 --hf-checkpoint DIR [--cp N]`` it compares our Megatron V4.1 loaded from a V4.1 folder
-with NeMo Automodel's model loaded from the same folder at fp64 (:mod:`verl_ds4.cpu.verify_ds41_hf`).
-
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
+           verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.cpu.verify_ds41_hf: our
+               Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
 """
 
 from __future__ import annotations
@@ -104,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
         from verl_ds4.cpu.verify_ds41_hf import run_cli
 
         return run_cli(args)
+
     if args.model == "ds41":
-        if args.cp is not None and args.cp < 1:
-            print("verify --model ds41: give --cp N (N >= 1)", file=sys.stderr)
+        if args.hf_checkpoint is not None or (args.cp is not None and args.cp < 1):
+            print("verify --model ds41: give --cp N (N >= 1); --hf-checkpoint is for DeepSeek-V4 folders", file=sys.stderr)
             return 2
         return _run_ds41(args)
     if args.hf_checkpoint is not None:
