@@ -349,6 +349,10 @@ def test_verify_hf_checkpoint(hub, tmp_path, capsys):
         mp.setattr(reference, "reference_missing", lambda: "NeMo Automodel 0.7.0 is not installed: pip install ...")
         assert verify_cli.run(parser.parse_args(["--model", "ds41", "--hf-checkpoint", str(hub.folder)])) == 2
     assert "FAILED" in capsys.readouterr().out
+    for extra, words in ((["--dtype", "fp32"], "--dtype fp32 (this comparison runs in fp64 only)"), (["--config", "{}"], "--config"),
+                         (["--allow-mtp-skip"], "--allow-mtp-skip"), (["--cp", "0"], "--cp 0 (give N >= 1)")):  # fmt: skip
+        assert verify_cli.run(parser.parse_args(["--model", "ds41", "--hf-checkpoint", str(hub.folder), *extra])) == 2
+        assert f"options this comparison would ignore: {words}" in capsys.readouterr().err, extra
 
     exported = save_folder(load_folder(hub.folder, dtype=torch.float64), tmp_path / "export", CONFIG,
                            ref.local_tokenizer(), names="released")

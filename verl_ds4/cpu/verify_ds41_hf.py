@@ -162,9 +162,19 @@ def run_cli(args) -> int:
 
     from verl_ds4.models.ds41.reference import reference_missing
 
-    cp = args.cp or 1
-    if cp < 1:
-        print(f"verify --model ds41: --cp must be >= 1, got {args.cp}", file=sys.stderr)
+    cp = 1 if args.cp is None else args.cp
+    ignored = [f"--cp {args.cp} (give N >= 1)"] if cp < 1 else []
+    if list(getattr(args, "dtype", ["fp64"])) != ["fp64"]:
+        ignored.append(f"--dtype {' '.join(args.dtype)} (this comparison runs in fp64 only)")
+    if getattr(args, "config", None) is not None:
+        ignored.append("--config (the model is the folder's config.json)")
+    if getattr(args, "allow_mtp_skip", False):
+        ignored.append("--allow-mtp-skip (the V4.1 text model never builds the drafter; its mtp.* is counted and skipped)")
+    if getattr(args, "no_layout_checks", False):
+        ignored.append("--no-layout-checks (there are no layout rows here)")
+    if ignored:
+        print(f"verify --model ds41 --hf-checkpoint: options this comparison would ignore: {'; '.join(ignored)}. Drop them.",
+              file=sys.stderr)
         return 2
     missing = reference_missing()
     if missing:
