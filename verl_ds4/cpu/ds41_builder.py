@@ -77,7 +77,9 @@ def _changed_by_verl_overrides(hf_config, config: dict) -> list[tuple[str, objec
     nested = attrs.get("text_config") if isinstance(attrs.get("text_config"), dict) else {}
     changed = []
     for key, value in ds41_facts.text_config(config).items():
-        if key in _SET_BY_VERL or key == "rope_scaling":  # transformers renames rope_scaling on its object
+        # transformers renames rope_scaling on its object and takes dtype / torch_dtype for itself (the model's
+        # dtype comes from verl's engine settings, not config.json).
+        if key in _SET_BY_VERL or key in ("rope_scaling", "dtype", "torch_dtype"):
             continue
         if key in attrs:
             seen = attrs[key]
@@ -118,7 +120,7 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
 
     from verl_ds4 import ds41_facts
     from verl_ds4.models.ds41.engram import engram_token_map
-    from verl_ds4.models.ds41.released import read_folder_tensors
+    from verl_ds4.models.ds41.released import load_checked
     from verl_ds4.models.ds41.mcore_model import DS41MegatronModel, DS41TransformerConfig
 
     if not isinstance(tf_config, DS41TransformerConfig):
@@ -140,23 +142,10 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / ds41_facts.TOKENIZER_FILE))
         table = engram_token_map(tokenizer)[0]
     model = DS41MegatronModel(tf_config, token_map=table, value_head=value_head)
-    tensors, style, skipped = read_folder_tensors(folder, config)
-    expected = model.state_dict()
+    # Every rule (quantisation config, scale grids, names, decoded shapes) on the safetensors headers first.
     skip = {"output_layer.weight"} if value_head else set()
-    wanted = {k for k in expected if not k.endswith("_extra_state")} - skip
-    missing = sorted(wanted - set(tensors))
-    unexpected = sorted(set(tensors) - wanted - skip)
-    wrong = sorted(k for k in wanted & set(tensors) if tensors[k].shape != expected[k].shape)
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"{folder} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-            f"wrong shape {[(k, tuple(tensors[k].shape), tuple(expected[k].shape)) for k in wrong[:5]]}. "
-            "Write the folder with verl_ds4.models.ds41.folder.save_folder from the same config."
-        )
+    style, skipped = load_checked(model, folder, config, skip=skip)
     with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if name in wanted:
-                tensor.copy_(tensors[name].to(tensor.dtype))
         if value_head:
             gen = torch.Generator().manual_seed(DS41_VALUE_HEAD_SEED)
             head = model.output_layer.weight

@@ -22,6 +22,8 @@ with NeMo Automodel's V4.1 at fp64 (:mod:`verl_ds4.cpu.verify_ds41`).
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
+           verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.cpu.verify_ds41_hf: our
+               Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=None, metavar="N", help="context-parallel size to compare with CP=1 (e.g. 2, 4, 8); with --hf-checkpoint the CP size of our model (default 1)")
-    parser.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="compare our Megatron DS4 loaded from this HF DeepSeek-V4 folder with transformers at fp64")
+    parser.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="compare our Megatron DS4 loaded from this HF DeepSeek-V4 folder with transformers at fp64 (with --model ds41: a DeepSeek-V4.1 folder with NeMo Automodel)")
     parser.add_argument("--allow-mtp-skip", action="store_true", help="with --hf-checkpoint: build no MTP block and ignore the folder's mtp.* tensors (transformers drops them too; the logits are the same)")
     parser.add_argument(
         "--dtype", nargs="+", default=["fp64"], choices=["fp64", "fp32"],
@@ -97,6 +99,11 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.cpu.verify_ds41_hf
+        from verl_ds4.cpu.verify_ds41_hf import run_cli
+
+        return run_cli(args)
+
     if args.model == "ds41":
         if args.hf_checkpoint is not None or (args.cp is not None and args.cp < 1):
             print("verify --model ds41: give --cp N (N >= 1); --hf-checkpoint is for DeepSeek-V4 folders", file=sys.stderr)

@@ -29,7 +29,7 @@ import torch
 
 from .checkpoint_format import FP4_GROUP, CheckpointFormat, CheckpointFormatError, check_cpu_readable
 
-__all__ = ["E2M1_MAGNITUDES", "E8M0_BIAS", "e8m0_to_float", "unpack_fp4_e2m1", "dequantize_fp8_block",
+__all__ = ["E2M1_MAGNITUDES", "E8M0_BIAS", "e8m0_to_float", "unpack_fp4_e2m1", "fp8_block_shape", "fp4_shape", "dequantize_fp8_block",
            "dequantize_fp4", "dequantize_tensors"]
 
 #: E2M1 magnitudes by the low three bits of a nibble (bit 3 is the sign).
@@ -40,10 +40,14 @@ _FP4_DTYPES = {torch.int8, torch.uint8} | ({torch.float4_e2m1fn_x2} if hasattr(t
 _FP8 = torch.float8_e4m3fn
 
 
-def e8m0_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
-    """UE8M0 scales (``float8_e8m0fnu`` or raw ``uint8`` bytes) as float64 powers of two."""
+def _check_scale_dtype(scale: torch.Tensor, name: str) -> None:
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise CheckpointFormatError(f"tensor {name!r} is {scale.dtype}; expected UE8M0 scales (float8_e8m0fnu or uint8 bytes).")
+
+
+def e8m0_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+    """UE8M0 scales (``float8_e8m0fnu`` or raw ``uint8`` bytes) as float64 powers of two."""
+    _check_scale_dtype(scale, name)
     bits = scale.contiguous().view(torch.uint8).to(torch.int64)
     if bool((bits == 255).any()):
         raise CheckpointFormatError(f"tensor {name!r} holds the UE8M0 NaN byte 255; expected finite power-of-two scales.")
@@ -62,8 +66,9 @@ def _grid(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight") -> torch.Tensor:
-    """FP8 ``[out, in]`` times its ``[ceil(out/bm), ceil(in/bn)]`` block scales -> float64 ``[out, in]``."""
+def fp8_block_shape(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight") -> tuple[int, int]:
+    """The ``[out, in]`` shape :func:`dequantize_fp8_block` returns, with every rule it checks on dtypes and
+    shapes (no value is read: ``meta`` tensors from a safetensors header do)."""
     if weight.dtype != _FP8 or weight.dim() != 2:
         raise CheckpointFormatError(f"tensor {name!r} is {weight.dtype} {tuple(weight.shape)}; expected a 2-D float8_e4m3fn weight.")
     (rows, cols), (bm, bn) = weight.shape, block
@@ -73,12 +78,12 @@ def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple
             f"tensor {name!r} {tuple(weight.shape)} has scales {tuple(scale.shape)}; weight_block_size {list(block)} "
             f"needs {want} (ceil(out/{bm}), ceil(in/{bn})). Check weight_block_size in config.json."
         )
-    s = e8m0_to_float(scale, name).repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
-    return weight.to(torch.float64) * s
+    _check_scale_dtype(scale, name)
+    return rows, cols
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP, name: str = "weight") -> torch.Tensor:
-    """Packed E2M1 ``[out, in/2]`` times one scale per ``group`` inputs ``[out, in/group]`` -> float64 ``[out, in]``."""
+def fp4_shape(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP, name: str = "weight") -> tuple[int, int]:
+    """The ``[out, in]`` shape :func:`dequantize_fp4` returns, with its dtype and shape rules (no value read)."""
     if packed.dtype not in _FP4_DTYPES or packed.dim() != 2:
         raise CheckpointFormatError(f"tensor {name!r} is {packed.dtype} {tuple(packed.shape)}; expected 2-D packed FP4 (int8).")
     rows, cols = packed.shape[0], 2 * packed.shape[1]
@@ -87,6 +92,21 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_G
             f"tensor {name!r} {tuple(packed.shape)} (FP4, {cols} inputs) has scales {tuple(scale.shape)}; expected "
             f"({rows}, {cols // group}): one E8M0 scale per {group} inputs, the inputs a multiple of {group}."
         )
+    _check_scale_dtype(scale, name)
+    return rows, cols
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight") -> torch.Tensor:
+    """FP8 ``[out, in]`` times its ``[ceil(out/bm), ceil(in/bn)]`` block scales -> float64 ``[out, in]``."""
+    rows, cols = fp8_block_shape(weight, scale, block, name)
+    bm, bn = block
+    s = e8m0_to_float(scale, name).repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+    return weight.to(torch.float64) * s
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP, name: str = "weight") -> torch.Tensor:
+    """Packed E2M1 ``[out, in/2]`` times one scale per ``group`` inputs ``[out, in/group]`` -> float64 ``[out, in]``."""
+    rows, cols = fp4_shape(packed, scale, group, name)
     values = unpack_fp4_e2m1(packed).view(rows, cols // group, group)
     return (values * e8m0_to_float(scale, name).unsqueeze(-1)).view(rows, cols)
 
