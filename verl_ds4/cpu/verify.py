@@ -72,6 +72,7 @@ class Row:
     ``expect="match"``: passes when ``max_rel <= tol``. ``expect="differ"``: a negative control that
     passes when ``max_rel > tol`` (the harness must be able to see a broken layout).
     ``expect="error"``: passes when the expected error was raised (diffs are 0 then, inf otherwise).
+    ``expect="absent"``: a quantity the model does not have (the row says why); nothing is compared.
     """
 
     quantity: str
@@ -82,6 +83,8 @@ class Row:
 
     @property
     def passed(self) -> bool:
+        if self.expect == "absent":
+            return True
         if not math.isfinite(self.max_rel):
             return False
         return self.max_rel > self.tol if self.expect == "differ" else self.max_rel <= self.tol
@@ -500,14 +503,21 @@ def rows_passed(rows: list[Row]) -> bool:
     return all(row.passed for row in rows)
 
 
-def format_table(rows: list[Row], title: str = "") -> str:
+def format_table(rows: list[Row], title: str = "", notes: list[str] | None = None) -> str:
+    """The table; ``notes``: the lines under it (default: V4's rel definition and batches)."""
     width = max(len(r.quantity) for r in rows) + 2
     lines = [title] if title else []
     lines.append(f"{'quantity':<{width}}{'max abs diff':>14}{'max rel diff':>14}  result")
     lines.append("-" * (width + 48))
     for r in rows:
+        if r.expect == "absent":
+            lines.append(f"{r.quantity:<{width}}{'-':>14}{'-':>14}  n/a")
+            continue
         bound = {"match": f"<= {r.tol:.0e}", "differ": f">  {r.tol:.0e}", "error": "ValueError raised"}[r.expect]
         lines.append(f"{r.quantity:<{width}}{r.max_abs:>14.3e}{r.max_rel:>14.3e}  {'pass' if r.passed else 'FAIL'} ({bound})")
+    if notes is not None:
+        lines.extend(notes)
+        return "\n".join(lines)
     lines.append("rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).")
     lines.append(
         f"Batches: ragged = {len(RAGGED)} sequences, {sum(RAGGED)} tokens (straddling rank boundaries); "

@@ -16,8 +16,14 @@ With ``--hf-checkpoint DIR`` it instead compares our Megatron DS4 loaded from an
 folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.cpu.verify_hf`) and
 prints the max relative errors of logits and per-token log-probs.
 
-With ``--model ds41 --cp N`` it compares the tiny DeepSeek-V4.1 in Megatron-Core at CP = 1 and N
-with NeMo Automodel's V4.1 at fp64 (:mod:`verl_ds4.cpu.verify_ds41`).
+With ``--model ds41 --cp N`` it runs one training step of the tiny DeepSeek-V4.1 in Megatron-Core
+(every component on) at CP = 1 and N through the same THD path and compares, at fp64, CP = N with
+CP = 1 (loss, log-probs, entropy, gradients per group: the Full / Reindex / Reuse / window-only
+layers' attention, Engram tables, the rest) and both with NeMo Automodel's V4.1 (logits, log-probs,
+loss, gradients); V4.1 has no indexer loss (its indexer is frozen) and the DSpark rows say "not
+built" until the drafter's training exists. Negative controls at CP = N that must differ or be
+refused: Engram n-grams without the previous rank's tokens, reading layers that recompute the
+shared CSA2 state, zigzag (:mod:`verl_ds4.cpu.verify_ds41`). Progress goes to stderr.
 
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
@@ -47,11 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="ds4", choices=["ds4", "ds4_proxy", "ds41"],
         help="ds4: the full tiny DS4 (default); ds4_proxy: the attention-only proxy; ds41: the tiny DeepSeek-V4.1 in "
-        "Megatron-Core against NeMo Automodel at fp64 (CP 1 and --cp N)",
+        "Megatron-Core, one training step at CP=N vs CP=1 and vs NeMo Automodel at fp64, with negative controls",
     )
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")
-    parser.add_argument("--no-layout-checks", action="store_true", help="skip the zigzag rejection / guard-bypass rows")
+    parser.add_argument("--no-layout-checks", action="store_true", help="skip the zigzag rejection / guard-bypass rows (ds41: all negative controls)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank is killed (default 600)")
 
@@ -82,19 +88,41 @@ def _run_ds41(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from verl_ds4.cpu.verify_ds41 import compare_with_nemo
+    from verl_ds4.cpu.verify import format_table, rows_passed
+    from verl_ds4.cpu.verify_ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
 
     cp = args.cp or 1
-    result = compare_with_nemo(cp, seed=args.seed, timeout=args.timeout)
-    ok = all(result[f"cp{k}"][q] <= args.fp64_rtol for k in sorted({1, cp}) for q in ("logits", "log_probs"))
-    print(f"DeepSeek-V4.1 (tiny, every component on): our Megatron-Core model vs NeMo Automodel (fp64), lengths {result['lengths']}")
-    for k in sorted({1, cp}):
-        r = result[f"cp{k}"]
-        print(f"  CP={k}: logits max rel error {r['logits']:.3e}, log-probs {r['log_probs']:.3e}  (tol {args.fp64_rtol:g})")
+    result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks,
+                             timeout=args.timeout, progress=print_progress)  # fmt: skip
+    rows = result["rows"]
+    ok = rows_passed(rows)
+    notes = [
+        "rel = max|x - x_ref| / max|x_ref| (a gradient group: worst abs diff over its tensors / its largest gradient); "
+        "grads summed over CP ranks; the indexer is frozen on both sides.",
+        f"Batch: {len(result['lengths'])} sequences, {sum(result['lengths'])} tokens {result['lengths']} (ragged: they cross "
+        f"every rank boundary); a control differs when rel > {NEGATIVE_MIN_REL:g}.",
+    ]
+    title = f"DeepSeek-V4.1 (tiny, every component on) in Megatron-Core: CP={cp} vs CP=1 and vs NeMo Automodel (fp64)"
+    print(format_table(rows, title, notes=notes))
     print(f"{'PASSED' if ok else 'FAILED'} in {result['seconds']:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": "ds41", "cp": cp, "passed": ok, **result}, f, indent=2)
+            json.dump(
+                {
+                    "model": "ds41",
+                    "cp": cp,
+                    "passed": ok,
+                    "seconds": result["seconds"],
+                    "stages": result["stages"],
+                    "lengths": result["lengths"],
+                    "rows": [
+                        {"quantity": r.quantity, "max_abs": r.max_abs, "max_rel": r.max_rel, "tol": r.tol, "expect": r.expect, "passed": r.passed}
+                        for r in rows
+                    ],
+                },
+                f,
+                indent=2,
+            )
     return 0 if ok else 1
 
 
@@ -105,8 +133,19 @@ def run(args: argparse.Namespace) -> int:
         return run_cli(args)
 
     if args.model == "ds41":
-        if args.hf_checkpoint is not None or (args.cp is not None and args.cp < 1):
-            print("verify --model ds41: give --cp N (N >= 1); --hf-checkpoint is for DeepSeek-V4 folders", file=sys.stderr)
+        problems = []
+        if args.cp is not None and args.cp < 1:
+            problems.append(f"--cp {args.cp}: give N >= 1 (CP=N is compared with CP=1 and NeMo Automodel)")
+        if args.hf_checkpoint is not None:
+            problems.append("--hf-checkpoint: for DeepSeek-V4 folders; --model ds41 builds its tiny V4.1 from NeMo Automodel")
+        if list(args.dtype) != ["fp64"]:
+            problems.append(f"--dtype {' '.join(args.dtype)}: --model ds41 runs in fp64 only (drop --dtype)")
+        if args.config is not None:
+            problems.append("--config: --model ds41 uses the tiny V4.1 of verl_ds4.models.ds41.reference.tiny_text_config (drop --config)")
+        if args.allow_mtp_skip:
+            problems.append("--allow-mtp-skip: only with --hf-checkpoint (drop it)")
+        if problems:
+            print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2
         return _run_ds41(args)
     if args.hf_checkpoint is not None:

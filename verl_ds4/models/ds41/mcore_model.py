@@ -99,6 +99,20 @@ class DS41TransformerBlock(MegatronModule):
     def set_input_tensor(self, input_tensor) -> None:
         self.input_tensor = input_tensor
 
+    @classmethod
+    def check_cp_partition(cls, cp_partition_mode: str | None, cp_size: int) -> None:
+        """Refuse rows of any CP split but the contiguous one (the config refuses a zigzag setting; this
+        refuses a batch packed with another plan, which would otherwise run with wrong positions,
+        CSA2 blocks and Engram n-grams)."""
+        if cp_size > 1 and cp_partition_mode != ds4_facts.CP_PARTITION_MODE:
+            raise ValueError(
+                f"DeepSeek-V4.1 under CP reads a contiguous split, got packed_seq_params.cp_partition_mode="
+                f"{cp_partition_mode!r} at CP={cp_size}: CSA2 and Engram locate rows as cp_rank * local_rows + i "
+                "and take the previous rank's last rows by the left halo (a zigzag rank holds two chunks of every "
+                "sequence). Pack the batch with the contiguous layout (verl_ds4.mcore.thd.make_plan(layout="
+                "'contiguous')), which records cp_partition_mode='contiguous'."
+            )
+
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, hash_token_ids=None, inference_context=None, **unused):
         """``hidden_states`` ``[s, 1, h]`` (THD rows), ``hash_token_ids`` ``[s, 1]`` (the rows' token ids,
         for Engram) -> ``[s, 1, h]`` normed rows."""
@@ -112,6 +126,8 @@ class DS41TransformerBlock(MegatronModule):
             raise ValueError("Engram layers need the token id of every row: pass hash_token_ids [s, 1] (DS41MegatronModel does).")
         cp_size = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
         cp_group = parallel_state.get_context_parallel_group() if cp_size > 1 else None
+        if packed_seq_params is not None:
+            self.check_cp_partition(getattr(packed_seq_params, "cp_partition_mode", None), cp_size)
         cu = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q_padded
         ids = None if hash_token_ids is None else hash_token_ids[:, 0]
         if ids is None:
