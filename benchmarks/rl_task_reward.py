@@ -1,4 +1,4 @@
-"""Mean reward of an HF DS4 folder on the CPU RL task, sampled the way the cpu_demo rollout samples.
+"""Mean reward of an HF DS4 (or DeepSeek-V4.1) folder on the CPU RL task, sampled the way the cpu_demo rollout samples.
 
 The learning benchmark (``benchmarks/bench_rl_learning.sh``) uses it to say where RL starts: the
 SFT hand-over's reward before any RL step (and to pick an SFT length that leaves room for RL).
@@ -24,10 +24,12 @@ def _eval_on_rank(rank: int, world: int, folders: list[str], n_prompts: int, max
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from verl.utils.tokenizer.deepseek import encode_messages
 
+    from verl_ds4.models.ds41.hf_config import register_auto_config
     from verl_ds4.rollout.cpu import sample_next_token
     from verl_ds4.rollout.demo_task import DATA_SOURCE, compute_score, digit_prompts
     from verl_ds4.rollout.policy import MegatronCPUPolicy
 
+    register_auto_config()  # a V4.1 folder: transformers has no deepseek_v41
     rows = digit_prompts(n_prompts, seed=seed + 1000)
     out = []
     for folder in folders:

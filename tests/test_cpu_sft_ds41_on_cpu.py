@@ -117,29 +117,6 @@ def test_builder_refuses_an_override_config_it_would_ignore(assets):
         ds41_builder.ds41_folder_of(hf)
 
 
-def test_builder_refuses_router_replay_it_would_ignore(assets):
-    import dataclasses
-
-    from transformers import AutoConfig
-
-    from verl_ds4 import ds41_facts
-    from verl_ds4.cpu import ds41_builder
-    from verl_ds4.models.ds41.folder import read_folder_config
-    from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
-
-    text = ds41_facts.text_config(read_folder_config(assets["model"]))
-    config = ds41_transformer_config(text, cp_size=1)
-    hf = AutoConfig.from_pretrained(assets["model"])
-    # what verl's engine sets for router_replay.mode R2 / R3 (cpu/engine.py _build_tf_config)
-    key = "moe_enable_routing_replay" if hasattr(config, "moe_enable_routing_replay") else "enable_routing_replay"
-    replay = dataclasses.replace(config)
-    setattr(replay, key, True)
-    with pytest.raises(ValueError, match=r"router_replay\.mode=disabled"):
-        ds41_builder.DS41_CPU_BUILDER.build(replay, hf, pre_process=True, post_process=True, share_embeddings=False)
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1"):  # control: without replay it gets past the check
-        ds41_builder.DS41_CPU_BUILDER.build(config, hf, pre_process=False, post_process=True, share_embeddings=False)
-
-
 # -- end to end: verl's SFT trainer ------------------------------------------------------------------
 
 

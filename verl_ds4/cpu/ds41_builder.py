@@ -18,7 +18,11 @@ Refused at start-up, with the field and the fix: a folder that is not V4.1 (or b
 zigzag CP split (``DS41TransformerConfig``), ``model.mtp.enable=true`` on a folder whose ``mtp.*``
 is a DSpark drafter (the CPU model does not train it), override keys that are not
 ``TransformerConfig`` fields, a ``model.override_config`` value the builder would not see (it builds
-from ``config.json``), verl's router replay (R2 / R3; not wired to the V4.1 routers yet).
+from ``config.json``).
+
+verl's router replay (``router_replay.mode`` R2 / R3): every layer's router (V4's ``DS4Router``; V4.1
+has score routers only, no ``hash_moe`` layers) gets a verl ``RouterReplay`` and its 1-based
+``layer_number`` (:func:`verl_ds4.models.ds4.router_replay.enable_router_replay`), as V4's builder does.
 """
 
 from __future__ import annotations
@@ -125,13 +129,6 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
 
     if not isinstance(tf_config, DS41TransformerConfig):
         raise TypeError(f"The DS41 builder needs a DS41TransformerConfig, got {type(tf_config).__name__}.")  # error-catalogue: internal: verl passed another config class
-    from verl_ds4.models.ds4.router_replay import routing_replay_requested
-
-    if routing_replay_requested(tf_config):  # set by verl's engine for router_replay.mode R2 / R3
-        raise ValueError(
-            "router_replay.mode (R2 / R3) is not wired to the DeepSeek-V4.1 routers yet (the CPU V4.1 builder would "
-            "ignore it): set actor_rollout_ref.actor.router_replay.mode=disabled, or use MODEL=ds4."
-        )
     if not (pre_process and post_process):
         raise ValueError("The CPU DeepSeek-V4.1 model runs at pipeline_model_parallel_size=1.")
     if share_embeddings:
@@ -151,6 +148,10 @@ def _ds41_build(tf_config, hf_config, *, pre_process, post_process, share_embedd
             head = model.output_layer.weight
             std = float(config.get("initializer_range", 0.02))
             head.copy_((std * torch.randn(head.shape, generator=gen, dtype=torch.float64)).to(head.dtype))
+    from verl_ds4.models.ds4.router_replay import enable_router_replay, routing_replay_requested
+
+    if routing_replay_requested(tf_config):  # verl's router_replay.mode R2 / R3: every layer's V4 DS4Router
+        enable_router_replay(model)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:
         head = "value head (hidden -> 1, seeded)" if value_head else "LM head"

@@ -136,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
         problems = []
         if args.cp is not None and args.cp < 1:
             problems.append(f"--cp {args.cp}: give N >= 1 (CP=N is compared with CP=1 and NeMo Automodel)")
-        if args.hf_checkpoint is not None:
-            problems.append("--hf-checkpoint: for DeepSeek-V4 folders; --model ds41 builds its tiny V4.1 from NeMo Automodel")
         if list(args.dtype) != ["fp64"]:
             problems.append(f"--dtype {' '.join(args.dtype)}: --model ds41 runs in fp64 only (drop --dtype)")
         if args.config is not None:

@@ -39,15 +39,13 @@ gradient group: the worst abs diff over its tensors / the group's largest gradie
   layers, recomputing their state (the source layer's modules on their own input) instead of reading
   the source layer's shared state; a zigzag CP split refused by the config and by the decoder
   (``packed_seq_params.cp_partition_mode``), and with the decoder's guard bypassed the log-probs differ;
-* DSpark: the drafter's loss and gradients come from :data:`DSPARK_MODULE` when that module exists
-  (it provides ``compare_dspark_with_nemo(cp, seed=, timeout=)`` and ``dspark_rows(result, rtol)``,
-  see :func:`dspark_rows`); without it the rows say "not built".
+* DSpark: the drafter's loss and gradients, from :mod:`verl_ds4.cpu.verify_ds41_dspark` (its own
+  step at CP 1 and N against NeMo's, :func:`dspark_rows`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import re
 import sys
@@ -60,7 +58,6 @@ import torch
 __all__ = [
     "RAGGED",
     "NEGATIVE_MIN_REL",
-    "DSPARK_MODULE",
     "Case",
     "build_case",
     "ds41_param_group",
@@ -76,8 +73,6 @@ __all__ = [
 RAGGED = (5, 27, 40, 9, 33, 3, 17)
 #: A negative control passes when its relative difference exceeds this.
 NEGATIVE_MIN_REL = 1e-3
-#: The module that adds the DSpark drafter's rows (built on another branch).
-DSPARK_MODULE = "verl_ds4.cpu.verify_ds41_dspark"
 
 _ATTENTION_ROLES = {"full": "Full", "reindex": "Reindex", "reuse": "Reuse", "window": "window-only"}
 _ROLE_NOTES = {"full": "KV/index-key source", "reindex": "reads KV + keys", "reuse": "reads KV + top-k", "window": ""}
@@ -425,24 +420,14 @@ def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: floa
 
 
 def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Callable[[str], None] = lambda s: None) -> list:
-    """The DSpark rows: from :data:`DSPARK_MODULE` when it exists (its ``dspark_rows`` entries
-    ``{"check", "value", "limit", "passed"}`` become rows: ``limit`` ``None`` = a count that must be
-    above 0), else ``n/a`` rows saying the drafter's training is not built."""
+    """The DSpark rows of :mod:`verl_ds4.cpu.verify_ds41_dspark` (its entries ``{"check", "value", "limit",
+    "passed"}``; ``limit`` ``None`` = a count that must be above 0) as table rows."""
+    from verl_ds4.cpu import verify_ds41_dspark as dspark
     from verl_ds4.cpu.verify import Row
 
-    try:
-        module = importlib.import_module(DSPARK_MODULE)
-    except ModuleNotFoundError as err:
-        if err.name != DSPARK_MODULE:
-            raise
-        module = None
-    if module is None or not all(hasattr(module, f) for f in ("compare_dspark_with_nemo", "dspark_rows")):
-        why = f"not built (no {DSPARK_MODULE.rsplit('.', 1)[-1]} in this tree)"
-        return [Row(f"DSpark loss: {why}", 0.0, 0.0, rtol, expect="absent"),
-                Row(f"grads DSpark drafter mtp.*: {why}", 0.0, 0.0, rtol, expect="absent")]  # fmt: skip
     progress(f"DSpark drafter step (NeMo, CP=1, CP={cp})")
     rows = []
-    for entry in module.dspark_rows(module.compare_dspark_with_nemo(cp, seed=seed, timeout=timeout), rtol):
+    for entry in dspark.dspark_rows(dspark.compare_dspark_with_nemo(cp, seed=seed, timeout=timeout), rtol):
         value = float(entry["value"])
         if entry.get("limit") is None:
             rows.append(Row(f"DSpark {entry['check']}", value, value, 0.0, expect="differ"))

@@ -74,6 +74,13 @@ def ds41_transformer_config(text: dict, dtype: torch.dtype = torch.float32, cp_s
         kv_channels=int(get("head_dim")),
         layernorm_epsilon=float(get("rms_norm_eps")),
         **cpu_ds4_settings(dtype, cp_size),
+        # Every V4.1 layer is an MoE layer (V4's DS4MoE, score routers): Megatron's MoE fields, which verl's
+        # router replay reads (moe_router_topk: the routes' width; the MoE layer count from moe_layer_freq).
+        num_moe_experts=int(get("n_routed_experts")),
+        moe_ffn_hidden_size=int(get("moe_intermediate_size")),
+        moe_router_topk=int(get("num_experts_per_tok")),
+        moe_shared_expert_intermediate_size=int(get("moe_intermediate_size")) * int(get("n_shared_experts") or 1),
+        moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
         ds41_text=text,
         **overrides,
     )

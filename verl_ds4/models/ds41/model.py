@@ -44,6 +44,7 @@ class DS41Layer(nn.Module):
         h, n, eps = int(get("hidden_size")), int(get("hc_mult")), float(get("rms_norm_eps"))
         iters, hc_eps = int(get("hc_sinkhorn_iters")), float(get("hc_eps"))
         self.layer = layer
+        self.layer_number = layer + 1  # Megatron's 1-based numbering (verl's router replay addresses routers by it)
         self.engram = DS41Engram.from_config(text, layer, dtype=dtype) if layer in (get("engram_layer_ids") or []) else None
         self.attn_hc = DS41HyperConnection(h, n, iters, hc_eps, eps, dtype=dtype)
         self.input_layernorm = _RMSNorm(h, eps, dtype=dtype)
