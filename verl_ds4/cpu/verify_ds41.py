@@ -429,10 +429,11 @@ def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Calla
     rows = []
     for entry in dspark.dspark_rows(dspark.compare_dspark_with_nemo(cp, seed=seed, timeout=timeout), rtol):
         value = float(entry["value"])
+        name = entry["check"] if entry["check"].startswith("DSpark") else f"DSpark {entry['check']}"
         if entry.get("limit") is None:
-            rows.append(Row(f"DSpark {entry['check']}", value, value, 0.0, expect="differ"))
+            rows.append(Row(name, value, value, 0.0, expect="differ"))
         else:
-            rows.append(Row(f"DSpark {entry['check']}", value, value, float(entry["limit"])))
+            rows.append(Row(name, value, value, float(entry["limit"])))
     return rows
 
 
