@@ -166,6 +166,42 @@ def test_negative_controls_roles_matter():
         pairs[4][0](xs[4], CSA2State())
 
 
+def _tie_every_index_score(pairs) -> None:
+    """Zero the indexers' head weights on both sides: every index score is 0, so every top-k is a tie."""
+    with torch.no_grad():
+        for ours, theirs in pairs:
+            for name, p in list(ours.named_parameters()) + list(theirs.named_parameters()):
+                if name.endswith(("indexer.linear_weights_proj.weight", "indexer.weights_proj.weight")):
+                    p.zero_()
+
+
+def test_equal_top_k_scores_are_taken_in_index_order_on_both_sides(monkeypatch):
+    """The tie rule: equal index scores are selected lowest index first, by ours (``stable_topk_mask``) and by
+    the reference (``torch.topk`` under ``StableTopK``), so the selections and outputs agree. Negative
+    control: ours taking ties highest index first selects other entries and gives other outputs."""
+    from verl_ds4.models.ds41 import csa2
+
+    pairs, xs = layer_pairs(), inputs()
+    _tie_every_index_score(pairs)
+    expected, their_sel = run_reference(pairs, xs)
+    got, our_sel = run_ours(pairs, xs)
+    assert max(rel(g, e) for g, e in zip(got, expected)) <= 1e-10
+    for layer, (a, b) in enumerate(zip(our_sel, their_sel)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), layer
+    # Ties decided something: a Reindex row with more visible entries than top-k kept the first ones.
+    row = our_sel[3][-1]
+    assert 0 < int(row.sum()) < S and bool(row[: int(row.sum())].all())
+
+    original = csa2.stable_topk_mask
+
+    def highest_index_first(scores, k):
+        return original(scores.flip(-1), k).flip(-1)
+
+    monkeypatch.setattr(csa2, "stable_topk_mask", highest_index_first)
+    flipped, flipped_sel = run_ours(pairs, xs)
+    assert not torch.equal(flipped_sel[3], their_sel[3]) and rel(flipped[3], expected[3]) > 1e-3
+
+
 # ------------------------------------------------------------ packed sequences and contiguous CP
 
 LENGTHS = [10, 18, 14, 6]  # 48 rows; even lengths (document starts aligned to the ratios' lcm, as the reference needs)
