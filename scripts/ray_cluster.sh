@@ -110,9 +110,29 @@ case "$RAY_NODE_PORTS" in
 esac
 [ "$DS4_DEVICE" = cpu ] && RAY_NUM_CPUS=${RAY_NUM_CPUS:-16}
 
-# A TCP port free on this host now (for RAY_NODE_PORTS=auto).
-free_port() {
-    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1]); s.close()'
+# N distinct TCP ports free on this host now (for RAY_NODE_PORTS=auto), drawn at random below the
+# kernel's ephemeral range: a port the OS would hand out (bind to port 0) can be taken by any process's
+# outgoing connection before Ray's agent binds it (seen: the runtime-env agent's "Address already in
+# use", its raylet exiting with it), one below that range only by another explicit bind.
+free_ports() {
+    "$PYTHON" - "$1" <<'PY'
+import random, socket, sys
+try:
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+except (OSError, ValueError, IndexError):
+    low = 32768
+rng, picked = random.SystemRandom(), []
+while len(picked) < int(sys.argv[1]):
+    port = rng.randrange(10000, max(low, 11000))
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            continue
+    if port not in picked:
+        picked.append(port)
+print(" ".join(map(str, picked)))
+PY
 }
 
 ray_resource_args() {
@@ -144,9 +164,10 @@ ray_resource_args() {
             RESOURCE_ARGS+=(--node-manager-port=FREE --object-manager-port=FREE --dashboard-agent-listen-port=FREE
                 --dashboard-agent-grpc-port=FREE --runtime-env-agent-port=FREE --metrics-export-port=FREE)
         else
-            RESOURCE_ARGS+=(--node-manager-port="$(free_port)" --object-manager-port="$(free_port)"
-                --dashboard-agent-listen-port="$(free_port)" --dashboard-agent-grpc-port="$(free_port)"
-                --runtime-env-agent-port="$(free_port)" --metrics-export-port="$(free_port)")
+            read -r -a ports <<<"$(free_ports 6)"
+            RESOURCE_ARGS+=(--node-manager-port="${ports[0]}" --object-manager-port="${ports[1]}"
+                --dashboard-agent-listen-port="${ports[2]}" --dashboard-agent-grpc-port="${ports[3]}"
+                --runtime-env-agent-port="${ports[4]}" --metrics-export-port="${ports[5]}")
         fi
         RESOURCE_ARGS+=(--min-worker-port=0 --max-worker-port=0)
     fi
@@ -269,7 +290,7 @@ case "$command_name" in
         # Without RAY_HEAD_IP, Ray picks this node's address itself.
         [ -n "${RAY_HEAD_IP:-}" ] && RESOURCE_ARGS+=(--node-ip-address="$RAY_HEAD_IP")
         if [ "$RAY_NODE_PORTS" = auto ]; then
-            if [ "$DRY_RUN" = 1 ]; then RESOURCE_ARGS+=(--ray-client-server-port=FREE); else RESOURCE_ARGS+=(--ray-client-server-port="$(free_port)"); fi
+            if [ "$DRY_RUN" = 1 ]; then RESOURCE_ARGS+=(--ray-client-server-port=FREE); else RESOURCE_ARGS+=(--ray-client-server-port="$(free_ports 1)"); fi
         fi
         ds4_say "ray head    GCS ${RAY_HEAD_IP:-<this node>}:$RAY_PORT, job API http://${RAY_HEAD_IP:-<this node>}:$RAY_DASHBOARD_PORT"
         ds4_say "resources   ${RESOURCE_ARGS[*]}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -53,10 +54,25 @@ PPO = {"STEPS": "2", "N_TRAIN": "32"}
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Slurm and the /proc checks need Linux")
 
 
+_PICKED: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (as ray_cluster.sh's RAY_NODE_PORTS=auto picks
+    them): one the OS hands out for port 0 can be taken by an outgoing connection before Ray binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(10000, max(low, 11000))
+        if port in _PICKED:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
 
 
 def _base_env(marker: str, **extra: str) -> dict[str, str]:
