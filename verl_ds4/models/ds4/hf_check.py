@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["hf_logits", "packed_logits", "run_on_cp_ranks", "min_local_rows_of"]
+__all__ = ["hf_logits", "packed_logits", "pack_sequences", "run_on_cp_ranks", "min_local_rows_of"]
 
 
 def min_local_rows_of(model) -> int:
@@ -37,6 +37,21 @@ def min_local_rows_of(model) -> int:
     return max(declared)
 
 
+def pack_sequences(model, sequences: Sequence[torch.Tensor], cp_rank: int = 0, cp_size: int = 1):
+    """``(nested, plan, params, ids)``: ``sequences`` packed by verl-ds4's THD plan with the contiguous layout
+    and ``model``'s ``min_local_rows``, and rank ``cp_rank``'s ids ``[1, rows]`` with their ``PackedSeqParams``."""
+    from verl_ds4.layout import PlanOptions
+    from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for
+
+    lengths = [int(s.numel()) for s in sequences]
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    nested = torch.nested.nested_tensor_from_jagged(torch.cat([s.view(-1).long() for s in sequences]), offsets=offsets)
+    plan = make_plan(nested, PlanOptions(layout="contiguous", cp_size=cp_size, min_local_rows=min_local_rows_of(model)))
+    params = packed_seq_params_for(plan, layout_consumer_checked=True)
+    ids, _ = pack_input(nested, plan, cp_rank)
+    return nested, plan, params, ids
+
+
 def packed_logits(
     model,
     sequences: Sequence[torch.Tensor],
@@ -49,15 +64,9 @@ def packed_logits(
     ``hash_ids_shift`` (a negative control only) hands the hash layers this rank's packed ids
     rolled by that many rows, i.e. ids packed with a wrong plan.
     """
-    from verl_ds4.layout import PlanOptions
-    from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for, postprocess_thd_engine
+    from verl_ds4.mcore.thd import postprocess_thd_engine
 
-    lengths = [int(s.numel()) for s in sequences]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
-    nested = torch.nested.nested_tensor_from_jagged(torch.cat([s.view(-1).long() for s in sequences]), offsets=offsets)
-    plan = make_plan(nested, PlanOptions(layout="contiguous", cp_size=cp_size, min_local_rows=min_local_rows_of(model)))
-    params = packed_seq_params_for(plan, layout_consumer_checked=True)
-    ids, _ = pack_input(nested, plan, cp_rank)
+    nested, _, params, ids = pack_sequences(model, sequences, cp_rank, cp_size)
     hash_ids = torch.roll(ids, hash_ids_shift, dims=1) if hash_ids_shift else None
     with torch.no_grad():
         logits = model(ids, None, None, packed_seq_params=params, hash_token_ids=hash_ids)

@@ -200,17 +200,9 @@ def megatron_target_features(model, sequences: Sequence[torch.Tensor], cp_rank: 
     ``(features [L_i, L * h] per sequence, last [L_i, h] per sequence, logits)`` -- features gathered
     over CP and unpacked (every rank gets every sequence), ``logits`` this rank's ``[1, rows, V]``
     (with their graph: the backbone's own loss can use them)."""
-    from verl_ds4.layout import PlanOptions
-    from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for
+    from ..ds4.hf_check import pack_sequences
 
-    from ..ds4.hf_check import min_local_rows_of
-
-    lengths = [int(s.numel()) for s in sequences]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
-    nested = torch.nested.nested_tensor_from_jagged(torch.cat([s.view(-1).long() for s in sequences]), offsets=offsets)
-    plan = make_plan(nested, PlanOptions(layout="contiguous", cp_size=cp_size, min_local_rows=min_local_rows_of(model)))
-    params = packed_seq_params_for(plan, layout_consumer_checked=True)
-    ids, _ = pack_input(nested, plan, cp_rank)
+    _, plan, params, ids = pack_sequences(model, sequences, cp_rank, cp_size)
     with DSparkFeatureCapture(model, layer_ids) as capture:
         logits = model(ids, None, None, packed_seq_params=params)
     features, last = capture.local()
