@@ -109,16 +109,22 @@ def _batch(lengths, vocab: int, seed: int):
 
 
 @contextlib.contextmanager
-def _layout_guard_bypassed():
-    """Let DS4 attention accept any CP partition (only to show what the guard prevents)."""
-    from verl_ds4.models.ds4.attention import DS4HybridAttention
-
-    original = DS4HybridAttention.__dict__["check_cp_partition"]
-    DS4HybridAttention.check_cp_partition = classmethod(lambda cls, mode, cp_size: None)
+def cp_partition_guard_bypassed(owner: type):
+    """Let ``owner`` (a class with a ``check_cp_partition`` classmethod) accept any CP partition, only to show
+    what the guard prevents (a negative control)."""
+    original = owner.__dict__["check_cp_partition"]
+    owner.check_cp_partition = classmethod(lambda cls, mode, cp_size: None)
     try:
         yield
     finally:
-        DS4HybridAttention.check_cp_partition = original
+        owner.check_cp_partition = original
+
+
+def _layout_guard_bypassed():
+    """DS4 attention accepting any CP partition."""
+    from verl_ds4.models.ds4.attention import DS4HybridAttention
+
+    return cp_partition_guard_bypassed(DS4HybridAttention)
 
 
 def _forward(model, input_ids, layout: str, cp_rank: int, min_local_rows: int, cp_size: int, hash_ids_shift: int = 0):

@@ -272,16 +272,12 @@ def _readers_recompute(model, role: str):
             del attention.forward
 
 
-@contextlib.contextmanager
 def _zigzag_guard_bypassed():
+    """The V4.1 decoder accepting any CP partition."""
+    from verl_ds4.cpu.verify import cp_partition_guard_bypassed
     from verl_ds4.models.ds41.mcore_model import DS41TransformerBlock
 
-    original = DS41TransformerBlock.__dict__["check_cp_partition"]
-    DS41TransformerBlock.check_cp_partition = classmethod(lambda cls, mode, cp_size: None)
-    try:
-        yield
-    finally:
-        DS41TransformerBlock.check_cp_partition = original
+    return cp_partition_guard_bypassed(DS41TransformerBlock)
 
 
 def _rank(rank: int, world: int, case: Case, controls: bool):
