@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_ds4.models.ds41 import names
+from verl_ds4.models.ds41 import csa2, names
 from verl_ds4.models.ds41.csa2 import CSA2Compressor, CSA2State, DS41Attention
 from verl_ds4.testing import ds41_reference as ref
 
@@ -231,8 +231,18 @@ def run_ours_packed(pairs, xs, rank=0, world=1, group=None, cu=CU):
         for (ours, _), x in zip(pairs, xs):
             out, state = ours(x[rows], state, cu_seqlens_padded=cu, cp_group=group)
             outs.append(out)
-            selections.append(None if ours.role.ratio == 0 else state.selected)
+            selections.append(None if ours.role.ratio == 0 else _over_buffer(state.selected, cu, ours.role.ratio, rank, world))
     return outs, selections
+
+
+def _over_buffer(selected, cu, m, rank, world):
+    """Our selection ``[T, E]`` (each query's own sequence's entries) as ``[T, W]`` over every entry of
+    the packed buffer, the reference's form."""
+    local = int(cu[-1]) // world
+    q_seq, _ = csa2._row_positions(cu, local, rank, 0)
+    own = csa2._own_entries(cu, m, q_seq)
+    n_entries = int(((cu[1:] - cu[:-1]) // m).sum())
+    return torch.zeros(local, n_entries, dtype=torch.long).scatter_add(1, own, selected.long()) > 0
 
 
 def packed_inputs():

@@ -62,7 +62,9 @@ __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stabl
 @dataclass(frozen=True)
 class CSA2State:
     """What a Full layer publishes and later layers read: ``compressed_kv`` ``[W, d]`` and ``index_keys``
-    ``[W, d_I]`` (rotated), ``selected`` / ``candidates`` ``[S, W]`` bool."""
+    ``[W, d_I]`` (rotated; every entry of the packed buffer, sequence by sequence), ``selected`` /
+    ``candidates`` ``[S, E]`` bool over each query's own sequence's entries (:func:`_own_entries`: column
+    ``e`` is the sequence's entry ``e``; ``E`` is the most entries of any sequence)."""
 
     ratio: int = 0
     compressed_kv: torch.Tensor | None = None
@@ -121,11 +123,12 @@ class CSA2Indexer(nn.Module):
         return _maybe_qdq(apply_interleaved_rope(self.k_norm(self.linear_wk(latent)), cos, sin), "mxfp4", self.qdq)
 
     def scores(self, x, q_r, keys, cos, sin) -> torch.Tensor:
-        """``[S, W]`` unmasked scores of queries ``x`` ``[S, h]`` / ``q_r`` against ``keys`` ``[W, d_I]``."""
+        """``[S, E]`` unmasked scores of queries ``x`` ``[S, h]`` / ``q_r`` against each query's own keys
+        ``[S, E, d_I]``."""
         q = self.linear_wq_b(q_r).unflatten(-1, (self.n_heads, self.head_dim))
         q = _maybe_qdq(apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), "mxfp4", self.qdq)
         weights = self.linear_weights_proj(x) * (self.head_dim * self.n_heads) ** -0.5
-        return (torch.einsum("shd,wd->shw", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
+        return (torch.einsum("shd,sed->she", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
 
 
 class _Core(nn.Module):
@@ -226,7 +229,7 @@ class DS41Attention(nn.Module):
         keys, visible = [kv[window_rows.clamp(min=0)]], [back <= q_pos.unsqueeze(1)]
         if self.role.ratio:
             state, selected = self._compressed(x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state)
-            keys.append(state.compressed_kv.expand(local, -1, -1))
+            keys.append(state.compressed_kv[_own_entries(cu, self.role.ratio, q_seq)])
             visible.append(selected)
         return self._attend(q, torch.cat(keys, dim=1), torch.cat(visible, dim=1), cos, sin), state
 
@@ -256,7 +259,7 @@ class DS41Attention(nn.Module):
         return self.linear_proj(torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1))
 
     def _compressed(self, x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state: CSA2State):
-        """The state after this layer and the ``[T, W]`` compressed entries each local query attends to."""
+        """The state after this layer and the ``[T, E]`` entries of its own sequence each local query attends to."""
         m, core, local = self.role.ratio, self.core_attention, x.shape[0]
         block_seq, block_idx, block_end = _blocks(cu, m)
         if core.compressor is not None:
@@ -278,16 +281,17 @@ class DS41Attention(nn.Module):
         if state.compressed_kv.shape[0] != block_seq.numel():
             raise ValueError(f"layer {self.role.layer}: the shared state has {state.compressed_kv.shape[0]} entries, "
                              f"this batch makes {block_seq.numel()}: the state belongs to another batch.")  # fmt: skip
-        reachable = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
+        own = _own_entries(cu, m, q_seq)
+        reachable = torch.arange(own.shape[1], device=x.device) < ((q_pos + 1) // m).unsqueeze(1)  # [T, E]
         if core.indexer is None:
             if state.selected is None:
                 raise ValueError(f"Reuse layer {self.role.layer} needs a selection from a Full or Reindex layer before it.")
             return state, state.selected
         with torch.no_grad():
-            scores = core.indexer.scores(x.detach(), q_r.detach(), state.index_keys, cos, sin).masked_fill(~reachable, float("-inf"))
+            scores = core.indexer.scores(x.detach(), q_r.detach(), state.index_keys[own], cos, sin).masked_fill(~reachable, float("-inf"))
             candidates = state.candidates
             if self.is_candidate_source:
-                candidates = self._candidate_blocks(scores, reachable, block_seq, block_idx, q_seq)
+                candidates = self._candidate_blocks(scores, reachable)
             elif self.role.candidate_source is not None:
                 if candidates is None:
                     raise ValueError(f"hierarchical layer {self.role.layer} needs the candidates of layer {self.role.candidate_source}.")
@@ -296,20 +300,16 @@ class DS41Attention(nn.Module):
         state = replace(state, selected=selected, candidates=candidates)
         return state, selected
 
-    def _candidate_blocks(self, scores, reachable, block_seq, block_idx, q_seq) -> torch.Tensor:
-        """``[T, W]``: entries inside each query's best ``candidate_topk_blocks`` blocks of
+    def _candidate_blocks(self, scores, reachable) -> torch.Tensor:
+        """``[T, E]``: entries inside each query's best ``candidate_topk_blocks`` blocks of
         ``candidate_block_size`` entries, counted from its sequence's first entry (block score: its
         best entry; the newest visible block always)."""
-        size = self.candidate_block_size
-        per_seq = torch.bincount(block_seq, minlength=int(q_seq.max()) + 1 if q_seq.numel() else 1)
-        blocks_per_seq = (per_seq + size - 1) // size
-        first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
-        entry_block = first[block_seq] + block_idx // size  # [W]
-        total = int(blocks_per_seq.sum())
+        entry_block = torch.arange(scores.shape[1], device=scores.device) // self.candidate_block_size  # [E]
+        total = int(entry_block[-1]) + 1 if entry_block.numel() else 0
         best = scores.new_full((scores.shape[0], total), float("-inf"))
         best = best.scatter_reduce(1, entry_block.expand_as(scores), scores, reduce="amax")
         count = reachable.sum(-1)
-        newest = first[q_seq] + (count - 1).clamp(min=0) // size
+        newest = (count - 1).clamp(min=0) // self.candidate_block_size
         best = best.masked_fill((torch.arange(total, device=scores.device) == newest.unsqueeze(1)) & (count > 0).unsqueeze(1), float("inf"))
         keep = stable_topk_mask(best, self.candidate_blocks)
         return keep.gather(1, entry_block.expand_as(scores)) & reachable
@@ -331,6 +331,19 @@ def _blocks(cu: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch
     block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=cu.device), n_blocks)
     block_idx = torch.arange(block_seq.numel(), device=cu.device) - (torch.cumsum(n_blocks, 0) - n_blocks)[block_seq]
     return block_seq, block_idx, cu[block_seq] + block_idx * m + (m - 1)
+
+
+def _own_entries(cu: torch.Tensor, m: int, q_seq: torch.Tensor) -> torch.Tensor:
+    """``[T, E]``: for each query (its sequence ``q_seq``), the indices into the buffer's entries
+    (:func:`_blocks`' order) of its sequence's entries ``0..E-1``, where ``E`` is the most entries of any
+    sequence; columns past the query's sequence's own count repeat a valid index (callers mask them:
+    an entry ``e`` is visible only when ``e < (pos + 1) // m``). A query never needs another sequence's
+    entries, so attention and indexer scores cost ``T * E``, not ``T * W`` over the whole packed buffer."""
+    n_blocks = (cu[1:] - cu[:-1]) // m
+    first = torch.cumsum(n_blocks, 0) - n_blocks
+    width = int(n_blocks.max()) if n_blocks.numel() else 0
+    index = first[q_seq].unsqueeze(1) + torch.arange(width, device=cu.device)
+    return index.clamp(max=max(int(n_blocks.sum()) - 1, 0))
 
 
 def _maybe_qdq(values: torch.Tensor, fmt: str, on: bool) -> torch.Tensor:
