@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from verl_ds4.models.ds41 import released
 from verl_ds4.models.ds41.engram import engram_token_map
-from verl_ds4.models.ds41.folder import load_folder
+from verl_ds4.models.ds41.folder import load_folder, save_folder
 from verl_ds4.models.ds41.model import DS41Model
 from verl_ds4.testing import ds41_reference as ref
 from verl_ds4.testing.ds4_hub_format import quantize_fp4, quantize_fp8_block
@@ -256,6 +256,17 @@ def test_rules_are_checked_before_a_weight_is_read(hub, tmp_path, monkeypatch):
     def no_read(*_a, **_k):
         raise AssertionError("a weight was read")
 
+    cases, expected = _bad_folders(hub, tmp_path)
+    monkeypatch.setattr(safetensors.torch, "load_file", no_read)
+    for case, pattern in expected.items():
+        with pytest.raises(ValueError, match=pattern):
+            load_folder(cases[case], dtype=torch.float64)
+    with pytest.raises(AssertionError, match="a weight was read"):
+        load_folder(hub.folder, dtype=torch.float64)
+
+
+def _bad_folders(hub, tmp_path):
+    """Copies of the hub folder with one defect each, and the message each must raise."""
     cases = {}
     cases["missing"] = _rewrite(_copy(hub.folder, tmp_path / "missing"),
                                 lambda t: {k: v for k, v in t.items() if not k.startswith("layers.3.attn.wq_b.")})
@@ -285,12 +296,45 @@ def test_rules_are_checked_before_a_weight_is_read(hub, tmp_path, monkeypatch):
         "index": r"listed but absent \['layers.9.attn.wq_a.weight'\]",
         "v4grid": r"weight_block_size=\[128, 128\] \(expected \[32, 32\]\)",
     }
-    monkeypatch.setattr(safetensors.torch, "load_file", no_read)
+    return cases, expected
+
+
+def test_the_recipe_validator_reads_the_folder_format(hub, tmp_path, monkeypatch):
+    """A V4.1 recipe's model.path is described at start-up from the headers (names, FP8 / FP4 counts, the
+    drafter left out), and each defect a reader refuses is an error on model.path with the reader's message,
+    without a weight read. (A tensor missing for the model is found at load, against the model: the
+    validator builds none.) Negative control: an unquantised folder is described as such."""
+    import safetensors.torch
+    from omegaconf import OmegaConf
+
+    from verl_ds4.recipes.checkpoint_check import check_ds41_checkpoint_format
+
+    def check(folder):
+        report = types.SimpleNamespace(notes=[], warnings=[], errors=[])
+        check_ds41_checkpoint_format(OmegaConf.create({"model": {"path": str(folder)}}), "sft", [], report)
+        return report
+
+    cases, expected = _bad_folders(hub, tmp_path)
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *_a, **_k: pytest.fail("a weight was read"))
+    good = check(hub.folder)
+    assert good.errors == [] and len(good.notes) == 1, good
+    print(good.notes[0])
+    note = good.notes[0]
+    assert "DeepSeek's released names" in note and re.search(r"\d+ FP8 e4m3 weights .* [1-9]\d* FP4 expert weights", note), note
+    assert re.search(r"not part of the text model: [1-9]\d* mtp \(DSpark drafter", note), note
     for case, pattern in expected.items():
-        with pytest.raises(ValueError, match=pattern):
-            load_folder(cases[case], dtype=torch.float64)
-    with pytest.raises(AssertionError, match="a weight was read"):
-        load_folder(hub.folder, dtype=torch.float64)
+        if case == "missing":
+            continue
+        report = check(cases[case])
+        assert [p.setting for p in report.errors] == ["model.path"] and re.search(pattern, report.errors[0].message), (case, report)
+    monkeypatch.undo()
+    plain = tmp_path / "plain"
+    save_folder(hub.ours, plain, CONFIG, tokenizer=ref.local_tokenizer())
+    assert "unquantised weights" in check(plain).notes[0] and "FP8" not in check(plain).notes[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(CONFIG))
+    assert "no *.safetensors yet" in check(empty).notes[0]
 
 
 def test_v4_and_v41_folders_are_refused_both_ways(hub, tmp_path, capsys):

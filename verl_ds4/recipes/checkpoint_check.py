@@ -25,15 +25,13 @@ from verl_ds4.models.ds4.checkpoint_format import CheckpointFormatError, read_ch
 from verl_ds4.models.ds4.provider import local_config_json
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
-__all__ = ["check_checkpoint_format"]
+__all__ = ["check_checkpoint_format", "check_ds41_checkpoint_format"]
 
 
 def check_checkpoint_format(cfg: DictConfig, trainer: str, roles: list[RoleMesh], report: Any) -> None:
     """Add the format note, the foreign-quantisation warning and the DSpark-with-MTP error (see the module) to
     ``report`` (a :class:`verl_ds4.recipes.validate.ValidationReport`: its ``notes``, ``warnings``, ``errors``)."""
-    blocks = ["model"] if trainer == "sft" else ["actor_rollout_ref.model"]
-    blocks += ["critic.model"] if any(r.role == "critic" for r in roles) else []
-    for block in blocks:
+    for block in _model_blocks(trainer, roles):
         path = _get(cfg, f"{block}.path")
         if local_config_json(path) is None:
             continue
@@ -58,3 +56,32 @@ def check_checkpoint_format(cfg: DictConfig, trainer: str, roles: list[RoleMesh]
                 f"(although num_nextn_predict_layers={fmt.mtp_layers}); loading it as MTP would half-load it.",
                 f"set ds4.mtp=false (or {block}.mtp.enable=false), or use a checkpoint revision with MTP layers.",
             ))
+
+
+def check_ds41_checkpoint_format(cfg: DictConfig, trainer: str, roles: list[RoleMesh], report: Any) -> None:
+    """A V4.1 recipe's local model folders: a note on what each holds (name style, FP8 / FP4, what the text
+    model leaves out), or an error naming what a reader would refuse, from the safetensors headers
+    (:func:`verl_ds4.models.ds41.released.describe_folder`). A folder without weights gets a note only."""
+    import json
+    from pathlib import Path
+
+    from verl_ds4.models.ds41.released import describe_folder
+
+    for block in _model_blocks(trainer, roles):
+        path = _get(cfg, f"{block}.path")
+        config_json = local_config_json(path)
+        if config_json is None:
+            continue
+        folder = Path(config_json).parent
+        if not any(folder.glob("*.safetensors")):
+            report.notes.append(f"{block}.path has no *.safetensors yet: its tensor format is checked when weights are there.")
+            continue
+        try:
+            report.notes.append(f"{block}.path holds {describe_folder(folder, json.loads(Path(config_json).read_text()))}.")
+        except ValueError as e:
+            report.errors.append(Problem(f"{block}.path", str(e), "fix the file or point the path at another folder."))
+
+
+def _model_blocks(trainer: str, roles: list[RoleMesh]) -> list[str]:
+    blocks = ["model"] if trainer == "sft" else ["actor_rollout_ref.model"]
+    return blocks + (["critic.model"] if any(r.role == "critic" for r in roles) else [])

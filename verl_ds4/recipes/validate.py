@@ -42,7 +42,7 @@ from omegaconf import DictConfig, ListConfig
 from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
 from verl_ds4.models.ds41.provider import DS41ModelFacts, is_v41_block, load_ds41_model_facts
-from verl_ds4.recipes.checkpoint_check import check_checkpoint_format
+from verl_ds4.recipes.checkpoint_check import check_checkpoint_format, check_ds41_checkpoint_format
 from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
 
 __all__ = ["Problem", "RecipeValidationError", "ValidationReport", "validate_recipe"]
@@ -565,8 +565,7 @@ def validate_recipe(
     report.memory = check_memory(cfg, report)
     _check_paths(cfg, trainer, roles, report, dry_run)
     if isinstance(facts, DS41ModelFacts):
-        report.notes.append("V4.1: the checkpoint's tensor format is not checked (FP8 32x32 blocks, FP4 experts: "
-                            "docs/ds41-model.md, What remains).")
+        check_ds41_checkpoint_format(cfg, trainer, roles, report)
     else:
         check_checkpoint_format(cfg, trainer, roles, report)
     if raise_on_error:

@@ -46,7 +46,8 @@ from verl_ds4.models.ds4.hf_dequant import dequantize_fp4, dequantize_fp8_block,
 from . import names
 
 __all__ = ["FP8_BLOCK", "FP4_GROUP", "RELEASED_QUANTIZATION", "name_style", "read_headers", "check_quantization_config",
-           "dequantize_released", "released_to_ours", "ours_to_released", "read_folder_tensors", "load_checked"]
+           "dequantize_released", "released_to_ours", "ours_to_released", "read_folder_tensors", "load_checked",
+           "describe_folder"]
 
 #: The released dense FP8 block (rows x columns); Engram tables use one row x 32 columns.
 FP8_BLOCK = (32, 32)
@@ -404,6 +405,31 @@ def read_folder_tensors(folder: str | Path, config: dict, has_drafter: bool = Fa
         tensors.update({k: v for k, v in load_file(str(file)).items() if k in headers})
     ours, _, _ = _map(tensors, config, part, shapes_only=False)
     return {k: v for k, v in ours.items() if k not in skip}, style, skipped
+
+
+def describe_folder(folder: str | Path, config: dict) -> str:
+    """One line on what a V4.1 folder's safetensors hold, from the headers only (no weight is read): the name
+    style, the format (FP8 / FP4 counts), the tensor and file counts and what the text model leaves out. Every
+    rule :func:`read_folder_tensors` checks before reading is checked here too (the quantisation config, the
+    index, dtypes, scale grids, unknown names), so a bad folder raises ``ValueError`` naming the problem."""
+    folder = Path(folder)
+    check_quantization_config(config, str(folder / "config.json"))
+    headers, where = read_headers(folder)
+    _, style, skipped = _map(headers, config, "model", shapes_only=True)
+    drafter = {k: v for k, v in headers.items() if k.startswith("mtp.")}
+    if drafter:
+        _map(drafter, config, "drafter", shapes_only=True)
+    fp8 = sum(v.dtype == torch.float8_e4m3fn for k, v in headers.items() if k.endswith(".weight"))
+    fp4 = sum(v.dtype in (torch.int8, torch.uint8) for k, v in headers.items() if k.endswith(".weight"))
+    if fp8 or fp4:
+        fmt = (f"{fp8} FP8 e4m3 weights (UE8M0 scales per 32 x 32 block, Engram tables per row and 32 channels) and "
+               f"{fp4} FP4 expert weights (per row and 32 inputs), which verl-ds4's reader dequantises on load")
+    else:
+        fmt = "unquantised weights"
+    style_name = {"ours": "verl-ds4's", "released": "DeepSeek's released", "nemo": "NeMo Automodel's"}[style]
+    left_out = "; ".join(f"{n} {what}" for what, n in skipped.items())
+    return (f"a DeepSeek-V4.1 folder in {style_name} names: {len(headers)} tensors in {len(set(where.values()))} "
+            f"file(s), {fmt}" + (f"; not part of the text model: {left_out}" if left_out else ""))
 
 
 def _shape(value) -> tuple:
