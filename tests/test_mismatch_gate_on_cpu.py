@@ -44,6 +44,10 @@ def test_figures_are_the_max_abs_log_prob_difference_and_verls_k3_on_the_respons
     assert gate.mismatch_metrics(old, rollout, torch.ones_like(mask))[gate.MAX_DIFF_METRIC] == pytest.approx(10.0)
     same = gate.mismatch_metrics(old, old.clone(), mask)
     assert same == {gate.MAX_DIFF_METRIC: 0.0, gate.K3_METRIC: 0.0}
+    # with the threshold: how many response tokens are above it, of how many (the padding one not counted)
+    counted = gate.mismatch_metrics(old, rollout, mask, threshold=2e-3)
+    assert (counted[gate.ABOVE_METRIC], counted[gate.TOKENS_METRIC]) == (1, int(mask.sum()))
+    assert gate.mismatch_metrics(old, rollout, mask, threshold=5e-4)[gate.ABOVE_METRIC] == 2
 
 
 def test_bad_inputs_fail_clearly():
@@ -63,6 +67,10 @@ def test_the_gate_stops_above_the_threshold_naming_step_figure_and_knob():
     message = str(err.value)
     for part in ("step 2:", "2.500e-01", "1.000e-05", gate.KNOB, gate.MAX_DIFF_METRIC, "weight sync"):
         assert part in message, (part, message)
+    assert "response tokens above it" not in message  # no count without the figures
+    with pytest.raises(gate.MismatchGateError, match=r"; 1 of 1024 response tokens above it\).*top-k choice"):
+        gate.check_mismatch({gate.MAX_DIFF_METRIC: 2.9e-4, gate.K3_METRIC: 0.0, gate.ABOVE_METRIC: 1,
+                             gate.TOKENS_METRIC: 1024}, step=24, threshold=1e-5)
     with pytest.raises(gate.MismatchGateError, match="nan"):
         gate.check_mismatch({gate.MAX_DIFF_METRIC: float("nan")}, step=1, threshold=1e-5)
 

@@ -10,7 +10,11 @@ rounding. The gate reports, per step:
   probabilities, ``exp(log p)``; verl reports that one itself);
 * ``rollout_corr/k3_kl``: the mean k3 KL estimator, computed by verl's own
   ``compute_offpolicy_metrics`` (verl reports it under that name when ``algorithm.rollout_correction``
-  is set; the gate computes it even when it is not).
+  is set; the gate computes it even when it is not);
+* ``training/rollout_log_probs_diff_above``: how many response tokens differ by more than the threshold,
+  of ``training/rollout_log_probs_tokens``. A layout or weight-sync bug moves most tokens; one or a few
+  are the signature of a discrete choice (an indexer's or a router's top-k with two nearly equal scores)
+  that float rounding resolved differently in the rollout's packing and the actor's CP recompute.
 
 :class:`GatedPPOTrainerSync` (``trainer.v1.trainer_mode=ds4_gated_sync``) is verl's synchronous v1
 trainer plus the gate after the actor's old-log-prob recompute; with
@@ -34,13 +38,17 @@ TRAINER_MODE = "ds4_gated_sync"
 KNOB = f"trainer.v1.{TRAINER_MODE}.max_log_prob_diff"
 MAX_DIFF_METRIC = "training/rollout_log_probs_diff_max"
 K3_METRIC = "rollout_corr/k3_kl"
+ABOVE_METRIC = "training/rollout_log_probs_diff_above"
+TOKENS_METRIC = "training/rollout_log_probs_tokens"
 GATE_MARK = "verl-ds4 mismatch gate"
 
 __all__ = [
+    "ABOVE_METRIC",
     "GATE_MARK",
     "K3_METRIC",
     "KNOB",
     "MAX_DIFF_METRIC",
+    "TOKENS_METRIC",
     "TRAINER_MODE",
     "MismatchGateError",
     "check_mismatch",
@@ -56,9 +64,11 @@ class MismatchGateError(RuntimeError):
 
 
 def mismatch_metrics(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+    threshold: float | None = None,
 ) -> dict[str, float]:
-    """The gate's figures on ``[batch, response]`` tensors (``response_mask``: 1 on the sampled tokens)."""
+    """The gate's figures on ``[batch, response]`` tensors (``response_mask``: 1 on the sampled tokens); with a
+    ``threshold``, also how many tokens exceed it, of how many."""
     from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
 
     if old_log_probs.shape != rollout_log_probs.shape or old_log_probs.shape != response_mask.shape:
@@ -72,7 +82,11 @@ def mismatch_metrics(
     old, rollout = old_log_probs.double(), rollout_log_probs.double()
     diff = (old - rollout).abs()[mask]
     k3 = compute_offpolicy_metrics(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask.double())["k3_kl"]
-    return {MAX_DIFF_METRIC: float(diff.max()), K3_METRIC: float(k3)}
+    figures = {MAX_DIFF_METRIC: float(diff.max()), K3_METRIC: float(k3)}
+    if threshold is not None:
+        figures[ABOVE_METRIC] = int(((diff > threshold) | ~diff.isfinite()).sum())
+        figures[TOKENS_METRIC] = int(diff.numel())
+    return figures
 
 
 def check_mismatch(metrics: dict[str, float], step: int, threshold: float | None) -> None:
@@ -81,13 +95,16 @@ def check_mismatch(metrics: dict[str, float], step: int, threshold: float | None
     if threshold is None:
         return
     if not math.isfinite(value) or value > threshold:
+        above, tokens = metrics.get(ABOVE_METRIC), metrics.get(TOKENS_METRIC)
+        count = f"; {above} of {tokens} response tokens above it" if above is not None and tokens is not None else ""
         raise MismatchGateError(
             f"{GATE_MARK}: step {step}: the rollout's log-probs and the actor's recomputed log-probs of the same "
             f"sampled tokens differ by up to {value:.3e} ({MAX_DIFF_METRIC}; mean k3 KL {metrics.get(K3_METRIC, float('nan')):.3e}), "
-            f"above the threshold {threshold:.3e} ({KNOB}). Expected: the rollout samples with the actor's current "
+            f"above the threshold {threshold:.3e} ({KNOB}{count}). Expected: the rollout samples with the actor's current "
             "weights (synced every step) in fp32, so the two agree to float rounding. Check that the weight sync ran "
-            "this step and that rollout and actor build the same model and dtype; raise the knob (or set it to "
-            "null to report only) if a larger gap is expected."
+            "this step and that rollout and actor build the same model and dtype (most tokens off); one or a few tokens "
+            "off is a top-k choice (indexer or router) between nearly equal scores that rounding decided differently. "
+            "Raise the knob (or set it to null to report only) if a larger gap is expected."
         )
 
 
@@ -160,7 +177,8 @@ def _gated_trainer_class():
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             data = DataProto(batch=data.to_padded_tensor())
             figures = mismatch_metrics(
-                data.batch["old_log_probs"], data.batch["rollout_log_probs"], data.batch["response_mask"]
+                data.batch["old_log_probs"], data.batch["rollout_log_probs"], data.batch["response_mask"],
+                self.mismatch_threshold,
             )
             metrics.update(figures)
             logger.warning(
