@@ -54,6 +54,9 @@ N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parque
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
 MISMATCH_MAX=${MISMATCH_MAX:-1e-5}     # stop when rollout and actor log-probs differ by more (max abs; null: report only)
+# ... on more than MISMATCH_TOKENS response tokens a step (each still <= 1e-3). ds41: 2, for top-k near-ties
+# (docs/troubleshooting.md, "The mismatch gate stopped the run"); ds4, ds4_proxy: 0
+MISMATCH_TOKENS=${MISMATCH_TOKENS:-$([ "$MODEL" = ds41 ] && echo 2 || echo 0)}
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
 REWARD_RISE=${REWARD_RISE:-}            # e.g. 0.3: the summary says whether the last-5 mean reward beat the first-5 by that
 # --------------------------------------------------------------------------------------
@@ -152,6 +155,7 @@ TRAINER=(
     trainer.resume_mode="$RESUME_MODE"
     trainer.default_local_dir="$WORK_DIR/checkpoints"
     trainer.v1.ds4_gated_sync.max_log_prob_diff="$MISMATCH_MAX"
+    trainer.v1.ds4_gated_sync.max_tokens_above="$MISMATCH_TOKENS"
 )
 
 CLUSTER_FACT=""
@@ -186,7 +190,7 @@ CONSOLE=(
     "${MODEL_FACT[@]}"
     --fact "parallel=CP $CP ($ROLES), TP 1, PP 1; $NNODES node(s) x $NPROC_PER_NODE processes$CLUSTER_FACT"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
-    --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)"
+    --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)")"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )
 [ -n "$REWARD_RISE" ] && CONSOLE+=(--reward-rise "$REWARD_RISE")

@@ -75,6 +75,22 @@ def test_the_gate_stops_above_the_threshold_naming_step_figure_and_knob():
         gate.check_mismatch({gate.MAX_DIFF_METRIC: float("nan")}, step=1, threshold=1e-5)
 
 
+def test_a_few_tokens_are_tolerated_only_when_asked_and_only_up_to_the_tolerated_difference():
+    near_tie = {gate.MAX_DIFF_METRIC: 7.4e-5, gate.K3_METRIC: 2.9e-12, gate.ABOVE_METRIC: 1, gate.TOKENS_METRIC: 948}
+    gate.check_mismatch(near_tie, step=32, threshold=1e-5, max_tokens_above=2)  # tolerated
+    # negative controls: the default (0), more tokens than allowed, one token moved by more than 1e-3, no count
+    with pytest.raises(gate.MismatchGateError, match=r"max_tokens_above \(now 0\)"):
+        gate.check_mismatch(near_tie, step=32, threshold=1e-5)
+    with pytest.raises(gate.MismatchGateError, match="3 of 948"):
+        gate.check_mismatch({**near_tie, gate.ABOVE_METRIC: 3}, step=32, threshold=1e-5, max_tokens_above=2)
+    with pytest.raises(gate.MismatchGateError, match="1 of 948"):
+        gate.check_mismatch({**near_tie, gate.MAX_DIFF_METRIC: 0.12}, step=32, threshold=1e-5, max_tokens_above=2)
+    with pytest.raises(gate.MismatchGateError):
+        gate.check_mismatch({gate.MAX_DIFF_METRIC: 7.4e-5}, step=32, threshold=1e-5, max_tokens_above=2)
+    with pytest.raises(gate.MismatchGateError, match="nan"):
+        gate.check_mismatch({**near_tie, gate.MAX_DIFF_METRIC: float("nan")}, step=1, threshold=1e-5, max_tokens_above=2)
+
+
 def test_the_knob_comes_from_the_recipe_and_is_checked():
     recipe = OmegaConf.load(REPO / "recipes" / "recipe" / "ds4_proxy_ppo_cpu.yaml")
     assert recipe.trainer.v1.trainer_mode == gate.TRAINER_MODE
@@ -90,6 +106,14 @@ def test_the_knob_comes_from_the_recipe_and_is_checked():
     for bad in (0, -1e-5, "abc", float("inf")):
         with pytest.raises(ValueError, match="must be a positive float or null"):
             gate.gate_threshold(config(max_log_prob_diff=bad))
+    assert gate.gate_tolerance(recipe) == (0, 1e-3)
+    assert gate.gate_tolerance(config(max_log_prob_diff=1e-5, max_tokens_above=2)) == (2, 1e-3)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="max_tokens_above must be an integer >= 0"):
+            gate.gate_tolerance(config(max_log_prob_diff=1e-5, max_tokens_above=bad))
+    for bad in (0, "abc", 1e-6):
+        with pytest.raises(ValueError, match="tolerated_max_diff must be a positive float >="):
+            gate.gate_tolerance(config(max_log_prob_diff=1e-5, tolerated_max_diff=bad))
 
 
 def test_the_trainer_mode_is_verls_sync_trainer_and_needs_rollout_log_probs():

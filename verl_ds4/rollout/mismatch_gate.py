@@ -20,6 +20,9 @@ rounding. The gate reports, per step:
 trainer plus the gate after the actor's old-log-prob recompute; with
 ``trainer.v1.ds4_gated_sync.max_log_prob_diff`` set, a step whose max difference exceeds it stops the
 run with :class:`MismatchGateError` naming the step, the figure and the knob (``null`` reports only).
+``max_tokens_above`` (default 0) tolerates that many response tokens above the threshold per step, each
+still at most ``tolerated_max_diff`` (default 1e-3): the allowance for top-k near-ties (see above), which a
+sync or layout bug, moving many tokens or one token by far more, does not fit.
 Importing this module registers the trainer mode; the CPU launcher loads it in every process
 (``VERL_USE_EXTERNAL_MODULES``), the trainer's included.
 """
@@ -36,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 TRAINER_MODE = "ds4_gated_sync"
 KNOB = f"trainer.v1.{TRAINER_MODE}.max_log_prob_diff"
+TOKENS_KNOB = f"trainer.v1.{TRAINER_MODE}.max_tokens_above"
+TOLERATED_KNOB = f"trainer.v1.{TRAINER_MODE}.tolerated_max_diff"
 MAX_DIFF_METRIC = "training/rollout_log_probs_diff_max"
 K3_METRIC = "rollout_corr/k3_kl"
 ABOVE_METRIC = "training/rollout_log_probs_diff_above"
@@ -48,11 +53,14 @@ __all__ = [
     "K3_METRIC",
     "KNOB",
     "MAX_DIFF_METRIC",
+    "TOKENS_KNOB",
     "TOKENS_METRIC",
+    "TOLERATED_KNOB",
     "TRAINER_MODE",
     "MismatchGateError",
     "check_mismatch",
     "gate_threshold",
+    "gate_tolerance",
     "mismatch_metrics",
     "GatedPPOTrainerSync",
     "register",
@@ -89,10 +97,24 @@ def mismatch_metrics(
     return figures
 
 
-def check_mismatch(metrics: dict[str, float], step: int, threshold: float | None) -> None:
-    """Raise :class:`MismatchGateError` when the step's max difference exceeds ``threshold`` (``None``: never)."""
+def check_mismatch(
+    metrics: dict[str, float], step: int, threshold: float | None, max_tokens_above: int = 0,
+    tolerated_max_diff: float = 1e-3,
+) -> None:
+    """Raise :class:`MismatchGateError` when the step's max difference exceeds ``threshold`` (``None``: never) on
+    more than ``max_tokens_above`` response tokens, or exceeds ``tolerated_max_diff`` on any (only with
+    ``max_tokens_above`` > 0, which needs the token count in ``metrics``)."""
     value = metrics[MAX_DIFF_METRIC]
     if threshold is None:
+        return
+    tolerated = (
+        max_tokens_above > 0 and math.isfinite(value) and value <= tolerated_max_diff
+        and metrics.get(ABOVE_METRIC, max_tokens_above + 1) <= max_tokens_above
+    )
+    if value > threshold and tolerated:
+        logger.warning("%s: step %s: %s of %s response tokens above %.3e (at most %.3e), tolerated (%s: %s)", GATE_MARK,
+                       step, metrics.get(ABOVE_METRIC), metrics.get(TOKENS_METRIC), threshold, value, TOKENS_KNOB,
+                       max_tokens_above)
         return
     if not math.isfinite(value) or value > threshold:
         above, tokens = metrics.get(ABOVE_METRIC), metrics.get(TOKENS_METRIC)
@@ -104,7 +126,9 @@ def check_mismatch(metrics: dict[str, float], step: int, threshold: float | None
             "weights (synced every step) in fp32, so the two agree to float rounding. Check that the weight sync ran "
             "this step and that rollout and actor build the same model and dtype (most tokens off); one or a few tokens "
             "off is a top-k choice (indexer or router) between nearly equal scores that rounding decided differently. "
-            "Raise the knob (or set it to null to report only) if a larger gap is expected."
+            f"Raise the knob (or set it to null to report only) if a larger gap is expected; {TOKENS_KNOB} "
+            f"(now {max_tokens_above}) tolerates that many tokens a step up to {TOLERATED_KNOB} "
+            f"(now {tolerated_max_diff:.1e})."
         )
 
 
@@ -127,6 +151,25 @@ def gate_threshold(config) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{KNOB} must be a positive float or null, got {settings.get('max_log_prob_diff')!r}.")
     return value
+
+
+def gate_tolerance(config) -> tuple[int, float]:
+    """``(max_tokens_above, tolerated_max_diff)`` from the config (defaults 0 and 1e-3), checked: a
+    non-negative integer and a positive float at least the threshold."""
+    section = (config.get("trainer", {}) or {}).get("v1", {}) or {}
+    settings = section.get(TRAINER_MODE, None) or {}
+    tokens, tolerated = settings.get("max_tokens_above", 0), settings.get("tolerated_max_diff", 1e-3)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"{TOKENS_KNOB} must be an integer >= 0 (0: every token above {KNOB} stops the run), got {tokens!r}.")
+    try:
+        tolerated = float(tolerated)
+    except (TypeError, ValueError):
+        tolerated = float("nan")
+    threshold = gate_threshold(config)
+    if not (math.isfinite(tolerated) and tolerated > 0) or (threshold is not None and tolerated < threshold):
+        raise ValueError(f"{TOLERATED_KNOB} must be a positive float >= {KNOB} ({threshold}), got "
+                         f"{settings.get('tolerated_max_diff')!r}.")
+    return int(tokens), tolerated
 
 
 def _gated_trainer_class():
@@ -153,6 +196,7 @@ def _gated_trainer_class():
 
         def __init__(self, config, *args: Any, **kwargs: Any):
             self.mismatch_threshold = gate_threshold(config)
+            self.mismatch_tolerance = gate_tolerance(config)
             if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
                 raise ValueError(
                     f"trainer.v1.trainer_mode={TRAINER_MODE} compares the rollout's log-probs with the actor's: set "
@@ -185,7 +229,7 @@ def _gated_trainer_class():
                 "%s: step %s: %s=%.3e %s=%.3e (threshold %s)", GATE_MARK, self.global_steps, MAX_DIFF_METRIC,
                 figures[MAX_DIFF_METRIC], K3_METRIC, figures[K3_METRIC], self.mismatch_threshold,
             )
-            check_mismatch(figures, self.global_steps, self.mismatch_threshold)
+            check_mismatch(figures, self.global_steps, self.mismatch_threshold, *self.mismatch_tolerance)
             return batch
 
     GatedPPOTrainerSync.__module__ = __name__
