@@ -48,8 +48,11 @@
 #   RAY_TEMP_DIR       Ray's --temp-dir on this node (default: Ray's, /tmp/ray); with RAY_NODE_PORTS=auto
 #                      a worker takes a fresh folder under it (nodes on one host must not share one)
 #   RAY_NODE_PORTS     auto: this node's own services (dashboard agent, runtime-env agent, metrics,
-#                      node/object manager, Ray client server) on ports free now and workers on
-#                      OS-assigned ports, so that two nodes can share one host; empty: Ray's defaults
+#                      node/object manager, Ray client server) on ports free now and its workers on a
+#                      window of RAY_WORKER_PORTS ports free now that no other raylet on this host uses,
+#                      all below the kernel's ephemeral range, so that two nodes can share one host;
+#                      empty: Ray's defaults
+#   RAY_WORKER_PORTS   with RAY_NODE_PORTS=auto: how many worker ports the node's window has (default 200)
 #   RAY_START_TIMEOUT  seconds start-head / start-worker wait for the node (default 120)
 #   RAY_AUTH_MODE      Ray's token authentication (token | disabled); unset: token when a Ray token is
 #                      on this node (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as
@@ -98,6 +101,7 @@ RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 RAY_NODE_DIR=${RAY_NODE_DIR:-}
 RAY_TEMP_DIR=${RAY_TEMP_DIR:-}
 RAY_NODE_PORTS=${RAY_NODE_PORTS:-}
+RAY_WORKER_PORTS=${RAY_WORKER_PORTS:-200}
 RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-120}
 #########################################################################
 
@@ -108,30 +112,63 @@ case "$RAY_NODE_PORTS" in
     "" | auto) ;;
     *) ds4_die "RAY_NODE_PORTS=$RAY_NODE_PORTS: expected auto (free ports for this node's services) or empty (Ray's defaults)" ;;
 esac
+[ "$RAY_NODE_PORTS" = auto ] && ds4_require_positive_int RAY_WORKER_PORTS
 [ "$DS4_DEVICE" = cpu ] && RAY_NUM_CPUS=${RAY_NUM_CPUS:-16}
 
-# N distinct TCP ports free on this host now (for RAY_NODE_PORTS=auto), drawn at random below the
-# kernel's ephemeral range: a port the OS would hand out (bind to port 0) can be taken by any process's
-# outgoing connection before Ray's agent binds it (seen: the runtime-env agent's "Address already in
-# use", its raylet exiting with it), one below that range only by another explicit bind.
-free_ports() {
-    "$PYTHON" - "$1" <<'PY'
-import random, socket, sys
+# For RAY_NODE_PORTS=auto (node_ports N W [PORT...], PORTs to leave alone): N distinct TCP ports free on
+# this host now, then the first and last port of
+# a window of W ports (the node's workers') that are all free now and that no running raylet on this
+# host has as its worker range (read from its command line), all drawn at random below the kernel's
+# ephemeral range. A port the OS hands out (bind to port 0) can be taken by any process before its
+# owner binds it: seen, the runtime-env agent's "Address already in use" with workers on OS-assigned
+# ports, and verl's trainer losing its torch.distributed MASTER_PORT (an OS-assigned port it frees and
+# binds again) to a worker that bound it in between (EADDRINUSE in init_process_group, verl #5889).
+node_ports() {
+    "$PYTHON" - "$@" <<'PY'
+import os, random, re, socket, sys
+count, width = int(sys.argv[1]), int(sys.argv[2])
+avoid = {int(p) for p in sys.argv[3:] if p.isdigit()}  # ports this node's command line names itself
 try:
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
 except (OSError, ValueError, IndexError):
     low = 32768
-rng, picked = random.SystemRandom(), []
-while len(picked) < int(sys.argv[1]):
-    port = rng.randrange(10000, max(low, 11000))
+top = max(low, 10000 + 2 * width + 1000)
+taken = []  # worker ranges of the raylets running here
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    except OSError:
+        continue
+    ranges = dict(re.fullmatch(r"--(min|max)_worker_port=(\d+)", a).groups() for a in args
+                  if re.fullmatch(r"--(min|max)_worker_port=(\d+)", a))
+    if "min" in ranges and "max" in ranges:
+        taken.append((int(ranges["min"]), int(ranges["max"])))
+
+def free(port):
     with socket.socket() as s:
         try:
             s.bind(("", port))
         except OSError:
-            continue
-    if port not in picked:
+            return False
+    return True
+
+rng, picked = random.SystemRandom(), []
+for _ in range(100000):
+    if len(picked) == count:
+        break
+    port = rng.randrange(10000, top)
+    if port not in picked and port not in avoid and not any(a <= port <= b for a, b in taken) and free(port):
         picked.append(port)
-print(" ".join(map(str, picked)))
+for _ in range(1000):
+    first = rng.randrange(10000, top - width)
+    last = first + width - 1
+    if any(a <= last and first <= b for a, b in taken) or any(first <= p <= last for p in picked + list(avoid)):
+        continue
+    if all(free(p) for p in range(first, last + 1)):
+        break
+else:
+    sys.exit(f"no window of {width} free worker ports found in 10000-{top - 1} (RAY_WORKER_PORTS={width}: lower it)")
+print(" ".join(map(str, picked + [first, last])))
 PY
 }
 
@@ -162,14 +199,21 @@ ray_resource_args() {
     if [ "$RAY_NODE_PORTS" = auto ]; then
         if [ "$DRY_RUN" = 1 ]; then
             RESOURCE_ARGS+=(--node-manager-port=FREE --object-manager-port=FREE --dashboard-agent-listen-port=FREE
-                --dashboard-agent-grpc-port=FREE --runtime-env-agent-port=FREE --metrics-export-port=FREE)
+                --dashboard-agent-grpc-port=FREE --runtime-env-agent-port=FREE --metrics-export-port=FREE
+                --min-worker-port=FIRST --max-worker-port="FIRST+$((RAY_WORKER_PORTS - 1))")
+            if [ "$1" = head ]; then RESOURCE_ARGS+=(--ray-client-server-port=FREE); fi
         else
-            read -r -a ports <<<"$(free_ports 6)"
+            # The head also serves Ray clients; RAY_PORT / RAY_DASHBOARD_PORT are bound only once it runs.
+            local picked want=(6 "$RAY_WORKER_PORTS")
+            if [ "$1" = head ]; then want=(7 "$RAY_WORKER_PORTS" "$RAY_PORT" "$RAY_DASHBOARD_PORT"); fi
+            picked=$(node_ports "${want[@]}") || ds4_die "RAY_NODE_PORTS=auto: could not pick this node's ports (above)"
+            read -r -a ports <<<"$picked"
             RESOURCE_ARGS+=(--node-manager-port="${ports[0]}" --object-manager-port="${ports[1]}"
                 --dashboard-agent-listen-port="${ports[2]}" --dashboard-agent-grpc-port="${ports[3]}"
-                --runtime-env-agent-port="${ports[4]}" --metrics-export-port="${ports[5]}")
+                --runtime-env-agent-port="${ports[4]}" --metrics-export-port="${ports[5]}"
+                --min-worker-port="${ports[-2]}" --max-worker-port="${ports[-1]}")
+            if [ "$1" = head ]; then RESOURCE_ARGS+=(--ray-client-server-port="${ports[6]}"); fi
         fi
-        RESOURCE_ARGS+=(--min-worker-port=0 --max-worker-port=0)
     fi
 }
 
@@ -289,9 +333,6 @@ case "$command_name" in
         ds4_require_free_port RAY_DASHBOARD_PORT "$RAY_DASHBOARD_PORT"
         # Without RAY_HEAD_IP, Ray picks this node's address itself.
         [ -n "${RAY_HEAD_IP:-}" ] && RESOURCE_ARGS+=(--node-ip-address="$RAY_HEAD_IP")
-        if [ "$RAY_NODE_PORTS" = auto ]; then
-            if [ "$DRY_RUN" = 1 ]; then RESOURCE_ARGS+=(--ray-client-server-port=FREE); else RESOURCE_ARGS+=(--ray-client-server-port="$(free_ports 1)"); fi
-        fi
         ds4_say "ray head    GCS ${RAY_HEAD_IP:-<this node>}:$RAY_PORT, job API http://${RAY_HEAD_IP:-<this node>}:$RAY_DASHBOARD_PORT"
         ds4_say "resources   ${RESOURCE_ARGS[*]}"
         ds4_say "auth        $DS4_RAY_AUTH"

@@ -145,6 +145,20 @@ def test_failing_command_prints_the_log_tail_and_path_and_its_status(tmp_path):
     assert f"FAILED (exit 3); full log: {tmp_path / 'x.log'}" in console
     assert "result " not in console  # no success summary for a failed run
     assert max(map(len, console.splitlines())) < 1100  # the 7000-character line is cut in the tail
+    assert "known cause" not in console  # an ordinary failure gets no hint (the control for the next test)
+
+
+def test_a_port_race_failure_names_its_known_cause(tmp_path):
+    """torch's EADDRINUSE at init_process_group (verl's free-port race) is named as such: run it again."""
+    error = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+             "address. port: 42193, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    cmd = [sys.executable, "-c", f"import sys; print({error!r}); print('noise\\n' * 100); sys.exit(1)"]
+    out = io.StringIO()
+    assert run_quiet(cmd, tmp_path / "x.log", SFTConsole(tmp_path, 4), out=out) == 1
+    console = out.getvalue()
+    hint = [line for line in console.splitlines() if "known cause" in line]
+    assert len(hint) == 1 and "MASTER_PORT" in hint[0] and "verl #5889" in hint[0] and "run it again" in hint[0], console
+    assert console.rstrip().endswith(f"FAILED (exit 1); full log: {tmp_path / 'x.log'}")
 
 
 def test_failure_tail_ends_before_torchruns_own_report(tmp_path):

@@ -81,6 +81,22 @@ def log_tail(path: str | Path, lines: int = TAIL_LINES) -> list[str]:
     return out + ([report] if report else [])
 
 
+#: Failures whose cause is known and outside the run's settings: (pattern in the log, what to say).
+KNOWN_FAILURES = (
+    (re.compile(r"EADDRINUSE|server socket has failed to listen.*address already in use", re.S),
+     "a TCP port was taken between being chosen and being bound (\"address already in use\"): verl's "
+     "worker group picks torch.distributed's MASTER_PORT by binding port 0 and freeing it, and another "
+     "process on this host can bind that port before rank 0 does (verl #5889). Nothing in the settings "
+     "is wrong; run it again (with RAY_NODE_PORTS=auto, Ray's own workers already stay off those ports)."),
+)
+
+
+def failure_hints(lines: Iterable[str]) -> list[str]:
+    """What :data:`KNOWN_FAILURES` says about a failed run's log lines (empty when nothing matches)."""
+    text = "\n".join(lines)
+    return [hint for pattern, hint in KNOWN_FAILURES if pattern.search(text)]
+
+
 def say(text: str = "") -> str:
     """One console line of ours: ``[verl-ds4] text``."""
     return f"{PREFIX} {text}".rstrip()
@@ -171,6 +187,7 @@ def run_quiet(
                  f"{format_duration(wall)}."),
              say(f"last lines of the full log (up to {TAIL_LINES}):")]
             + ["    " + line for line in log_tail(log_path)]
+            + [say(f"known cause: {hint}") for hint in failure_hints(log_tail(log_path, 400))]
             + [say(f"FAILED (exit {returncode}); full log: {log_path}")]
         )
         return returncode
