@@ -84,10 +84,10 @@ def log_tail(path: str | Path, lines: int = TAIL_LINES) -> list[str]:
 #: Failures whose cause is known and outside the run's settings: (pattern in the log, what to say).
 KNOWN_FAILURES = (
     (re.compile(r"EADDRINUSE|server socket has failed to listen.*address already in use", re.S),
-     "a TCP port was taken between being chosen and being bound (\"address already in use\"): verl's "
-     "worker group picks torch.distributed's MASTER_PORT by binding port 0 and freeing it, and another "
-     "process on this host can bind that port before rank 0 does (verl #5889). Nothing in the settings "
-     "is wrong; run it again (with RAY_NODE_PORTS=auto, Ray's own workers already stay off those ports)."),
+     "a TCP port was taken between being chosen and being bound (\"address already in use\"). In a Ray "
+     "job verl's worker group picks torch.distributed's MASTER_PORT by binding port 0 and freeing it, and "
+     "another process on this host can bind that port before rank 0 does (verl #5889); under torchrun, "
+     "another job may hold its MASTER_PORT. If no other job holds the port named above, run it again."),
 )
 
 
