@@ -108,8 +108,9 @@ def test_fp64_reference_is_deterministic_and_sensitive(model, text):
 
     Earlier rows are equal to rounding, not bit-equal: the changed token moves to other experts, so
     the routed experts' matmuls see other row counts and the CPU's BLAS may block them differently
-    (measured 2.7e-15 on rows 6-9 on an AVX-512 EPYC; 0, bit-equal, on an earlier CI machine). A non-causal leak would
-    move earlier rows by as much as the later ones (O(1)), far above the 1e-12 bound."""
+    (measured 2.7e-15 on rows 6-9 on an AVX-512 EPYC; 0, bit-equal, on an earlier CI machine). A
+    non-causal leak would move earlier rows by as much as the later ones (O(1)), far above the 1e-12
+    bound."""
     ids = torch.randint(0, text["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(5))
     other = ids.clone()
     other[0, 10] = (other[0, 10] + 1) % text["vocab_size"]
