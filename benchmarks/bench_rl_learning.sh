@@ -32,21 +32,28 @@ PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-ds4}                     # ds4 | ds41 (the SFT, its hand-over and both RL runs)
 WORK_DIR=${WORK_DIR:-runs/rl_learning$([ "$MODEL" = ds4 ] || echo "_$MODEL")}
 ALGOS=${ALGOS:-ppo grpo}                # which RL runs, in order
-# brief on purpose (see above). ds4: mean reward 0.14 after 20 steps, 0.38 after 40, 0.72 after 60;
-# ds41 learns the format sooner: 0.21 after 20 steps, 0.59 after 35 (64 prompts, rl_task_reward.py)
-SFT_STEPS=${SFT_STEPS:-$([ "${MODEL:-ds4}" = ds41 ] && echo 25 || echo 35)}
+# Per-model defaults of the knobs below (each still overridable by its own variable):
+# - SFT steps, brief on purpose (see above). ds4: mean reward 0.14 after 20 steps, 0.38 after 40, 0.72
+#   after 60; ds41 learns the format sooner: 0.21 after 20 steps, 0.59 after 35 (64 prompts, rl_task_reward.py).
+# - ds41's GRPO takes 64 prompts (updates of 16): with 32 x 4 it rose +0.19 to +0.29 at lr 5e-4 to 1.5e-3
+#   (and +0.25 with 16 x 8): V4.1 needs more distinct prompts a step; 64 x 4 gave +0.64.
+# - ds41's actor lr is 1e-3: at 2e-3 its GRPO stayed flat, +0.025, and KL to the reference rose to 0.6-0.9
+#   within 15 steps.
+if [ "$MODEL" = ds41 ]; then
+    MODEL_SFT_STEPS=25 MODEL_GRPO_BATCH=64 MODEL_GRPO_MINI=16 MODEL_ACTOR_LR=1e-3
+else
+    MODEL_SFT_STEPS=35 MODEL_GRPO_BATCH=32 MODEL_GRPO_MINI=8 MODEL_ACTOR_LR=2e-3
+fi
+SFT_STEPS=${SFT_STEPS:-$MODEL_SFT_STEPS}
 SFT_LR=${SFT_LR:-3e-3}
 RL_STEPS=${RL_STEPS:-60}
 PPO_BATCH=${PPO_BATCH:-128}             # prompts per PPO step (one response each) ...
 PPO_MINI=${PPO_MINI:-32}                # ... in updates of PPO_MINI prompts (actor and critic: 4 a step)
-# ds41: 64 prompts (updates of 16). With 32 x 4 its GRPO rose +0.19 to +0.29 at lr 5e-4 to 1.5e-3 (and
-# +0.25 with 16 x 8): V4.1 needs more distinct prompts a step; 64 x 4 gave +0.64.
-GRPO_BATCH=${GRPO_BATCH:-$([ "$MODEL" = ds41 ] && echo 64 || echo 32)}  # prompts per GRPO step ...
+GRPO_BATCH=${GRPO_BATCH:-$MODEL_GRPO_BATCH}  # prompts per GRPO step ...
 GRPO_N=${GRPO_N:-4}                     # ... times GRPO_N responses each ...
-GRPO_MINI=${GRPO_MINI:-$([ "$MODEL" = ds41 ] && echo 16 || echo 8)}     # ... in actor updates of GRPO_MINI prompts x GRPO_N responses (4 a step)
+GRPO_MINI=${GRPO_MINI:-$MODEL_GRPO_MINI}     # ... in actor updates of GRPO_MINI prompts x GRPO_N responses (4 a step)
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-8}   # the demonstrations are 3-6 digits + EOS
-# ds41: 1e-3 (at 2e-3 its GRPO stayed flat, +0.025, and KL to the reference rose to 0.6-0.9 within 15 steps)
-ACTOR_LR=${ACTOR_LR:-$([ "$MODEL" = ds41 ] && echo 1e-3 || echo 2e-3)}
+ACTOR_LR=${ACTOR_LR:-$MODEL_ACTOR_LR}
 CRITIC_LR=${CRITIC_LR:-3e-3}
 KL_COEF=${KL_COEF:-0.01}                # KL-to-reference loss coefficient (low_var_kl)
 ENTROPY_COEF=${ENTROPY_COEF:-0.01}      # entropy bonus: without it the first digit's choice collapsed (entropy

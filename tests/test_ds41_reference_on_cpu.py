@@ -112,20 +112,17 @@ def test_fp64_reference_is_deterministic_and_sensitive(model, text):
     non-causal leak would move earlier rows by as much as the later ones (O(1)), far above the 1e-12
     bound."""
     ids = torch.randint(0, text["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(5))
-    other = ids.clone()
+    other, leak = ids.clone(), ids.clone()
     other[0, 10] = (other[0, 10] + 1) % text["vocab_size"]
+    leak[0, 5] = (leak[0, 5] + 1) % text["vocab_size"]  # for the negative control below
     with ref.fp64_reference(), torch.no_grad():
-        a, b, c = (model(x).logits for x in (ids, ids, other))
+        a, b, c, d = (model(x).logits for x in (ids, ids, other, leak))
     assert torch.equal(a, b)
     before = (a[0, :10] - c[0, :10]).abs().max().item()
     after = (a[0, 10:] - c[0, 10:]).abs().amax(-1)
     assert before <= 1e-12 * a.abs().max().item(), before
     assert (after > 1e-3).all(), after
     # negative control: a change inside the compared rows (token 5) breaks the bound
-    leak = ids.clone()
-    leak[0, 5] = (leak[0, 5] + 1) % text["vocab_size"]
-    with ref.fp64_reference(), torch.no_grad():
-        d = model(leak).logits
     assert (a[0, :10] - d[0, :10]).abs().max().item() > 1e-3
 
 
