@@ -37,7 +37,8 @@ def dense_indexer_loss(otc: Any) -> bool:
     return float(otc.get("dsa_indexer_loss_coeff") or 0.0) > 0 and not bool(otc.get("dsa_indexer_use_sparse_loss", False))
 
 
-def _backend(otc: Any, where: str, arch: str | None, has_csa: bool, out: list[Problem], warnings: list[Problem]) -> None:
+def _backend(otc: Any, where: str, hardware: Any, has_csa: bool, out: list[Problem], warnings: list[Problem]) -> None:
+    arch = GPU_ARCH.get(str(hardware))
     backend = str(otc.get("dsa_kernel_backend") or "none")
     key = f"{where}.override_transformer_config.dsa_kernel_backend"
     if backend == "tilelang":
@@ -53,8 +54,9 @@ def _backend(otc: Any, where: str, arch: str | None, has_csa: bool, out: list[Pr
     if backend != "cudnn":
         return
     if arch is None:
-        warnings.append(Problem(key, "is cudnn on a GPU the recipe does not name (ds4.mesh.hardware), so SM90+ was not checked.",
-                                "name the hardware (ds4.mesh.hardware) or make sure the GPUs are SM90 or newer."))
+        warnings.append(Problem(key, f"is cudnn on hardware {hardware!r}, whose GPU generation the check does not know "
+                                f"(known: {sorted(GPU_ARCH)}), so 'SM90 or newer' was not checked.",
+                                "make sure the GPUs are SM90 (Hopper) or newer, or set ds4.dsa_kernel_backend=none."))
     elif arch == "sm90" and has_csa and dense_indexer_loss(otc):
         out.append(Problem(
             key, "is cudnn (fused DSA) with the dense indexer loss on SM90 (H100/H200), which Megatron-LM dev refuses: the cuDNN "
@@ -116,7 +118,6 @@ def check_kernels(cfg: Any, report) -> None:
     if hasattr(report.facts.sizes, "roles"):
         _v41_provider(report)
     hardware = _get(cfg, "ds4.mesh.hardware")
-    arch = GPU_ARCH.get(str(hardware)) if hardware is not None else None
     sizes = report.facts.sizes
     ratios = getattr(sizes, "compress_ratios", ()) if sizes is not None else ()
     has_csa = not ratios or ds4_facts.CSA_RATIO in ratios or any(0 < r < ds4_facts.CSA_RATIO for r in ratios)
@@ -129,5 +130,5 @@ def check_kernels(cfg: Any, report) -> None:
         if role.engine_key in seen:
             continue
         seen.add(role.engine_key)
-        _backend(otc, role.engine_key, arch, has_csa, report.errors, report.warnings)
+        _backend(otc, role.engine_key, hardware, has_csa, report.errors, report.warnings)
         _recompute(otc, role.engine_key, report.errors)

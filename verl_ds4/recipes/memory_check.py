@@ -386,6 +386,7 @@ def format_memory(memory: MemoryReport | None) -> list[str]:
         lines.append("  colocated phases (states on the GPU): " + ", ".join(f"{n} {v:.1f}" for n, v in memory.phases))
     if memory.host:
         parts = ", ".join(f"{k} {v:.0f}" for k, v in memory.host.items() if v)
-        lines.append(f"  host RAM per node ({memory.gpus_per_node} GPUs): {sum(memory.host.values()):.0f} GiB of "
-                     f"{memory.host_capacity_gib:.0f}" + (f" ({parts})" if parts else ""))
+        of = "(RAM unknown)" if memory.host_capacity_gib is None else f"of {memory.host_capacity_gib:.0f}"
+        lines.append(f"  host RAM per node ({memory.gpus_per_node} GPUs): {sum(memory.host.values()):.0f} GiB {of}"
+                     + (f" ({parts})" if parts else ""))
     return lines

@@ -66,7 +66,8 @@ def host_memory(cfg, memory, gpus_per_node: int) -> dict[str, float]:
 
 
 def host_findings(cfg, report, memory) -> list[Problem]:
-    """The host RAM check (fills ``memory.host`` and ``memory.host_capacity_gib``)."""
+    """The host RAM check (fills ``memory.host`` and ``memory.host_capacity_gib``). A node whose RAM is not known
+    (hardware outside the table, no ``ds4.mesh.host_memory_gib``) is a warning added to ``report``: nothing to compare."""
     try:
         capacity = host_memory_gib(memory.hardware, _get(cfg, "ds4.mesh.host_memory_gib"))
     except ValueError as e:
@@ -74,12 +75,13 @@ def host_findings(cfg, report, memory) -> list[Problem]:
     memory.host = host_memory(cfg, memory, report.gpus_per_node)
     memory.host_capacity_gib = capacity
     if capacity is None:
-        return [Problem(
+        report.warnings.append(Problem(
             "ds4.mesh.host_memory_gib",
             f"host RAM per node is not known for hardware {memory.hardware!r} (known: {sorted(HOST_MEMORY_GIB)}), so the "
             f"{sum(memory.host.values()):.0f} GiB per node this run needs on the host were not checked.",
             "set ds4.mesh.host_memory_gib=<GiB of RAM per node>.",
-        )]
+        ))
+        return []
     total = sum(memory.host.values())
     if total <= capacity:
         return []
