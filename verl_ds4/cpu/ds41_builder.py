@@ -79,13 +79,17 @@ def _changed_by_verl_overrides(hf_config, config: dict) -> list[tuple[str, objec
 
     attrs = getattr(hf_config, "__dict__", {})
     nested = attrs.get("text_config") if isinstance(attrs.get("text_config"), dict) else {}
+    # A nested config.json (NeMo Automodel's save_pretrained) repeats some keys at its top level (model_type
+    # deepseek_v41 beside the text's deepseek_v41_text, the token ids, dtype): a top-level attribute is an
+    # override only where it differs from the top level of config.json.
+    top = {k: v for k, v in config.items() if k != "text_config"} if "text_config" in config else {}
     changed = []
     for key, value in ds41_facts.text_config(config).items():
-        # transformers renames rope_scaling on its object and takes dtype / torch_dtype for itself (the model's
-        # dtype comes from verl's engine settings, not config.json).
-        if key in _SET_BY_VERL or key in ("rope_scaling", "dtype", "torch_dtype"):
+        # transformers renames rope_scaling / rope_parameters on its object and takes dtype / torch_dtype for
+        # itself (the model's dtype comes from verl's engine settings, not config.json).
+        if key in _SET_BY_VERL or key in ("model_type", "rope_scaling", "rope_parameters", "dtype", "torch_dtype"):
             continue
-        if key in attrs:
+        if key in attrs and not (key in top and attrs[key] == top[key]):
             seen = attrs[key]
         elif key in nested:
             seen = nested[key]
