@@ -95,13 +95,14 @@ def test_nemo_writes_the_format_in_question(v41):
 
 
 @needs_reference
-def test_v41_builder_reads_nemo_folder_as_nemo_does(v41, capsys):
+def test_v41_builder_reads_nemo_folder_as_nemo_does(v41, tmp_path, capsys):
     from verl_ds4.cpu.verify_ds41_hf import compare_folder_with_nemo
 
     folder, control = v41
-    assert verify(["--model", "ds41", "--hf-checkpoint", str(folder), "--cp", "2"]) == 0, capsys.readouterr()
-    got = compare_folder_with_nemo(folder, cp=1)
-    assert got["logits"] < 1e-10 and got["log_probs"] < 1e-10, got
+    report = tmp_path / "verify.json"
+    assert verify(["--model", "ds41", "--hf-checkpoint", str(folder), "--cp", "2", "--json", str(report)]) == 0, capsys.readouterr()
+    got = json.loads(report.read_text())
+    assert got["passed"] and got["logits"] < 1e-10 and got["log_probs"] < 1e-10, got
     # Negative control: NeMo reading the factor-16 copy (the released default) is far from ours on factor 8.
     off = compare_folder_with_nemo(folder, cp=1, reference_folder=control)
     assert off["logits"] > 1e-3, off

@@ -76,7 +76,7 @@ def read_config(folder: str | Path) -> dict:
         compressed = True  # transformers' own check names a bad layer schedule
     problems = ds4_facts.check_rope(data, compressed, yarn_only=False, released=ds4_facts.FLASH_YARN)
     if problems:
-        raise HFCheckpointError(f"{path}: " + " ".join(p.engine_message() for p in problems))
+        raise HFCheckpointError(f"{path}: " + " ".join(p.engine_message() for p in problems))  # error-catalogue: passes on a message catalogued where it is built
     return data
 
 
