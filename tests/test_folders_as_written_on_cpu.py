@@ -302,3 +302,29 @@ def test_v4_builder_refuses_what_the_folder_reader_refuses(v4, tmp_path):
     from verl_ds4.models.ds4.hf_checkpoint import read_config
 
     assert read_config(v4["tf"])["model_type"] == "deepseek_v4"
+
+
+def _drop_tensor(src: Path, dst: Path, name: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@needs_reference
+def test_a_refusal_on_verify_ranks_exits_2_with_its_message(v41, v4, tmp_path, capsys):
+    """A folder whose config passes but whose tensors do not fit is refused while the model is built on verify's
+    gloo ranks: the message comes back to the caller and verify exits 2 (it was a rank traceback and exit 1)."""
+    bad41 = _drop_tensor(v41[0], tmp_path / "v41", "layers.3.attn.wq_b.weight")
+    assert verify(["--model", "ds41", "--hf-checkpoint", str(bad41)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"verify --model ds41 --hf-checkpoint: {bad41} does not fit its config.json: missing "
+                          "['decoder.layers.3.self_attention.linear_q_up_proj.weight'], unexpected [], wrong shape []."), err
+    bad4 = _drop_tensor(v4["tf"], tmp_path / "v4", "model.layers.2.self_attn.q_b_proj.weight")
+    assert verify(["--hf-checkpoint", str(bad4)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"verify --hf-checkpoint: The DS4 checkpoint in {bad4} does not match its config (transformers names): "
+                   "missing tensor 'model.layers.2.self_attn.q_b_proj.weight'."), err
