@@ -28,7 +28,10 @@ Rules (each returns a :class:`~verl_ds4.ds4_facts.Violation`: the field, its val
       normalisation) in the folder;
     * DSpark (``mtp.*``): window-only stages after the backbone, targets inside the backbone;
       on a V4 model, ``mtp.enable=true`` with a DSpark drafter is refused (:func:`check_v4_mtp`);
-    * ``model_type``: V4.1 code refuses a V4 folder and V4 code a V4.1 folder (:func:`check_model_type`).
+    * ``model_type``: V4.1 code refuses a V4 folder and V4 code a V4.1 folder (:func:`check_model_type`);
+    * RoPE as transformers 5 / NeMo Automodel (``rope_parameters``) or earlier (``rope_scaling``) write it:
+      YaRN only, the two never disagreeing; a folder's ``config.json`` gives every key :data:`TEXT_DEFAULTS`
+      would fill (no silent default).
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ Rows
     fewest rows every CP rank must hold, which the engine pads each micro-batch to and the
     recipe validator checks token budgets against.
 
+RoPE
+    :func:`yarn_settings` (the compressed layers' YaRN as ``config.json`` gives it: transformers 5's
+    ``rope_parameters`` or the older ``rope_scaling``) and :func:`check_rope` (both given and disagreeing,
+    neither given, not YaRN: refused; V4 and V4.1 readers).
+
 Rules
     ``check_*`` functions return ``None`` or a :class:`Violation` (the setting, its value, why it
     cannot work, the fix). The engine raises them at start-up (:meth:`Violation.engine_message`),
