@@ -246,11 +246,13 @@ def test_v4_reads_transformers_and_nemo_folders_as_transformers_does(v4):
     for name in names:
         got = compare_with_transformers(v4[name], cp=1, lengths=lengths)
         assert got["logits"] < 1e-10 and got["log_probs"] < 1e-10, (name, got)
+        print(f"V4 folder by {name}: logits {got['logits']:.2e}, log-probs {got['log_probs']:.2e}")
     # Negative control: the factor is read (factor 16 gives other logits).
     seqs = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
     a, b = hf_logits(v4["tf"], seqs), hf_logits(v4["tf16"], seqs)
     moved = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
     assert moved > 1e-3, moved
+    print(f"V4 YaRN factor 16 vs 8 (ours): {moved:.2e}")
 
 
 V4_BAD = {
