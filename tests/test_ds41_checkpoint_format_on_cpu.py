@@ -360,8 +360,8 @@ def test_v4_and_v41_folders_are_refused_both_ways(hub, tmp_path, capsys):
     assert re.search(r"model_type='deepseek_v4'.*--model ds4", capsys.readouterr().err)
     with pytest.raises(ValueError, match=r"DeepSeek-V4.1 checkpoint.*verl-ds4 verify --model ds41"):
         load_hf_checkpoint(hub.folder)
-    with pytest.raises(ValueError, match=r"DeepSeek-V4.1 checkpoint.*verl-ds4 verify --model ds41"):
-        verify_cli.run(parser.parse_args(["--hf-checkpoint", str(hub.folder)]))
+    assert verify_cli.run(parser.parse_args(["--hf-checkpoint", str(hub.folder)])) == 2
+    assert re.search(r"^verify --hf-checkpoint: .*DeepSeek-V4.1 checkpoint.*verl-ds4 verify --model ds41", capsys.readouterr().err)
 
 
 def test_verify_hf_checkpoint(hub, tmp_path, capsys):

@@ -14,7 +14,8 @@ Prints a table (quantity, max abs diff, max rel diff, pass/fail); exits 1 on any
 
 With ``--hf-checkpoint DIR`` it instead compares our Megatron DS4 loaded from an HF DeepSeek-V4
 folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.cpu.verify_hf`) and
-prints the max relative errors of logits and per-token log-probs.
+prints the max relative errors of logits and per-token log-probs; a folder refused (not DS4, a config
+the model cannot read, a tensor that does not fit) exits 2 with the reason and the fix.
 
 With ``--model ds41 --cp N`` it runs one training step of the tiny DeepSeek-V4.1 in Megatron-Core
 (every component on) at CP = 1 and N through the same THD path and compares, at fp64, CP = N with
@@ -66,7 +67,11 @@ def _run_hf(args: argparse.Namespace) -> int:
     from verl_ds4.cpu.verify_hf import compare_with_transformers
 
     cp = args.cp or 1
-    result = compare_with_transformers(args.hf_checkpoint, cp=cp, seed=args.seed, allow_mtp_skip=args.allow_mtp_skip)
+    try:
+        result = compare_with_transformers(args.hf_checkpoint, cp=cp, seed=args.seed, allow_mtp_skip=args.allow_mtp_skip)
+    except ValueError as e:  # the folder refused (model_type, config, a tensor): the message names the fix
+        print(f"verify --hf-checkpoint: {e}", file=sys.stderr)  # error-catalogue: passes on a message catalogued where it is built
+        return 2
     ok = result["logits"] <= args.fp64_rtol and result["log_probs"] <= args.fp64_rtol
     print(f"DS4 {args.hf_checkpoint}: our Megatron model at CP={cp} vs transformers (fp64), lengths {result['lengths']}")
     print(f"  logits     max rel error {result['logits']:.3e}  (tol {args.fp64_rtol:g})")
