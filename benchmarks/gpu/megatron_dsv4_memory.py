@@ -39,6 +39,7 @@ import types
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -229,6 +230,18 @@ def install_cpu_shims():
     torch.cuda.nvtx.range_pop = lambda *a, **k: None
 
 
+def probe_compile(device):
+    """Megatron's mHC helpers are torch.compile'd; a machine without a working inductor toolchain
+    (no C compiler for triton's launcher, say) would fail mid-run. Try once; fall back to eager."""
+    try:
+        f = torch.compile(lambda a: a * 2 + 1)
+        f(torch.ones(8, device=device)).sum().item()
+        return True, None
+    except Exception as err:  # noqa: BLE001  (any compile failure means: run eager)
+        torch._dynamo.reset()
+        return False, f"compile probe failed, ran eager: {type(err).__name__}: {str(err)[:160]}"
+
+
 def init_distributed(device):
     import megatron.core.parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -329,14 +342,17 @@ def _requested(err):
 
 
 class SavedBytes:
-    """Bytes autograd saves for backward, by distinct storage (works on CPU too)."""
+    """Bytes autograd saves for backward, by distinct storage, parameters left out (works on CPU)."""
 
-    def __init__(self):
+    def __init__(self, params):
+        self.params = {(p.device.type, p.untyped_storage().data_ptr()) for p in params}
         self.storages = {}
 
     def pack(self, t):
         st = t.untyped_storage()
-        self.storages[(st.device.type, st.data_ptr())] = st.nbytes()
+        key = (st.device.type, st.data_ptr())
+        if key not in self.params:
+            self.storages[key] = st.nbytes()
         return t
 
     def total(self):
@@ -348,7 +364,7 @@ def measure(block, tokens, seq_len, w, device, meter):
     row = {"tokens": tokens, "oom": False}
     x = torch.randn(tokens, 1, w["hidden"], device=device, dtype=torch.bfloat16)
     xg = x.clone().requires_grad_(True)
-    saved = SavedBytes()
+    saved = SavedBytes(block.parameters())
     base = meter.now()
     phase = "nograd"
     t0 = time.time()
@@ -399,8 +415,10 @@ def main(argv=None):
     commit_file = megatron / "COMMIT"
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     compiled = args.compile == "on" or (args.compile == "auto" and args.device == "cuda")
+    compile_note = None
+    if compiled and args.compile == "auto":
+        compiled, compile_note = probe_compile(args.device)
     if not compiled:
-        import torch._dynamo
         torch._dynamo.config.disable = True
     init_distributed(args.device)
     hadamard = install_hadamard()
@@ -410,12 +428,15 @@ def main(argv=None):
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "widths": w, "seq_len": args.seq_len or "tokens",
             "indexer_loss_coeff": args.indexer_loss_coeff, "torch_compile": compiled,
+            "compile_note": compile_note,
             "notes": ["experts are local SequentialMLP: 'moe_act' recompute is accepted but inert",
                       "states = parameters + preallocated .grad; every byte figure is above them",
-                      "saved = distinct storages autograd saved in the training forward",
+                      "saved = distinct non-parameter storages autograd saved in the training forward",
                       "kept also holds the block output; peak includes the output gradient"],
             "skipped": []}
-    print(f"megatron dev {commit[:10]}; hadamard: {hadamard}; device {info['device']}"
+    print(f"megatron dev {commit[:10]}; hadamard: {hadamard}; device {info['device']}; "
+          f"torch.compile {'on' if compiled else 'off'}"
+          + (f" ({compile_note})" if compile_note else "")
           + ("; triton stubbed (CPU)" if triton_stub else ""), flush=True)
     if args.device == "cpu":
         print("CPU: the allocator counters exist only on CUDA, so byte columns print n/a", flush=True)
@@ -430,6 +451,9 @@ def main(argv=None):
             config = make_config(w, KINDS[kind], RECOMPUTE[rc], args.device, args.indexer_loss_coeff)
             block = build_block(config, args.device)
             states = meter.now()
+            nparams = sum(p.numel() for p in block.parameters())
+            print(f"{kind:4s} {rc:9s} ratios {KINDS[kind]}: {nparams:,} parameters; states "
+                  f"{fmt(states)} GiB (parameters + grads)", flush=True)
             for tokens in args.tokens:
                 row = dict(kind=kind, recompute=rc, states=states,
                            **measure(block, tokens, args.seq_len, w, args.device, meter))
