@@ -89,4 +89,8 @@ def test_one_tiny_case_runs_on_cpu(tmp_path):
     data = json.loads(out.read_text())
     (row,) = data["rows"]
     assert row["kind"] == "csa" and not row["oom"] and row["saved"] > 0 and row["kept"] is None
+    # Megatron's own unfused backward allocates [T, T + T/4, head_dim] bf16 in gather_backward: the
+    # profiler's largest such block is exactly the figure read from the code (not T x T x head_dim)
+    t, d = 256, data["info"]["widths"]["head_dim"]
+    assert row["cpu_gather_bwd_allocs"][0] == row["gather_bwd"] == t * (t + t // 4) * d * 2 != t * t * d * 2
     assert data["info"]["hadamard"].startswith(("fast_hadamard_transform", "pure-PyTorch"))

@@ -383,7 +383,15 @@ def measure(block, tokens, seq_len, w, device, meter):
         row["fwd_peak"] = None if base is None else meter.peak() - base
         row["kept"] = None if base is None else meter.now() - base
         phase = "backward"
-        out.backward(torch.randn_like(out))
+        grad = torch.randn_like(out)
+        if device == "cpu":  # no allocator counters: the profiler names the largest backward blocks
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out.backward(grad)
+            gathers = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::gather_backward"]
+            row["cpu_gather_bwd_allocs"] = sorted(gathers, reverse=True)
+        else:
+            out.backward(grad)
         row["peak"] = None if base is None else max(meter.peak() - base, row["fwd_peak"])
         del out
     except torch.OutOfMemoryError as err:
@@ -396,6 +404,16 @@ def measure(block, tokens, seq_len, w, device, meter):
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def gather_backward_bytes(tokens, seq_len, ratios, w):
+    """The unfused attention's largest backward block, by reading the code: ``torch.gather`` on
+    ``kv_full.unsqueeze(0).expand(T, -1, -1)`` has a backward that allocates the expanded shape,
+    ``[T, T + compressed rows, head_dim]`` in bf16, per layer (the largest layer of the block)."""
+    seq_len = seq_len or tokens
+    lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+    return max(tokens * (tokens + (sum(n // r for n in lens) if r > 1 else 0)) * w["head_dim"] * 2
+               for r in ratios)
 
 
 def fmt(v):
@@ -432,7 +450,8 @@ def main(argv=None):
             "notes": ["experts are local SequentialMLP: 'moe_act' recompute is accepted but inert",
                       "states = parameters + preallocated .grad; every byte figure is above them",
                       "saved = distinct non-parameter storages autograd saved in the training forward",
-                      "kept also holds the block output; peak includes the output gradient"],
+                      "kept also holds the block output; peak includes the output gradient",
+                      "gather_bwd = T x (T + compressed rows) x head_dim x 2 bytes, read from the code"],
             "skipped": []}
     print(f"megatron dev {commit[:10]}; hadamard: {hadamard}; device {info['device']}; "
           f"torch.compile {'on' if compiled else 'off'}"
@@ -442,8 +461,8 @@ def main(argv=None):
         print("CPU: the allocator counters exist only on CUDA, so byte columns print n/a", flush=True)
     rows = []
     t_all = time.time()
-    for kind in args.kinds:
-        for rc in args.recompute:
+    for rc in args.recompute:  # every kind without recompute first: the budget cuts selective first
+        for kind in args.kinds:
             if time.time() - t_all > args.budget_s:
                 info["skipped"].append(f"{kind}/{rc}")
                 print(f"{kind:4s} {rc:9s} skipped: past --budget-s {args.budget_s:.0f}", flush=True)
@@ -456,6 +475,7 @@ def main(argv=None):
                   f"{fmt(states)} GiB (parameters + grads)", flush=True)
             for tokens in args.tokens:
                 row = dict(kind=kind, recompute=rc, states=states,
+                           gather_bwd=gather_backward_bytes(tokens, args.seq_len, KINDS[kind], w),
                            **measure(block, tokens, args.seq_len, w, args.device, meter))
                 rows.append(row)
                 if row["oom"]:
@@ -464,7 +484,7 @@ def main(argv=None):
                           f"{fmt(row['refused'])} GiB)  {row['seconds']}s", flush=True)
                 else:
                     print(f"{kind:4s} {rc:9s} T={tokens:6d}  saved {fmt(row['saved'])}  kept "
-                          f"{fmt(row['kept'])}  fwd_peak "
+                          f"{fmt(row['kept'])}  gather_bwd {fmt(row['gather_bwd'])}  fwd_peak "
                           f"{fmt(row['fwd_peak'])}  peak {fmt(row['peak'])}  nograd_peak "
                           f"{fmt(row['nograd_peak'])} GiB  {row['seconds']}s", flush=True)
             del block
