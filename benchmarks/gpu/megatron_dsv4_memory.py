@@ -24,6 +24,7 @@ by a pure-PyTorch stand-in (an exact +-1 matrix product that saves nothing for b
 output says which one ran.
 
     python benchmarks/gpu/megatron_dsv4_memory.py                  # H200: 2k/4k/8k, none + selective
+    python benchmarks/gpu/megatron_dsv4_memory.py --tokens 16384 --kinds pair --recompute none  # the OOM
     python benchmarks/gpu/megatron_dsv4_memory.py --device cpu --quick   # tiny widths smoke test
 """
 
@@ -474,6 +475,10 @@ def main(argv=None):
             print(f"{kind:4s} {rc:9s} ratios {KINDS[kind]}: {nparams:,} parameters; states "
                   f"{fmt(states)} GiB (parameters + grads)", flush=True)
             for tokens in args.tokens:
+                if time.time() - t_all > args.budget_s:
+                    info["skipped"].append(f"{kind}/{rc}/{tokens}")
+                    print(f"{kind:4s} {rc:9s} T={tokens:6d}  skipped: past --budget-s", flush=True)
+                    continue
                 row = dict(kind=kind, recompute=rc, states=states,
                            gather_bwd=gather_backward_bytes(tokens, args.seq_len, KINDS[kind], w),
                            **measure(block, tokens, args.seq_len, w, args.device, meter))
