@@ -13,7 +13,7 @@ that an MTP roll across sequence ends changes the MTP gradients (negative contro
 Prints a table (quantity, max abs diff, max rel diff, pass/fail); exits 1 on any failure.
 
 With ``--hf-checkpoint DIR`` it instead compares our Megatron DS4 loaded from an HF DeepSeek-V4
-folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.cpu.verify_hf`) and
+folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.verify.hf`) and
 prints the max relative errors of logits and per-token log-probs.
 
 With ``--model ds41 --cp N`` it runs one training step of the tiny DeepSeek-V4.1 in Megatron-Core
@@ -23,12 +23,12 @@ layers' attention, Engram tables, the rest) and both with NeMo Automodel's V4.1 
 loss, gradients); V4.1 has no indexer loss (its indexer is frozen) and the DSpark rows say "not
 built" until the drafter's training exists. Negative controls at CP = N that must differ or be
 refused: Engram n-grams without the previous rank's tokens, reading layers that recompute the
-shared CSA2 state, zigzag (:mod:`verl_ds4.cpu.verify_ds41`). Progress goes to stderr.
+shared CSA2 state, zigzag (:mod:`verl_ds4.verify.ds41`). Progress goes to stderr.
 
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
-           verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.cpu.verify_ds41_hf: our
+           verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.verify.ds41_hf: our
                Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
 """
 
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_hf(args: argparse.Namespace) -> int:
-    from verl_ds4.cpu.verify_hf import compare_with_transformers
+    from verl_ds4.verify.hf import compare_with_transformers
 
     cp = args.cp or 1
     result = compare_with_transformers(args.hf_checkpoint, cp=cp, seed=args.seed, allow_mtp_skip=args.allow_mtp_skip)
@@ -88,8 +88,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from verl_ds4.cpu.verify import format_table, rows_passed
-    from verl_ds4.cpu.verify_ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
+    from verl_ds4.verify.parity import format_table, rows_passed
+    from verl_ds4.verify.ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
 
     cp = args.cp or 1
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks,
@@ -127,8 +127,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.cpu.verify_ds41_hf
-        from verl_ds4.cpu.verify_ds41_hf import run_cli
+    if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.verify.ds41_hf
+        from verl_ds4.verify.ds41_hf import run_cli
 
         return run_cli(args)
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Megatron-Core warns at import that TransformerEngine / Apex are absent: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from verl_ds4.cpu.verify import compare, format_table, rows_passed, run_parity
+    from verl_ds4.verify.parity import compare, format_table, rows_passed, run_parity
 
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model)
