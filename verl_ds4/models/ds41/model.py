@@ -20,6 +20,7 @@ Megatron-Core wrapper itself is a later step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -78,8 +79,12 @@ class DS41Model(nn.Module):
     Engram normalisation table (:func:`~.engram.engram_token_map`), required when Engram layers exist;
     ``cache_qdq``: the released cache rounding in every attention (:mod:`.cache_qdq`)."""
 
-    def __init__(self, text: Any, token_map: list[int] | None = None, dtype=None, cache_qdq: bool = False):
+    def __init__(self, text: Any, token_map: list[int] | None = None, dtype=None, cache_qdq: bool = False, device=None):
         super().__init__()
+        with torch.device(device) if device is not None else contextlib.nullcontext():  # every tensor on ``device``
+            self._build(text, token_map, dtype, cache_qdq)
+
+    def _build(self, text, token_map, dtype, cache_qdq: bool) -> None:
         nested = ds41_facts.text_config(text) is not text or "model_type" in text
         self.facts = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
         get = lambda key: ds41_facts.text_value(text, key)  # noqa: E731
