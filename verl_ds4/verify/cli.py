@@ -45,8 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="compare our Megatron DS4 loaded from this HF DeepSeek-V4 folder with transformers at fp64 (with --model ds41: a DeepSeek-V4.1 folder with NeMo Automodel)")
     parser.add_argument("--allow-mtp-skip", action="store_true", help="with --hf-checkpoint: build no MTP block and ignore the folder's mtp.* tensors (transformers drops them too; the logits are the same)")
     parser.add_argument(
-        "--dtype", nargs="+", default=["fp64"], choices=["fp64", "fp32"],
-        help="precisions to run (default: fp64; add fp32 for the fp32 table, about twice the time)",
+        "--device", default="cpu", choices=["cpu", "cuda"],
+        help="cpu (default): CP=N vs CP=1 on gloo processes; cuda: CP=N on N GPUs (nccl) vs CP=1 on the CPU in fp64 "
+        "(--model ds4 / ds4_proxy; default --dtype fp32 bf16; verl_ds4.verify.device_run)",
+    )
+    parser.add_argument(
+        "--dtype", nargs="+", default=None, choices=["fp64", "fp32", "bf16"],
+        help="precisions to run (cpu default: fp64; add fp32 for the fp32 table, about twice the time; "
+        "cuda default: fp32 bf16; bf16 on cuda only)",
     )
     parser.add_argument("--fp64-rtol", type=float, default=1e-10, help="max relative difference allowed in fp64 (default 1e-10)")
     parser.add_argument("--fp32-rtol", type=float, default=1e-3, help="max relative difference allowed in fp32 (default 1e-3)")
@@ -126,7 +132,34 @@ def _run_ds41(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _device_problems(args: argparse.Namespace) -> list[str]:
+    """What ``--device`` / ``--dtype`` refuse (checked before any model is built)."""
+    problems = []
+    if args.device == "cuda":
+        if args.model == "ds41" or args.hf_checkpoint is not None:
+            problems.append("--device cuda runs the CP parity of --model ds4 / ds4_proxy against the fp64 CPU reference; "
+                            "V4.1 on a GPU: python benchmarks/gpu/device_checks.py --checks ds41 (drop --device or the model / folder)")  # fmt: skip
+        if args.cp is None or args.cp < 1:
+            problems.append("--device cuda needs --cp N >= 1 (N GPUs, one CP rank each)")
+    elif args.dtype and "bf16" in args.dtype:
+        problems.append("--dtype bf16 runs on --device cuda only (CPU bf16 is neither fast nor what training uses); drop bf16")
+    return problems
+
+
 def run(args: argparse.Namespace) -> int:
+    problems = _device_problems(args)
+    if problems:
+        print("verify: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        from verl_ds4.verify.device_run import cuda_problem, run_cli
+
+        problem = cuda_problem(args.cp)
+        if problem:
+            print(f"verify: {problem}", file=sys.stderr)
+            return 2
+        return run_cli(args)
+    args.dtype = args.dtype or ["fp64"]
     if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.verify.ds41_hf
         from verl_ds4.verify.ds41_hf import run_cli
 
