@@ -24,7 +24,7 @@ __all__ = ["DEVICE_DTYPES", "DEVICE_TOLERANCES", "cuda_problem", "run_against_fp
 #: Precisions a device run checks when ``--dtype`` is not given.
 DEVICE_DTYPES = ("fp32", "bf16")
 #: Max relative differences (max|x - ref| / max|ref|) against the fp64 CPU reference.
-DEVICE_TOLERANCES = {"fp64": 1e-10, "fp32": 1e-3, "bf16": 1.5e-1}
+DEVICE_TOLERANCES = {"fp64": 1e-10, "fp32": 1e-3, "bf16": 2e-1}
 
 
 def cuda_problem(cp: int) -> str | None:

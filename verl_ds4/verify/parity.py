@@ -66,6 +66,10 @@ PRECISION_OVERRIDES = {"bf16": {"dsa_indexer_topk": 1 << 20}}
 #: indexer loss at 0, as the recipes): one MTP depth and a non-zero indexer-loss coefficient.
 MTP_DEPTHS = 1
 INDEXER_LOSS_COEFF = 1e-2
+#: The CPU jobs' tiny DS4 vocabulary: ``sft_data.padded_vocab_size(sft_data.tokenizer_size())``, recorded
+#: because that tokenizer takes DS4's control tokens from verl, which a GPU machine running verify may
+#: lack (tests/test_verify_device_on_cpu.py checks the record against the tokenizer).
+TINY_VOCAB_SIZE = 104
 
 
 @dataclass
@@ -274,10 +278,9 @@ def _ds4_config(cfg) -> dict:
     from pathlib import Path
 
     from verl_ds4.cpu.ds4_model_dir import ds4_tiny_hf_config
-    from verl_ds4.cpu.sft_data import padded_vocab_size, tokenizer_size
 
     if cfg is None:
-        return ds4_tiny_hf_config(vocab_size=padded_vocab_size(tokenizer_size()), num_nextn_predict_layers=MTP_DEPTHS).to_dict()
+        return ds4_tiny_hf_config(vocab_size=TINY_VOCAB_SIZE, num_nextn_predict_layers=MTP_DEPTHS).to_dict()
     if isinstance(cfg, dict):
         return dict(cfg)
     text = str(cfg)

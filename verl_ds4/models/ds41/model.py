@@ -123,8 +123,8 @@ def run_decoder(layers, engram_hasher, facts, embedded: torch.Tensor, input_ids:
     if engram_hasher is not None:
         cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
-        cu = (torch.tensor([0, rows * cp_size]) if cu_seqlens_padded is None else cu_seqlens_padded).long()
-        sequence, _ = _row_positions(cu.to(input_ids.device), rows, cp_rank, 0)
+        cu = torch.tensor([0, rows * cp_size], device=input_ids.device) if cu_seqlens_padded is None else cu_seqlens_padded
+        sequence, _ = _row_positions(cu.to(input_ids.device, torch.long), rows, cp_rank, 0)
         hashes = engram_hasher(input_ids, sequence_ids=sequence + 1, cp_group=cp_group)
     state = CSA2State()
     for layer in layers:
