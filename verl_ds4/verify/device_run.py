@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import time
 
-from .parity import RunOptions, compare, format_table, rows_passed, run_parity
+from . import parity
+from .parity import RunOptions, compare, format_table, rows_passed
 
 __all__ = ["DEVICE_DTYPES", "DEVICE_TOLERANCES", "cuda_problem", "run_against_fp64", "routing_notes"]
 
@@ -47,10 +48,10 @@ def run_against_fp64(cp: int, device: str = "cuda", dtypes=DEVICE_DTYPES, model:
     """``(rows, notes, seconds)``: CP = ``cp`` on ``device`` in ``dtypes`` against the fp64 CPU reference."""
     start = time.perf_counter()
     common = dict(cfg=cfg, seed=seed, timeout=timeout, model=model, dtypes=tuple(dtypes), batches=batches)
-    reference = run_parity(1, layout_checks=False, options=RunOptions(reference=True, record_routes=True), **common)
+    reference = parity.run_parity(1, layout_checks=False, options=RunOptions(reference=True, record_routes=True), **common)
     replay = {key: {role: {n: r["native"] for n, r in rs.items()} for role, rs in roles.items()}
               for key, roles in reference.routes.items() if key[0] == "bf16"}  # fmt: skip
-    result = run_parity(cp, layout_checks=layout_checks, options=RunOptions(device=device, record_routes=True, replay=replay), **common)
+    result = parity.run_parity(cp, layout_checks=layout_checks, options=RunOptions(device=device, record_routes=True, replay=replay), **common)
     rows = compare(result, reference, tolerances=DEVICE_TOLERANCES)
     return rows, routing_notes(result, reference), time.perf_counter() - start
 
