@@ -10,9 +10,9 @@ and the trainers build them, one training step on the device against the same st
 
 Each runs fp32 natively and bf16 with the reference's expert choices replayed and every indexer block
 kept (a bf16 near-tie is a different function, not an error); the reference is our own model on the
-CPU in fp64 (NeMo Automodel is not on the GPU machine). One ``PASS``/``FAIL`` line per model and
-precision; the word ``ds4`` / ``ds41`` is in it. Needs torch, numpy, megatron-core (carried as a wheel)
-and, for V4.1's Engram table, tokenizers + transformers; never verl.
+CPU in fp64 (NeMo Automodel is not on the GPU machine). One ``PASS``/``FAIL`` line per model (the word
+``ds4`` / ``ds41`` in it) with both precisions' figures. Needs torch, numpy, megatron-core (carried as a
+wheel) and, for V4.1's Engram table, tokenizers + transformers; never verl.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ def _summary(rows, tol) -> tuple[bool, str]:
 
 def check_ds4(device: str, quick: bool = False):
     """The full tiny DS4 (actor with MTP and indexer loss, critic) vs CPU fp64."""
-    from device_checks import CheckResult
     from verl_ds4.verify import parity
     from verl_ds4.verify.routes import count_differences
 
@@ -94,11 +93,16 @@ def check_ds4(device: str, quick: bool = False):
             a, b = count_differences(got, reference.routes[(d, "ragged")][role])
             differ, total = differ + a, total + b
         how = "replayed" if d == "bf16" else "native"
-        results.append(CheckResult(
-            f"ds4 whole model {_NAMES[d]} on {device}", ok,
-            f"{detail}; routes {how}, {differ} of {total} choices differ natively; {sum(lengths)} tokens; "
-            f"actor+critic steps in both precisions {seconds:.1f} s"))  # fmt: skip
-    return results
+        results.append((ok, f"{_NAMES[d]}: {detail}; routes {how}, {differ} of {total} choices differ natively"))
+    tail = f"{sum(lengths)} tokens, actor (MTP, indexer loss) + critic; both precisions' steps {seconds:.1f} s"
+    return [_one_line(f"ds4 whole model on {device}", results, tail)]
+
+
+def _one_line(name: str, parts, tail: str):
+    """One PASS/FAIL line per model: every precision's figures in it."""
+    from device_checks import CheckResult
+
+    return CheckResult(name, all(ok for ok, _ in parts), " | ".join(text for _, text in parts) + f" | {tail}")
 
 
 def _ds41_case(quick: bool):
@@ -164,7 +168,6 @@ def check_ds41(device: str, quick: bool = False):
     import torch
     from megatron.core import parallel_state
 
-    from device_checks import CheckResult
     from verl_ds4.verify import parity
     from verl_ds4.verify.routes import count_differences
 
@@ -193,11 +196,9 @@ def check_ds41(device: str, quick: bool = False):
                 detail += f"; engram grads {row.max_rel:.1e} (reported, not judged: {ENGRAM_NOTE})"
             differ, total = count_differences(our_routes, ref_routes)
             how = "replayed" if d == "bf16" else "native"
-            results.append(CheckResult(
-                f"ds41 whole model {_NAMES[d]} on {device}", ok,
-                f"{detail}; routes {how}, {differ} of {total} choices differ natively; {sum(lengths)} tokens; "
-                f"fwd+bwd {ms * 1e3:.0f} ms"))  # fmt: skip
+            results.append((ok, f"{_NAMES[d]}: {detail}; routes {how}, {differ} of {total} choices differ natively; "
+                                f"fwd+bwd {ms * 1e3:.0f} ms"))  # fmt: skip
     finally:
         parallel_state.destroy_model_parallel()
         close()
-    return results
+    return [_one_line(f"ds41 whole model on {device}", results, f"{sum(lengths)} tokens, DS41MegatronModel (LM head)")]
