@@ -30,15 +30,15 @@ _NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def _single_rank(device: str):
-    """A one-rank process group (Megatron's parallel state needs one); returns a closer."""
+    """A one-rank gloo group (Megatron's parallel state needs one; at CP = 1 nothing is communicated, and
+    the CPU reference runs in the same process); returns a closer."""
     import torch.distributed as dist
 
     from verl_ds4.mcore.distributed import free_port
 
     if dist.is_initialized():
         return lambda: None
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dist.destroy_process_group
 
 
