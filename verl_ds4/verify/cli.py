@@ -132,32 +132,32 @@ def _run_ds41(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _device_problems(args: argparse.Namespace) -> list[str]:
-    """What ``--device`` / ``--dtype`` refuse (checked before any model is built)."""
-    problems = []
-    if args.device == "cuda":
-        if args.model == "ds41" or args.hf_checkpoint is not None:
-            problems.append("--device cuda runs the CP parity of --model ds4 / ds4_proxy against the fp64 CPU reference; "
-                            "V4.1 on a GPU: python benchmarks/gpu/device_checks.py --checks ds41 (drop --device or the model / folder)")  # fmt: skip
-        if args.cp is None or args.cp < 1:
-            problems.append("--device cuda needs --cp N >= 1 (N GPUs, one CP rank each)")
-    elif args.dtype and "bf16" in args.dtype:
-        problems.append("--dtype bf16 runs on --device cuda only (CPU bf16 is neither fast nor what training uses); drop bf16")
-    return problems
-
-
 def run(args: argparse.Namespace) -> int:
-    problems = _device_problems(args)
-    if problems:
-        print("verify: " + "; ".join(problems), file=sys.stderr)
-        return 2
-    if args.device == "cuda":
-        from verl_ds4.verify.device_run import cuda_problem, run_cli
+    if args.device == "cuda" or (args.dtype and "bf16" in args.dtype):  # refused before any model is built
+        problems = []
+        if args.device != "cuda":
+            problems.append("--dtype bf16 runs on --device cuda only (CPU bf16 is neither fast nor what training uses); drop bf16")
+        elif args.model == "ds41" or args.hf_checkpoint is not None:
+            problems.append("--device cuda runs the CP parity of --model ds4 / ds4_proxy against the fp64 CPU reference; V4.1 "
+                            "on a GPU: python benchmarks/gpu/device_checks.py --checks ds41 (drop --device or the model / folder)")  # fmt: skip
+        elif args.cp is None or args.cp < 1:
+            problems.append("--device cuda needs --cp N >= 1 (N GPUs, one CP rank each)")
+        else:
+            import torch
 
-        problem = cuda_problem(args.cp)
-        if problem:
-            print(f"verify: {problem}", file=sys.stderr)
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            if not torch.cuda.is_available():
+                problems.append(f"--device cuda: no CUDA GPU is visible (torch {torch.__version__}, {build}: "
+                                "torch.cuda.is_available() is False). Run on a GPU machine, or use --device cpu.")  # fmt: skip
+            elif args.cp > torch.cuda.device_count():
+                problems.append(f"--device cuda --cp {args.cp}: {torch.cuda.device_count()} CUDA GPU(s) visible, and each CP "
+                                f"rank needs its own GPU. Give --cp {torch.cuda.device_count()} or less, or make more GPUs "
+                                "visible (CUDA_VISIBLE_DEVICES).")  # fmt: skip
+        if problems:
+            print("verify (--device, --dtype): " + "; ".join(problems), file=sys.stderr)
             return 2
+        from verl_ds4.verify.device_run import run_cli
+
         return run_cli(args)
     args.dtype = args.dtype or ["fp64"]
     if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.verify.ds41_hf

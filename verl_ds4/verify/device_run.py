@@ -9,7 +9,8 @@ router's choice is recorded in the reference; fp32 routes natively, bf16 replays
 routes (:mod:`.routes`); the report counts, per precision, the rows whose experts the device would
 pick differently natively. At CP > 1 the negative controls of the CPU check run on the GPUs too.
 
-Refused before any model is built: no visible GPU, or ``--cp`` above the visible GPU count.
+Refused before any model is built (:func:`verl_ds4.verify.cli.run`): no visible GPU, or ``--cp`` above the
+visible GPU count.
 """
 
 from __future__ import annotations
@@ -20,27 +21,12 @@ import time
 from . import parity
 from .parity import RunOptions, compare, format_table, rows_passed
 
-__all__ = ["DEVICE_DTYPES", "DEVICE_TOLERANCES", "cuda_problem", "run_against_fp64", "routing_notes"]
+__all__ = ["DEVICE_DTYPES", "DEVICE_TOLERANCES", "run_against_fp64", "routing_notes", "run_cli"]
 
 #: Precisions a device run checks when ``--dtype`` is not given.
 DEVICE_DTYPES = ("fp32", "bf16")
 #: Max relative differences (max|x - ref| / max|ref|) against the fp64 CPU reference.
 DEVICE_TOLERANCES = {"fp64": 1e-10, "fp32": 1e-3, "bf16": 2e-1}
-
-
-def cuda_problem(cp: int) -> str | None:
-    """Why ``--device cuda --cp cp`` cannot run here, or ``None``."""
-    import torch
-
-    if not torch.cuda.is_available():
-        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        return (f"--device cuda: no CUDA GPU is visible (torch {torch.__version__}, {build}: torch.cuda.is_available() "
-                "is False). Run on a GPU machine, or use --device cpu.")  # fmt: skip
-    count = torch.cuda.device_count()
-    if cp > count:
-        return (f"--device cuda --cp {cp}: {count} CUDA GPU(s) visible, and each CP rank needs its own GPU. "
-                f"Give --cp {count} or less, or make more GPUs visible (CUDA_VISIBLE_DEVICES).")  # fmt: skip
-    return None
 
 
 def run_against_fp64(cp: int, device: str = "cuda", dtypes=DEVICE_DTYPES, model: str = "ds4", cfg=None, seed: int = 1234,
