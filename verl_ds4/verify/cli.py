@@ -1,4 +1,4 @@
-"""Prove context-parallel parity of the DS4 data path on CPU with the full tiny DeepSeek-V4.
+"""Prove context-parallel parity of the DS4 data path with the full tiny DeepSeek-V4 (CPU, or GPUs with --device cuda).
 
 Runs the CPU jobs' tiny DS4 (``--model ds4``, default: a Megatron-Core GPTModel with mHC, DS4
 hybrid attention (sliding, CSA and HCA layers) and the DS4 MoE with a hash layer; or
@@ -25,7 +25,12 @@ built" until the drafter's training exists. Negative controls at CP = N that mus
 refused: Engram n-grams without the previous rank's tokens, reading layers that recompute the
 shared CSA2 state, zigzag (:mod:`verl_ds4.verify.ds41`). Progress goes to stderr.
 
+With ``--device cuda --cp N`` the same step runs on N GPUs (one nccl process each) in fp32 and bf16 and is
+compared with CP=1 on the CPU in fp64 (:mod:`verl_ds4.verify.device_run`): bf16 replays the reference's
+expert choices and keeps every indexer block; the negative controls run on the GPUs at N > 1.
+
 Examples:  verl-ds4 verify --cp 8
+           verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
            verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.verify.ds41_hf: our
@@ -56,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fp64-rtol", type=float, default=1e-10, help="max relative difference allowed in fp64 (default 1e-10)")
     parser.add_argument("--fp32-rtol", type=float, default=1e-3, help="max relative difference allowed in fp32 (default 1e-3)")
+    parser.add_argument("--bf16-rtol", type=float, default=2e-1, help="--device cuda: max relative difference of bf16 from the fp64 reference (default 0.2)")
     parser.add_argument(
         "--model", default="ds4", choices=["ds4", "ds4_proxy", "ds41"],
         help="ds4: the full tiny DS4 (default); ds4_proxy: the attention-only proxy; ds41: the tiny DeepSeek-V4.1 in "

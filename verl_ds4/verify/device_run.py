@@ -30,7 +30,7 @@ DEVICE_TOLERANCES = {"fp64": 1e-10, "fp32": 1e-3, "bf16": 2e-1}
 
 
 def run_against_fp64(cp: int, device: str = "cuda", dtypes=DEVICE_DTYPES, model: str = "ds4", cfg=None, seed: int = 1234,
-                     layout_checks: bool = True, timeout: float = 600.0, batches=None):  # fmt: skip
+                     layout_checks: bool = True, timeout: float = 600.0, batches=None, tolerances=None):  # fmt: skip
     """``(rows, notes, seconds)``: CP = ``cp`` on ``device`` in ``dtypes`` against the fp64 CPU reference."""
     start = time.perf_counter()
     common = dict(cfg=cfg, seed=seed, timeout=timeout, model=model, dtypes=tuple(dtypes), batches=batches)
@@ -38,7 +38,7 @@ def run_against_fp64(cp: int, device: str = "cuda", dtypes=DEVICE_DTYPES, model:
     replay = {key: {role: {n: r["native"] for n, r in rs.items()} for role, rs in roles.items()}
               for key, roles in reference.routes.items() if key[0] == "bf16"}  # fmt: skip
     result = parity.run_parity(cp, layout_checks=layout_checks, options=RunOptions(device=device, record_routes=True, replay=replay), **common)
-    rows = compare(result, reference, tolerances=DEVICE_TOLERANCES)
+    rows = compare(result, reference, tolerances={**DEVICE_TOLERANCES, **(tolerances or {})})
     return rows, routing_notes(result, reference), time.perf_counter() - start
 
 
@@ -61,8 +61,10 @@ def routing_notes(result, reference) -> list[str]:
 def run_cli(args) -> int:
     """``verify --device cuda`` (the arguments are checked by :func:`verl_ds4.verify.cli.run`)."""
     dtypes = tuple(args.dtype) if args.dtype else DEVICE_DTYPES
+    tolerances = {"fp64": args.fp64_rtol, "fp32": args.fp32_rtol, "bf16": args.bf16_rtol}
     rows, notes, seconds = run_against_fp64(args.cp, dtypes=dtypes, model=args.model, cfg=args.config, seed=args.seed,
-                                            layout_checks=not args.no_layout_checks, timeout=args.timeout)  # fmt: skip
+                                            layout_checks=not args.no_layout_checks, timeout=args.timeout,
+                                            tolerances=tolerances)  # fmt: skip
     import torch
 
     ok = rows_passed(rows)
@@ -71,7 +73,7 @@ def run_cli(args) -> int:
     title = f"{name}: CP={args.cp} on {args.cp} x {gpu} ({', '.join(dtypes)}) vs CP=1 on the CPU in fp64"
     notes = [
         "rel = max|x_gpu - x_ref| / max|x_ref| per quantity (a gradient group: over all its parameters); "
-        f"tolerances {', '.join(f'{d} {DEVICE_TOLERANCES[d]:g}' for d in dtypes)}; bf16 keeps every indexer block.",
+        f"tolerances {', '.join(f'{d} {tolerances[d]:g}' for d in dtypes)}; bf16 keeps every indexer block.",
         *notes,
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), nccl ranks: {args.cp}.",
     ]
