@@ -96,7 +96,7 @@ def test_nemo_writes_the_format_in_question(v41):
 
 @needs_reference
 def test_v41_builder_reads_nemo_folder_as_nemo_does(v41, tmp_path, capsys):
-    from verl_ds4.cpu.verify_ds41_hf import compare_folder_with_nemo
+    from verl_ds4.verify.ds41_hf import compare_folder_with_nemo
 
     folder, control = v41
     report = tmp_path / "verify.json"
@@ -232,7 +232,7 @@ def _nemo_v4_folder(hf, weights: Path, path: Path, yarn: dict) -> Path:
 
 
 def test_v4_reads_transformers_and_nemo_folders_as_transformers_does(v4):
-    from verl_ds4.cpu.verify_hf import compare_with_transformers
+    from verl_ds4.verify.hf import compare_with_transformers
     from verl_ds4.models.ds4 import hf_logits
 
     tf = json.loads((v4["tf"] / "config.json").read_text())

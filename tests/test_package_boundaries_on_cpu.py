@@ -34,6 +34,7 @@ FLOORS = {
     "cpu": 5,
     "recipes": 5,
     "rollout": 6,
+    "verify": 6,
     "cli": 7,
     "testing": 8,
 }

@@ -84,8 +84,8 @@ SCOPE = (
     "verl_ds4/rollout/cpu.py",
     "verl_ds4/rollout/agent_loop.py",
     "verl_ds4/cli.py",
-    "verl_ds4/cpu/verify_cli.py",
-    "verl_ds4/cpu/verify_ds41_hf.py",
+    "verl_ds4/verify/cli.py",
+    "verl_ds4/verify/ds41_hf.py",
     "verl_ds4/layout/plan_cli.py",
     "verl_ds4/engine/doctor_cli.py",
 )

@@ -52,7 +52,7 @@ def pack_sequences(model, sequences: Sequence[torch.Tensor], cp_rank: int = 0, c
     from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for
 
     lengths = [int(s.numel()) for s in sequences]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    offsets = torch.tensor([0, *lengths], device=sequences[0].device).cumsum(0)  # on the ids' device (CUDA too)
     nested = torch.nested.nested_tensor_from_jagged(torch.cat([s.view(-1).long() for s in sequences]), offsets=offsets)
     plan = make_plan(nested, PlanOptions(layout="contiguous", cp_size=cp_size, min_local_rows=min_local_rows_of(model)))
     params = packed_seq_params_for(plan, layout_consumer_checked=True)
