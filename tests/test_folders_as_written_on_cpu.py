@@ -33,7 +33,7 @@ YARN8 = {"rope_type": "yarn", "factor": 8, "beta_fast": 32, "beta_slow": 1, "ori
 
 
 def verify(argv: list[str]) -> int:
-    from verl_ds4.cpu import verify_cli
+    from verl_ds4.verify import cli as verify_cli
 
     parser = argparse.ArgumentParser()
     verify_cli.add_arguments(parser)
