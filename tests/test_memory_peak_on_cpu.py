@@ -86,7 +86,7 @@ def test_calibration_reproduces_the_committed_h200_measurements(tmp_path):
     assert mc.compare(str(tmp_path / "off.json")) == 1
     cli = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "memory_calibration.py"), "--compare", str(results)],
                          capture_output=True, text=True, timeout=300)
-    assert cli.returncode == 0 and "8 of 8 within tolerance" in cli.stdout
+    assert cli.returncode == 0 and "9 of 9 within tolerance" in cli.stdout
 
 
 def _flash():

@@ -259,6 +259,8 @@ def model_figure(record: dict) -> float:
     from verl_ds4.recipes.memory import GIB
     from verl_ds4.recipes.peak import StepShape, step_peak
 
+    if "mesh" in record:  # a whole model on a mesh (a published run): the stage with the highest peak, margin excluded
+        return _mesh_peak(record)
     shape = Shape(**{k: tuple(v) if k == "compress_ratios" else v for k, v in (record.get("shape") or {}).items()})
     tokens, recompute = int(record["tokens"]), record.get("recompute", "none")
     if record["path"] == "reference":
@@ -271,6 +273,22 @@ def model_figure(record: dict) -> float:
     rec = {"none": frozenset(), "selective": frozenset({"moe_act", "mhc"}), "full": None}[recompute]
     peak = step_peak(sizes, list(shape.compress_ratios), path=record["path"], shape=step, recompute=rec, margin=False)
     return peak.activations_gib + peak.transient_gib
+
+
+def _mesh_peak(record: dict) -> float:
+    from importlib.resources import files
+
+    import yaml
+
+    from verl_ds4.models.ds4.sizes import DS4Sizes
+    from verl_ds4.recipes.memory import Mesh, peak_stage, training_memory
+
+    block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / f"{record['model']}.yaml").read_text())
+    sizes = DS4Sizes.from_hf_config({}, record["model"], fallback=block)
+    recompute = None if record["recompute"] == "full" else frozenset(record["recompute"])
+    stages = training_memory(sizes, Mesh(**record["mesh"]), mtp=record.get("mtp", False), tokens_per_gpu=int(record["tokens"]),
+                             path=record["path"], recompute=recompute, max_seq_len=record.get("max_seq_len"), margin=False)
+    return peak_stage(stages).peak_gib
 
 
 def compare(path: str) -> int:
