@@ -151,9 +151,9 @@ def test_host_ram_per_node_is_checked_and_the_explicit_figure_wins():
     with pytest.raises(RecipeValidationError, match=r"host memory: a node needs 2040 GiB of RAM \(offloaded states 1797, "
                        r"checkpoint staging 164, processes 64, data loader 16\) but has 1863 GiB \(H200 node"):
         validate()
-    assert validate("+ds4.mesh.host_memory_gib=2100").memory.host_capacity_gib == 2100
+    assert validate("ds4.mesh.host_memory_gib=2100").memory.host_capacity_gib == 2100
     with pytest.raises(RecipeValidationError, match="host memory"):  # control: one short of the need is refused
-        validate("+ds4.mesh.host_memory_gib=2030")
+        validate("ds4.mesh.host_memory_gib=2030")
 
 
 def test_v41_refuses_pipeline_parallelism_of_its_provider():

@@ -209,7 +209,7 @@ BAD_CASES = [
     ("full_without_method", "sft", ["ds4.recompute_method=null"], "is full without recompute_method"),
     ("recompute_granularity_unknown", "sft", ["ds4.recompute_granularity=some"], "is 'some'; expected null, selective or full"),
     ("headroom_out_of_range", "sft", ["ds4.memory_headroom=1.5"], "ds4.memory_headroom: headroom is 1.5; expected a fraction in [0, 1)"),
-    ("host_memory_negative", "sft", ["+ds4.mesh.host_memory_gib=-1"], "ds4.mesh.host_memory_gib: ds4.mesh.host_memory_gib is -1"),
+    ("host_memory_negative", "sft", ["ds4.mesh.host_memory_gib=-1"], "ds4.mesh.host_memory_gib: ds4.mesh.host_memory_gib is -1"),
     ("cp_balance_on_verls_config", "ppo", ["ds4.cp_balance=ds4", "critic.megatron._target_=verl.workers.config.McoreEngineConfig"], "critic.megatron._target_: is 'verl.workers.config.McoreEngineConfig', which has no cp_balance field"),
 ]
 
