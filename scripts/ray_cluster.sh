@@ -183,8 +183,10 @@ start_node() {
     for arg in "$@"; do
         if [ "$arg" = --block ]; then
             ds4_say "log         this process's output (--block: the node runs in the foreground)"
-            ds4_run ray start "$@"
-            return
+            local rc=0
+            ds4_run ray start "$@" || rc=$?
+            [ "$DRY_RUN" = 1 ] || echo "[verl-ds4] the Ray $role on $(hostname -s) stopped: ray start exited with status $rc" >&2
+            return "$rc"
         fi
     done
     local dir pid
@@ -301,7 +303,33 @@ case "$command_name" in
         wait_at="the cluster of this node"
         [ -n "${RAY_HEAD_IP:-}" ] && wait_at="$RAY_HEAD_IP:$RAY_PORT"
         ds4_say "wait        for $NNODES Ray node(s) at $wait_at, at most ${RAY_WAIT_TIMEOUT}s"
-        ds4_run "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}"
+        if [ "$DRY_RUN" = 1 ]; then
+            ds4_run "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}"
+            exit 0
+        fi
+        # The nodes this script started on this host (RAY_NODE_DIR, else the default head and worker
+        # folders) are watched while waiting: one whose `ray start` exits ends the wait at once.
+        if [ -n "$RAY_NODE_DIR" ]; then dirs=("$RAY_NODE_DIR"); else dirs=("$(node_dir head)" "$(node_dir worker)"); fi
+        watched=()
+        for dir in "${dirs[@]}"; do
+            node_owner_pid "$dir" >/dev/null && watched+=("$dir")
+        done
+        "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}" &
+        waiter=$!
+        while kill -0 "$waiter" 2>/dev/null; do
+            for dir in "${watched[@]+"${watched[@]}"}"; do
+                node_owner_pid "$dir" >/dev/null && continue
+                kill "$waiter" 2>/dev/null || true
+                echo "error: the Ray node of $dir stopped while waiting for $NNODES node(s) (its ray start exited)" >&2
+                ds4_log_tail "Ray node of $dir" "$dir/ray_start.log"
+                rm -f "$dir/ray_start.pid"
+                exit 1
+            done
+            sleep 1
+        done
+        status=0
+        wait "$waiter" || status=$?
+        exit "$status"
         ;;
     submit)
         [ $# -ge 1 ] || ds4_die "submit needs a recipe: ppo or grpo (e.g. bash scripts/ray_cluster.sh submit ppo)"

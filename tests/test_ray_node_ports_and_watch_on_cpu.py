@@ -17,6 +17,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,48 @@ def test_the_real_draw_on_this_host():
     bad = subprocess.run([sys.executable, "scripts/ray_node_ports.py", "7", "70000"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and "RAY_WORKER_PORTS=70000 does not fit in 20000-65535" in bad.stderr, bad.stderr
+
+
+def _wait_nodes_with_a_node_owner(tmp_path: Path, owner_s: float, waiter_s: float) -> tuple[subprocess.CompletedProcess,
+                                                                                            float]:
+    """``ray_cluster.sh wait-nodes`` with RAY_NODE_DIR holding a running node owner (a stand-in whose command line
+    reads like ``ray start --block``; it exits after owner_s) and a stand-in waiter (PYTHON: exits 0 after
+    waiter_s). No Ray runs."""
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / "ray_start.log").write_text("Ray component dashboard_agent_http is trying to use a port number 10001 "
+                                        "that is used by other components.\n")
+    owner = subprocess.Popen(["bash", "-c", f"sleep {owner_s}; exit 0", "ray", "start", "--block"])
+    (node / "ray_start.pid").write_text(f"{owner.pid}\n")
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!{sys.executable}\nimport time\ntime.sleep({waiter_s})\nprint('waited')\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHON=str(fake_python), RAY_NODE_DIR=str(node), NNODES="2", RAY_HEAD_IP="127.0.0.1",
+               RAY_AUTH_MODE="disabled")
+    start = time.monotonic()
+    try:
+        out = subprocess.run(["bash", "scripts/ray_cluster.sh", "wait-nodes"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        owner.kill()
+        owner.wait()
+    return out, time.monotonic() - start
+
+
+def test_wait_nodes_ends_at_once_when_a_node_it_started_stops(tmp_path):
+    out, wall = _wait_nodes_with_a_node_owner(tmp_path, owner_s=3, waiter_s=30)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert wall < 15, f"wait-nodes took {wall:.0f} s"
+    node = tmp_path / "node"
+    assert (f"error: the Ray node of {node} stopped while waiting for 2 node(s) (its ray start exited)"
+            in out.stderr), out.stderr
+    assert f"---- Ray node of {node}: last 40 lines of {node}/ray_start.log ----" in out.stderr
+    assert "trying to use a port number 10001" in out.stderr and "waited" not in out.stdout
+    assert not (node / "ray_start.pid").exists()
+
+
+def test_negative_control_wait_nodes_with_its_node_alive_ends_with_the_waiter(tmp_path):
+    out, wall = _wait_nodes_with_a_node_owner(tmp_path, owner_s=30, waiter_s=1)
+    assert out.returncode == 0 and "waited" in out.stdout, out.stdout + out.stderr
+    assert "stopped while waiting" not in out.stderr
