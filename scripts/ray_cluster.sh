@@ -13,7 +13,9 @@
 # recorded under RAY_NODE_DIR by PID: SIGTERM to the owner (Ray stops its processes), then SIGKILL
 # to any process of that node still alive after 20 s; other Ray instances on the host are left
 # alone. `stop --all` is `ray stop` (every Ray process of this user on the host). With an explicit
-# `--block` (as scripts/slurm_ray_rl.sbatch starts nodes under srun) the node runs in the foreground.
+# `--block` (as scripts/slurm_ray_rl.sbatch starts nodes under srun) the node runs in the foreground
+# (and says so in its output when `ray start` exits). `wait-nodes` watches the nodes this script started
+# on this host (RAY_NODE_DIR) and ends at once, with the node's log tail, when one of them stops.
 # Before starting, every command prints the node's address, ports, resources and where its log goes.
 #
 # `submit` runs `ray job submit` of the recipe's local launcher
