@@ -5,8 +5,8 @@
 Prints COUNT distinct TCP ports free on this host now, then the first and last port of a window of WIDTH
 ports (the node's workers'; drawn first, the COUNT ports lie outside it) that are all free now and that no
 running raylet on this host has as its worker range (read from the raylets' command lines), all drawn at
-random from 20000 up to the kernel's ephemeral range, never one of Ray's default ports. AVOID: ports the node's command line names itself
-(RAY_PORT, RAY_DASHBOARD_PORT).
+random from 20000 up to the kernel's ephemeral range, never one of Ray's default ports. AVOID: ports the
+node's command line names itself (RAY_PORT, RAY_DASHBOARD_PORT).
 
 Ray's own defaults are left out of every draw (ray 2.60, ``ray start`` in ray/scripts/scripts.py and
 ray/_private/ray_constants.py): a node's component whose port is not set explicitly takes its default,

@@ -32,6 +32,7 @@ SERVICES = 7  # node manager, object manager, dashboard agent http + grpc, runti
 
 def _ray_start_defaults() -> dict[str, object]:
     """Every port option of the installed ``ray start`` -> the port it takes when not given."""
+    pytest.importorskip("ray")
     from ray._private import ray_constants
     from ray.scripts.scripts import start
 
