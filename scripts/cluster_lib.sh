@@ -357,8 +357,9 @@ DS4_BG_PIDS=()
 
 # ds4_srun_step [--bg] SRUN_OPTIONS... -- COMMAND...
 # Runs `srun SRUN_OPTIONS... <container args> COMMAND...` (in the background with --bg). Under
-# DRY_RUN=1 it prints the line and, when COMMAND is `bash scripts/ray_cluster.sh ...`, the commands
-# that launcher would run on the node, indented below it.
+# DRY_RUN=1 it prints the line and, when COMMAND is `bash scripts/ray_cluster.sh ...` (or
+# `bash -c '...' scripts/ray_cluster.sh ...`), the commands that launcher would run on the node,
+# indented below it.
 ds4_srun_step() {
     local bg=0
     if [ "${1:-}" = --bg ]; then
@@ -381,6 +382,9 @@ ds4_srun_step() {
         fi
         if [ "${1:-}" = bash ] && [ "${2:-}" = scripts/ray_cluster.sh ]; then
             DS4_PRINT_PREFIX="${DS4_PRINT_PREFIX:-}    " bash scripts/ray_cluster.sh --dry-run "${@:3}"
+        elif [ "${1:-}" = bash ] && [ "${2:-}" = -c ] && [ "${4:-}" = scripts/ray_cluster.sh ]; then
+            # A wrapper (bash -c '...' scripts/ray_cluster.sh ARGS) around the launcher.
+            DS4_PRINT_PREFIX="${DS4_PRINT_PREFIX:-}    " bash scripts/ray_cluster.sh --dry-run "${@:5}"
         fi
     elif [ "$bg" = 1 ]; then
         "${cmd[@]}" &

@@ -13,7 +13,9 @@
 # recorded under RAY_NODE_DIR by PID: SIGTERM to the owner (Ray stops its processes), then SIGKILL
 # to any process of that node still alive after 20 s; other Ray instances on the host are left
 # alone. `stop --all` is `ray stop` (every Ray process of this user on the host). With an explicit
-# `--block` (as scripts/slurm_ray_rl.sbatch starts nodes under srun) the node runs in the foreground.
+# `--block` (as scripts/slurm_ray_rl.sbatch starts nodes under srun) the node runs in the foreground
+# (and says so in its output when `ray start` exits). `wait-nodes` watches the nodes this script started
+# on this host (RAY_NODE_DIR) and ends at once, with the node's log tail, when one of them stops.
 # Before starting, every command prints the node's address, ports, resources and where its log goes.
 #
 # `submit` runs `ray job submit` of the recipe's local launcher
@@ -50,8 +52,9 @@
 #   RAY_NODE_PORTS     auto: this node's own services (dashboard agent, runtime-env agent, metrics,
 #                      node/object manager, Ray client server) on ports free now and its workers on a
 #                      window of RAY_WORKER_PORTS ports free now that no other raylet on this host uses,
-#                      all below the kernel's ephemeral range, so that two nodes can share one host;
-#                      empty: Ray's defaults
+#                      all from 20000 up to the kernel's ephemeral range and none of Ray's own defaults
+#                      (6379, 8265, 10001, 10002-19999, 52365), so that two nodes can share one host
+#                      (scripts/ray_node_ports.py); empty: Ray's defaults
 #   RAY_WORKER_PORTS   with RAY_NODE_PORTS=auto: how many worker ports the node's window has (default 200)
 #   RAY_START_TIMEOUT  seconds start-head / start-worker wait for the node (default 120)
 #   RAY_AUTH_MODE      Ray's token authentication (token | disabled); unset: token when a Ray token is
@@ -115,63 +118,6 @@ esac
 [ "$RAY_NODE_PORTS" = auto ] && ds4_require_positive_int RAY_WORKER_PORTS
 [ "$DS4_DEVICE" = cpu ] && RAY_NUM_CPUS=${RAY_NUM_CPUS:-16}
 
-# For RAY_NODE_PORTS=auto (node_ports N W [PORT...], PORTs to leave alone): N distinct TCP ports free on
-# this host now, then the first and last port of
-# a window of W ports (the node's workers') that are all free now and that no running raylet on this
-# host has as its worker range (read from its command line), all drawn at random below the kernel's
-# ephemeral range. A port the OS hands out (bind to port 0) can be taken by any process before its
-# owner binds it: seen, the runtime-env agent's "Address already in use" with workers on OS-assigned
-# ports, and verl's trainer losing its torch.distributed MASTER_PORT (an OS-assigned port it frees and
-# binds again) to a worker that bound it in between (EADDRINUSE in init_process_group, verl #5889).
-node_ports() {
-    "$PYTHON" - "$@" <<'PY'
-import os, random, re, socket, sys
-count, width = int(sys.argv[1]), int(sys.argv[2])
-avoid = {int(p) for p in sys.argv[3:] if p.isdigit()}  # ports this node's command line names itself
-try:
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-except (OSError, ValueError, IndexError):
-    low = 32768
-top = max(low, 10000 + 2 * width + 1000)
-taken = []  # worker ranges of the raylets running here
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-    except OSError:
-        continue
-    ranges = dict(re.fullmatch(r"--(min|max)_worker_port=(\d+)", a).groups() for a in args
-                  if re.fullmatch(r"--(min|max)_worker_port=(\d+)", a))
-    if "min" in ranges and "max" in ranges:
-        taken.append((int(ranges["min"]), int(ranges["max"])))
-
-def free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-rng, picked = random.SystemRandom(), []
-for _ in range(100000):
-    if len(picked) == count:
-        break
-    port = rng.randrange(10000, top)
-    if port not in picked and port not in avoid and not any(a <= port <= b for a, b in taken) and free(port):
-        picked.append(port)
-for _ in range(1000):
-    first = rng.randrange(10000, top - width)
-    last = first + width - 1
-    if any(a <= last and first <= b for a, b in taken) or any(first <= p <= last for p in picked + list(avoid)):
-        continue
-    if all(free(p) for p in range(first, last + 1)):
-        break
-else:
-    sys.exit(f"no window of {width} free worker ports found in 10000-{top - 1} (RAY_WORKER_PORTS={width}: lower it)")
-print(" ".join(map(str, picked + [first, last])))
-PY
-}
-
 ray_resource_args() {
     if [ "$DS4_DEVICE" = cpu ]; then
         ds4_procs_per_node   # logical GPUs: the CPU platform's Ray resource for its processes
@@ -197,23 +143,23 @@ ray_resource_args() {
     fi
     [ -n "$NODE_TEMP_DIR" ] && RESOURCE_ARGS+=(--temp-dir="$NODE_TEMP_DIR")
     if [ "$RAY_NODE_PORTS" = auto ]; then
+        # Every component of the node on its own port, none of them one of Ray's defaults: a component
+        # left to its default (the worker's Ray client server on 10001) can collide with a drawn one,
+        # and Ray then refuses to start the node (scripts/ray_node_ports.py has the list). RAY_PORT /
+        # RAY_DASHBOARD_PORT (bound only once the head runs) are left out of the draw.
+        local -a ports
         if [ "$DRY_RUN" = 1 ]; then
-            RESOURCE_ARGS+=(--node-manager-port=FREE --object-manager-port=FREE --dashboard-agent-listen-port=FREE
-                --dashboard-agent-grpc-port=FREE --runtime-env-agent-port=FREE --metrics-export-port=FREE
-                --min-worker-port=FIRST --max-worker-port="FIRST+$((RAY_WORKER_PORTS - 1))")
-            if [ "$1" = head ]; then RESOURCE_ARGS+=(--ray-client-server-port=FREE); fi
+            ports=(FREE FREE FREE FREE FREE FREE FREE FIRST "FIRST+$((RAY_WORKER_PORTS - 1))")
         else
-            # The head also serves Ray clients; RAY_PORT / RAY_DASHBOARD_PORT are bound only once it runs.
-            local picked want=(6 "$RAY_WORKER_PORTS")
-            if [ "$1" = head ]; then want=(7 "$RAY_WORKER_PORTS" "$RAY_PORT" "$RAY_DASHBOARD_PORT"); fi
-            picked=$(node_ports "${want[@]}") || ds4_die "RAY_NODE_PORTS=auto: could not pick this node's ports (above)"
+            local picked
+            picked=$("$PYTHON" "$REPO_ROOT/scripts/ray_node_ports.py" 7 "$RAY_WORKER_PORTS" "$RAY_PORT" "$RAY_DASHBOARD_PORT") ||
+                ds4_die "RAY_NODE_PORTS=auto: could not pick this node's ports (above)"
             read -r -a ports <<<"$picked"
-            RESOURCE_ARGS+=(--node-manager-port="${ports[0]}" --object-manager-port="${ports[1]}"
-                --dashboard-agent-listen-port="${ports[2]}" --dashboard-agent-grpc-port="${ports[3]}"
-                --runtime-env-agent-port="${ports[4]}" --metrics-export-port="${ports[5]}"
-                --min-worker-port="${ports[-2]}" --max-worker-port="${ports[-1]}")
-            if [ "$1" = head ]; then RESOURCE_ARGS+=(--ray-client-server-port="${ports[6]}"); fi
         fi
+        RESOURCE_ARGS+=(--node-manager-port="${ports[0]}" --object-manager-port="${ports[1]}"
+            --dashboard-agent-listen-port="${ports[2]}" --dashboard-agent-grpc-port="${ports[3]}"
+            --runtime-env-agent-port="${ports[4]}" --metrics-export-port="${ports[5]}"
+            --ray-client-server-port="${ports[6]}" --min-worker-port="${ports[7]}" --max-worker-port="${ports[8]}")
     fi
 }
 
@@ -239,8 +185,10 @@ start_node() {
     for arg in "$@"; do
         if [ "$arg" = --block ]; then
             ds4_say "log         this process's output (--block: the node runs in the foreground)"
-            ds4_run ray start "$@"
-            return
+            local rc=0
+            ds4_run ray start "$@" || rc=$?
+            [ "$DRY_RUN" = 1 ] || echo "[verl-ds4] the Ray $role on $(hostname -s) stopped: ray start exited with status $rc" >&2
+            return "$rc"
         fi
     done
     local dir pid
@@ -357,7 +305,33 @@ case "$command_name" in
         wait_at="the cluster of this node"
         [ -n "${RAY_HEAD_IP:-}" ] && wait_at="$RAY_HEAD_IP:$RAY_PORT"
         ds4_say "wait        for $NNODES Ray node(s) at $wait_at, at most ${RAY_WAIT_TIMEOUT}s"
-        ds4_run "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}"
+        if [ "$DRY_RUN" = 1 ]; then
+            ds4_run "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}"
+            exit 0
+        fi
+        # The nodes this script started on this host (RAY_NODE_DIR, else the default head and worker
+        # folders) are watched while waiting: one whose `ray start` exits ends the wait at once.
+        if [ -n "$RAY_NODE_DIR" ]; then dirs=("$RAY_NODE_DIR"); else dirs=("$(node_dir head)" "$(node_dir worker)"); fi
+        watched=()
+        for dir in "${dirs[@]}"; do
+            node_owner_pid "$dir" >/dev/null && watched+=("$dir")
+        done
+        "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}" &
+        waiter=$!
+        while kill -0 "$waiter" 2>/dev/null; do
+            for dir in "${watched[@]+"${watched[@]}"}"; do
+                node_owner_pid "$dir" >/dev/null && continue
+                kill "$waiter" 2>/dev/null || true
+                echo "error: the Ray node of $dir stopped while waiting for $NNODES node(s) (its ray start exited)" >&2
+                ds4_log_tail "Ray node of $dir" "$dir/ray_start.log"
+                rm -f "$dir/ray_start.pid"
+                exit 1
+            done
+            sleep 1
+        done
+        status=0
+        wait "$waiter" || status=$?
+        exit "$status"
         ;;
     submit)
         [ $# -ge 1 ] || ds4_die "submit needs a recipe: ppo or grpo (e.g. bash scripts/ray_cluster.sh submit ppo)"

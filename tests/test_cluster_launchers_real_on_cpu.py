@@ -14,7 +14,8 @@ verl's own trainers. The launchers are the ones a user submits on GPUs, with the
   state API); a third node that never joins makes ``wait-nodes`` time out naming the count and the
   address; ``stop`` leaves no process.
 * ``slurm_submit.sh ppo``: the Ray head on the first node, a worker on the second, the CPU PPO recipe,
-  Ray torn down; the job's exit status is the trainer's (a failing trainer's status comes back).
+  Ray torn down; the job's exit status is the trainer's (a failing trainer's status comes back); a worker
+  whose ``ray start`` exits ends the job within seconds with its log tail.
 * Bad input refused before any node starts: no MODEL_PATH on a GPU run, NNODES against the
   allocation, a node list that does not parse, a port in use.
 
@@ -58,12 +59,13 @@ _PICKED: set[int] = set()
 
 
 def _free_port() -> int:
-    """A port free now, below the kernel's ephemeral range (as ray_cluster.sh's RAY_NODE_PORTS=auto picks
-    them): one the OS hands out for port 0 can be taken by an outgoing connection before Ray binds it."""
+    """A port free now, from 20000 up to the kernel's ephemeral range (as ray_cluster.sh's RAY_NODE_PORTS=auto
+    picks them, clear of Ray's default ports 10001-19999): one the OS hands out for port 0 can be taken by an
+    outgoing connection before Ray binds it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     rng = random.SystemRandom()
     while True:
-        port = rng.randrange(10000, max(low, 11000))
+        port = rng.randrange(20000, max(low, 21000))
         if port in _PICKED:
             continue
         with socket.socket() as sock:
@@ -469,6 +471,47 @@ def test_slurm_ppo_job_exits_with_the_trainers_status_and_the_node_log_tails(slu
     assert "---- Ray head (ds4n1): last 40 lines of" in out and "---- Ray worker 0 (ds4n2): last 40 lines" in out
     assert "[verl-ds4] FAILED (exit 2)" in out
     _assert_nothing_left(marker, f"the failed Slurm PPO job {job_id}")
+    shutil.rmtree(f"/tmp/ds4ray-{marker[:8]}", ignore_errors=True)
+
+
+FAIL_START_HOOK = '''
+def refuse_worker(ray_params, head):
+    """Ray's RAY_START_HOOK, called by `ray start` before it starts anything: the workers refuse."""
+    if not head:
+        raise SystemExit("injected by the test: this worker's ray start refuses to start")
+'''
+
+
+def test_slurm_ppo_job_ends_within_seconds_when_a_worker_fails_to_start(slurm, tmp_path):
+    """A worker node whose ``ray start`` exits (here Ray's own RAY_START_HOOK refuses it; in the CI run that
+    prompted this, a port clash) ends the job in seconds, not after wait-nodes' 600 s: non-zero status, that
+    node's log tail, the head torn down. (Negative control, run by hand: the batch script before the node steps
+    were watched made this job wait the 600 s; see docs/troubleshooting.md.)"""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "ds4_fail_start.py").write_text(FAIL_START_HOOK)
+    work = tmp_path / "work"
+    marker = uuid.uuid4().hex
+    env = _ppo_env(slurm, work, marker, JOB_NAME="ds4-ppo-nostart", RAY_START_HOOK="ds4_fail_start.refuse_worker")
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    start = time.monotonic()
+    job_id, _ = slurm.submit(["ppo"], env)
+    info = slurm.wait(job_id, timeout=90)
+    wall = time.monotonic() - start
+    out = (work / "slurm" / f"ds4-ppo-nostart-{job_id}.out").read_text(errors="replace")
+    print(f"\nSlurm PPO job {job_id} with a worker that cannot start: {info['JobState']} {info['ExitCode']} in "
+          f"{wall:.1f} s\n{out[-2500:]}")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", f"{info}\n{out[-4000:]}"
+    assert wall < 60, f"the job took {wall:.0f} s to end"
+    node_logs = work / "slurm" / f"ds4-ppo-nostart-{job_id}"
+    assert ("[verl-ds4] Ray worker 0 on ds4n2 stopped while the job waited for the nodes (its ray start exited "
+            "with status 1): ending the job") in out, out[-4000:]
+    assert f"---- Ray worker 0 (ds4n2): last 40 lines of {node_logs}/ray-worker-0.log ----" in out
+    assert "injected by the test: this worker's ray start refuses to start" in out  # the tail shows why
+    assert f"[verl-ds4] FAILED (exit 1); Ray node logs: {node_logs}" in out
+    assert "[verl-ds4] ray head    GCS" in (node_logs / "ray-head.log").read_text(errors="replace")  # it did start
+    assert "ray cluster: 2 of 2" not in out and "[verl-ds4] submit" not in out
+    _assert_nothing_left(marker, f"the Slurm PPO job {job_id} whose worker did not start")
     shutil.rmtree(f"/tmp/ds4ray-{marker[:8]}", ignore_errors=True)
 
 

@@ -1,0 +1,204 @@
+"""RAY_NODE_PORTS=auto (scripts/ray_cluster.sh, scripts/ray_node_ports.py) never hands a Ray node one of Ray's
+default ports, and leaves no component of a node to its default.
+
+A CI run once hung ten minutes: the worker node's ``ray start`` refused "Ray component dashboard_agent_http is
+trying to use a port number 10001 that is used by other components" (10001 is the Ray client server's default,
+which the worker did not set, and the draw gave it to the dashboard agent). No Ray node starts here: the port
+draws run on their own, and the list of defaults is checked against the installed Ray's ``ray start``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("ray_node_ports", REPO / "scripts" / "ray_node_ports.py")
+ports_mod = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(ports_mod)
+
+SERVICES = 7  # node manager, object manager, dashboard agent http + grpc, runtime-env agent, metrics, client server
+
+
+def _ray_start_defaults() -> dict[str, object]:
+    """Every port option of the installed ``ray start`` -> the port it takes when not given."""
+    pytest.importorskip("ray")
+    from ray._private import ray_constants
+    from ray.scripts.scripts import start
+
+    defaults = {p.name: p.default for p in start.params if "port" in p.name and p.name != "port_forward"}
+    # `ray start` fills two of them in its body rather than in the option: read both from the source.
+    body = inspect.getsource(start.callback)
+    client = re.search(r"ray_client_server_port is None:\s*\n\s*ray_client_server_port = (\d+)", body)
+    assert client, "ray start no longer defaults the Ray client server's port in its body: update this test"
+    defaults["ray_client_server_port"] = int(client.group(1))
+    assert "port = ray_constants.DEFAULT_PORT" in body
+    defaults["port"] = ray_constants.DEFAULT_PORT
+    return defaults
+
+
+def _dry_run_ports(role: str) -> set[str]:
+    """The port options ray_cluster.sh passes to ``ray start`` on this node (RAY_NODE_PORTS=auto, dry run)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHON=sys.executable, RAY_NODE_PORTS="auto", RAY_HEAD_IP="10.0.0.1")
+    out = subprocess.run(["bash", "scripts/ray_cluster.sh", "--dry-run", role], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("+ ray start")]
+    return {w[2:].split("=", 1)[0].replace("-", "_") for w in shlex.split(line[2:]) if w.startswith("--")}
+
+
+def test_the_excluded_ports_cover_every_default_of_the_installed_ray_start():
+    defaults = _ray_start_defaults()
+    fixed = {name: port for name, port in defaults.items() if isinstance(port, int) and port > 0}
+    print({name: port for name, port in sorted(fixed.items())})
+    # What ray 2.60 has (if Ray adds a port, this names it).
+    assert set(fixed) >= {"port", "dashboard_port", "dashboard_agent_listen_port", "ray_client_server_port",
+                          "min_worker_port", "max_worker_port"}, fixed
+    for name, port in fixed.items():
+        assert ports_mod.is_ray_default(port), f"ray start --{name} defaults to {port}, which the draw may hand out"
+    worker_range = range(fixed["min_worker_port"], fixed["max_worker_port"] + 1)
+    assert all(ports_mod.is_ray_default(p) for p in worker_range)
+    assert ports_mod.LOWEST > max(p for p in fixed.values() if p < 50000)
+    # Negative control: a port next to them is not excluded.
+    assert not ports_mod.is_ray_default(20000) and not ports_mod.is_ray_default(6380)
+
+
+def _uncontrolled(role: str, given: set[str], excluded=ports_mod.is_ray_default) -> list[str]:
+    """The ``ray start`` port options a node leaves to a port the draw may also hand out (or to Ray's choice)."""
+    # Head only: the GCS (--port) is the head's; a worker joins with --address. Strings: the redis shards
+    # (head with external Redis) and an explicit worker port list (instead of --min/--max-worker-port).
+    not_for = {"start-worker": {"port"}, "start-head": set()}[role] | {"redis_shard_ports", "worker_port_list"}
+    return [f"--{name.replace('_', '-')} (default {default!r})" for name, default in _ray_start_defaults().items()
+            if name not in given and name not in not_for
+            and not (isinstance(default, int) and default > 0 and excluded(default))]
+
+
+@pytest.mark.parametrize("role", ["start-head", "start-worker"])
+def test_every_component_port_is_set_or_its_default_excluded(role):
+    """Each ``ray start`` port option is either on the node's command line or takes a default the draw never
+    gives out; options left to Ray's random choice (None / 0) must be set."""
+    given = _dry_run_ports(role)
+    left = _uncontrolled(role, given)
+    assert not left, f"{role} leaves these Ray components to a port it does not control: {left}"
+    assert {"ray_client_server_port", "min_worker_port", "max_worker_port"} <= given
+    # Negative control: the worker of the failed CI run (no --ray-client-server-port, and a draw from 10000 up
+    # that excluded no default) is caught, naming the client server.
+    if role == "start-worker":
+        old = _uncontrolled(role, given - {"ray_client_server_port"}, excluded=lambda port: False)
+        assert "--ray-client-server-port (default 10001)" in old, old
+
+
+def _check(ports: list[int], width: int, avoid: set[int], taken: list[tuple[int, int]], top: int) -> None:
+    services, (first, last) = ports[:SERVICES], ports[SERVICES:]
+    window = range(first, last + 1)
+    assert len(window) == width
+    assert len(set(services)) == SERVICES, f"a port drawn twice: {services}"
+    every = set(services) | set(window)
+    assert not [p for p in every if ports_mod.is_ray_default(p)], f"drew a Ray default: {ports}"
+    assert not (set(services) & set(window)), ports
+    assert not (every & avoid), (ports, avoid)
+    assert not [p for p in every for a, b in taken if a <= p <= b], (ports, taken)
+    assert all(ports_mod.LOWEST <= p < top for p in every), ports
+
+
+def test_many_draws_hit_no_ray_default_and_no_other_component():
+    rng = random.Random(1234)
+    low = 32768
+    for i in range(3000):
+        width = rng.choice([1, 2, 50, 200, 500])
+        avoid = {rng.randrange(1024, 40000) for _ in range(2)} | {6379, 8265}
+        taken = [(s, s + 199) for s in (rng.randrange(20000, 32000) for _ in range(rng.randrange(0, 3)))]
+        ports = ports_mod.pick(SERVICES, width, avoid, low=low, taken=taken, free=lambda p: True, rng=rng)
+        _check(ports, width, avoid, taken, low)
+    # Negative control: the check refuses the failed run's draw (10001 given to a service), and a clash.
+    bad = [20001, 20002, 10001, 20004, 20005, 20006, 20007, 21000, 21199]
+    with pytest.raises(AssertionError, match="drew a Ray default"):
+        _check(bad, 200, set(), [], low)
+    with pytest.raises(AssertionError, match="drawn twice"):
+        _check([20001] * 7 + [21000, 21199], 200, set(), [], low)
+
+
+def test_a_crowded_host_still_draws_no_default():
+    # Only a few ports free: among them Ray's defaults and the default worker range, which must stay untouched.
+    free = {6379, 8265, 10001, 52365} | set(range(10002, 20000)) | set(range(25000, 25010)) | set(range(30000, 31000))
+    rng = random.Random(7)
+    for _ in range(200):
+        ports = ports_mod.pick(SERVICES, 200, {25003}, low=32768, taken=[], free=free.__contains__, rng=rng)
+        _check(ports, 200, {25003}, [], 32768)
+        assert 30000 <= ports[SERVICES] and ports[-1] <= 30999
+    # Negative control: with no free window outside the defaults, the draw refuses instead of using them.
+    with pytest.raises(RuntimeError, match="no window of 200 free worker ports"):
+        ports_mod.pick(SERVICES, 200, (), low=32768, taken=[], free=(free - set(range(30000, 31000))).__contains__,
+                       rng=rng)
+
+
+def test_the_real_draw_on_this_host():
+    """The script as ray_cluster.sh runs it: real free ports and the running raylets' windows."""
+    low = ports_mod.ephemeral_low()
+    taken = ports_mod.raylet_worker_ranges()
+    for _ in range(20):
+        out = subprocess.run([sys.executable, "scripts/ray_node_ports.py", str(SERVICES), "200", "6379", "8265"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        ports = [int(p) for p in out.stdout.split()]
+        assert len(ports) == SERVICES + 2
+        _check(ports, 200, {6379, 8265}, taken, max(low, ports_mod.LOWEST + 1400))
+    bad = subprocess.run([sys.executable, "scripts/ray_node_ports.py", "7", "70000"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1 and "RAY_WORKER_PORTS=70000 does not fit in 20000-65535" in bad.stderr, bad.stderr
+
+
+def _wait_nodes_with_a_node_owner(tmp_path: Path, owner_s: float, waiter_s: float) -> tuple[subprocess.CompletedProcess,
+                                                                                            float]:
+    """``ray_cluster.sh wait-nodes`` with RAY_NODE_DIR holding a running node owner (a stand-in whose command line
+    reads like ``ray start --block``; it exits after owner_s) and a stand-in waiter (PYTHON: exits 0 after
+    waiter_s). No Ray runs."""
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / "ray_start.log").write_text("Ray component dashboard_agent_http is trying to use a port number 10001 "
+                                        "that is used by other components.\n")
+    owner = subprocess.Popen(["bash", "-c", f"sleep {owner_s}; exit 0", "ray", "start", "--block"])
+    (node / "ray_start.pid").write_text(f"{owner.pid}\n")
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!{sys.executable}\nimport time\ntime.sleep({waiter_s})\nprint('waited')\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHON=str(fake_python), RAY_NODE_DIR=str(node), NNODES="2", RAY_HEAD_IP="127.0.0.1",
+               RAY_AUTH_MODE="disabled")
+    start = time.monotonic()
+    try:
+        out = subprocess.run(["bash", "scripts/ray_cluster.sh", "wait-nodes"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        owner.kill()
+        owner.wait()
+    return out, time.monotonic() - start
+
+
+def test_wait_nodes_ends_at_once_when_a_node_it_started_stops(tmp_path):
+    out, wall = _wait_nodes_with_a_node_owner(tmp_path, owner_s=3, waiter_s=30)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert wall < 15, f"wait-nodes took {wall:.0f} s"
+    node = tmp_path / "node"
+    assert (f"error: the Ray node of {node} stopped while waiting for 2 node(s) (its ray start exited)"
+            in out.stderr), out.stderr
+    assert f"---- Ray node of {node}: last 40 lines of {node}/ray_start.log ----" in out.stderr
+    assert "trying to use a port number 10001" in out.stderr and "waited" not in out.stdout
+    assert not (node / "ray_start.pid").exists()
+
+
+def test_negative_control_wait_nodes_with_its_node_alive_ends_with_the_waiter(tmp_path):
+    out, wall = _wait_nodes_with_a_node_owner(tmp_path, owner_s=30, waiter_s=1)
+    assert out.returncode == 0 and "waited" in out.stdout, out.stdout + out.stderr
+    assert "stopped while waiting" not in out.stderr
