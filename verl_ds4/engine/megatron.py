@@ -567,10 +567,7 @@ class DS4MegatronEngineWithValueHead(_ResolvedLayoutEngine, MegatronEngineWithVa
 
     def _check_startup_settings(self, model_config, engine_config) -> None:
         if _indexer_replay_on(engine_config):
-            raise ValueError(
-                "critic.megatron.indexer_replay=true: indexer replay is for the actor's log-prob recompute and update "
-                f"({indexer_replay.SWITCH}); the critic and the reference choose natively. Remove it from the critic."
-            )
+            indexer_replay.refuse_critic()
         if getattr(engine_config, "dynamic_context_parallel", False):
             raise CPLayoutError(
                 "dynamic_context_parallel=True is not supported for value models (the critic): verl 0.9.1 has no "

@@ -226,11 +226,19 @@ def pending() -> tuple[bool, torch.Tensor | None]:
     return True, holder[0]
 
 
-def missing_field_error() -> IndexerReplayError:
+def refuse_missing_field() -> None:
     """The refusal of a replaying forward whose micro-batch carries no :data:`FIELD`."""
-    return IndexerReplayError(
+    raise IndexerReplayError(
         f"indexer replay is on ({SWITCH}=true), but this micro-batch has no {FIELD!r} field: the rollout engine "
         "(actor_rollout_ref.rollout.name) returned no indexer choices. Expected per sample an integer tensor "
         "[seq_len, selecting layers, index_topk] (docs/rl-on-a-laptop.md, 'Indexer replay'); verl-ds4's cpu_demo "
         f"rollout records it, vLLM and SGLang do not yet. Set {SWITCH}=false, or use a rollout that returns it."
+    )
+
+
+def refuse_critic() -> None:
+    """The refusal of a value-head engine (the critic) configured to replay."""
+    raise IndexerReplayError(
+        "critic.megatron.indexer_replay=true: indexer replay is for the actor's log-prob recompute and update "
+        f"({SWITCH}); the critic and the reference choose natively. Remove it from the critic's config."
     )

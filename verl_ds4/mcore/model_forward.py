@@ -106,7 +106,7 @@ def load_indexer_replay(batch: PackedBatch, unwrapped) -> None:
     if not replaying:
         return
     if replay_ids is None:
-        raise indexer_replay.missing_field_error()
+        indexer_replay.refuse_missing_field()
     indexer_replay.check_shape(replay_ids, unwrapped)
     batch._check_same_batch(replay_ids, indexer_replay.FIELD)
     rows = batch.plan.pack(thd.flat_values(replay_ids), batch.cp_rank, fill=indexer_replay.NOT_RECORDED)
