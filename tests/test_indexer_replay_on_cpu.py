@@ -61,7 +61,7 @@ def _nested(field, like: torch.Tensor) -> torch.Tensor:
 class _Runner:
     """The model at this rank's CP size and the engine forward with or without a replayed field."""
 
-    def __init__(self, folder: str, kind: str, world: int):
+    def __init__(self, folder: str, kind: str, world: int, input_ids: torch.Tensor | None = None):
         from megatron.core import parallel_state
 
         from verl_ds4.mcore import indexer_replay
@@ -69,7 +69,7 @@ class _Runner:
 
         self.model = _build(folder, kind)
         self.resolved = resolve_cp_layout(self.model, cp_size=world)
-        self.input_ids = _batch(self.model.output_layer.weight.shape[0])
+        self.input_ids = _batch(self.model.output_layer.weight.shape[0]) if input_ids is None else input_ids
         self.layers = indexer_replay.selecting_layers(self.model)
         self.group = parallel_state.get_context_parallel_group()
         indexer_replay.enable(self.model, record=True)
@@ -269,3 +269,108 @@ def test_a_near_tie_flipped_at_rollout_is_replayed_in_the_recompute(rollout):
           f"tokens > 1e-12), with replay {with_replay:.3e}")
     assert without > 1e-9
     assert with_replay <= TOL
+
+
+# ------------------------------------------------------------------ the rollout's record, decode step by step
+
+PROMPTS = (40, 29)
+NEW_TOKENS = 6
+
+
+def _decode_worker(rank: int, world: int, folder: str):
+    """The cpu_demo rollout's policy (fp64, the weights of :func:`_build`): greedy decode step by step,
+    recording the choices (earlier rows replay theirs). Returns the sequences, the per-step log-probs of the
+    sampled tokens and the final choices."""
+    from transformers import AutoConfig
+
+    import verl_ds4.cpu.ds41_builder  # noqa: F401  (registers deepseek_v41 with transformers)
+    from verl_ds4.rollout.policy import MegatronCPUPolicy
+
+    policy = MegatronCPUPolicy(AutoConfig.from_pretrained(folder), dtype=torch.float64)
+    policy.load_weights(_build(folder, "ds41").named_parameters())
+    gen = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(3, policy.vocab_size, (n,), generator=gen).tolist() for n in PROMPTS]
+    known = [None] * len(seqs)
+    logps = [[] for _ in seqs]
+    for _ in range(NEW_TOKENS):
+        logits, known = policy.next_token_logits_and_choices(seqs, known)
+        for i, row in enumerate(torch.log_softmax(logits.double(), dim=-1)):
+            token = int(row.argmax())
+            seqs[i].append(token)
+            logps[i].append(float(row[token]))
+    return {"seqs": seqs, "logps": logps, "choices": [c.numpy() for c in known]}
+
+
+def _replay_decoded_worker(rank: int, world: int, folder: str, decoded, replay: bool):
+    from megatron.core import parallel_state
+
+    from verl_ds4.mcore import indexer_replay
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        seqs = decoded["seqs"]
+        offsets = torch.tensor([0, *[len(s) for s in seqs]]).cumsum(0)
+        ids = torch.nested.nested_tensor_from_jagged(torch.tensor([t for s in seqs for t in s]), offsets=offsets)
+        runner = _Runner(folder, "ds41", world, input_ids=ids)
+        rows = []
+        for seq, choice in zip(seqs, decoded["choices"]):
+            full = np.full((len(seq), *choice.shape[1:]), indexer_replay.NOT_RECORDED, dtype=np.int32)
+            full[: choice.shape[0]] = choice
+            rows.append(full)
+        logp, _ = runner.forward(np.concatenate(rows), replay=replay)
+        return logp if rank == 0 else None
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory):
+    from verl_ds4.cpu.sft_data import prepare_cpu_sft_assets
+
+    folder = prepare_cpu_sft_assets(tmp_path_factory.mktemp("ir_decode"), model="ds41", n_train=2)["model"]
+    return folder, run_distributed(_decode_worker, world_size=1, args=(folder,), timeout=600)[0]
+
+
+def test_the_rollout_records_one_choice_per_row_as_it_decodes(decoded):
+    _, out = decoded
+    for seq, choice in zip(out["seqs"], out["choices"]):
+        assert choice.shape == (len(seq) - 1, 4, 8) and choice.dtype == np.int32  # every row it ran; not the last token
+        assert (choice[:, :, 0] != -2).all()
+
+
+def test_replaying_the_rollouts_choices_at_cp2_gives_its_log_probs(decoded):
+    folder, out = decoded
+    logp = run_distributed(_replay_decoded_worker, world_size=2, args=(folder, out, True), timeout=600)[0]
+    # the sampled tokens' log-probs: the last NEW_TOKENS predictions of each sequence (rows before its last)
+    starts = np.cumsum([0, *[len(s) - 1 for s in out["seqs"]]])
+    got = np.concatenate([logp[end - NEW_TOKENS : end] for end in starts[1:]])
+    # the policy hands the sampler float32 logits (MegatronCPUPolicy): 2e-8 here, not fp64 rounding
+    np.testing.assert_allclose(got, np.concatenate(out["logps"]), rtol=0, atol=1e-6)
+
+
+def test_agent_loop_output_puts_the_choices_in_a_tensor_field_over_the_whole_sequence():
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from verl_ds4.rollout.agent_loop import with_indexer_choices
+
+    rows = torch.arange(5 * 2 * 3, dtype=torch.int32).view(5, 2, 3)
+    plain = AgentLoopOutput(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6], response_mask=[1, 1, 1],
+                            metrics=AgentLoopMetrics(), extra_fields={"indexer_topk": rows, "x": 1})  # fmt: skip
+    out = with_indexer_choices(plain).as_dict()
+    assert out["indexer_topk"].shape == (6, 2, 3) and out["indexer_topk"].dtype == torch.int32
+    assert torch.equal(out["indexer_topk"][:5], rows) and (out["indexer_topk"][5] == -2).all()
+    assert "indexer_topk" not in out["extra_fields"] and out["extra_fields"]["x"] == 1
+    control = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], metrics=AgentLoopMetrics())
+    assert "indexer_topk" not in with_indexer_choices(control).as_dict()
+
+
+def test_a_model_without_an_indexer_and_a_replaying_critic_are_refused():
+    from types import SimpleNamespace
+
+    from verl_ds4.engine.megatron import DS4MegatronEngineWithValueHead
+    from verl_ds4.mcore.indexer_replay import IndexerReplayError, enable
+
+    with pytest.raises(IndexerReplayError, match="needs a model with a sparse-attention indexer.*Linear has none"):
+        enable(torch.nn.Linear(2, 2))
+    with pytest.raises(IndexerReplayError, match="critic.megatron.indexer_replay=true"):
+        DS4MegatronEngineWithValueHead._check_startup_settings(None, None, SimpleNamespace(indexer_replay=True))
