@@ -370,7 +370,7 @@ def test_a_model_without_an_indexer_and_a_replaying_critic_are_refused():
     from verl_ds4.engine.megatron import DS4MegatronEngineWithValueHead
     from verl_ds4.mcore.indexer_replay import IndexerReplayError, enable
 
-    with pytest.raises(IndexerReplayError, match="needs a model with a sparse-attention indexer.*Linear has none"):
+    with pytest.raises(IndexerReplayError, match="needs a model whose sparse-attention indexer can replay.*Linear has none"):
         enable(torch.nn.Linear(2, 2))
     with pytest.raises(IndexerReplayError, match="critic.megatron.indexer_replay=true"):
         DS4MegatronEngineWithValueHead._check_startup_settings(None, None, SimpleNamespace(indexer_replay=True))

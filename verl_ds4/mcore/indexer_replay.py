@@ -144,8 +144,9 @@ def enable(model, record: bool = False) -> list[IndexerReplay]:
     layers = selecting_layers(model)
     if not layers:
         raise IndexerReplayError(
-            f"indexer replay ({SWITCH}=true) needs a model with a sparse-attention indexer (DS4's CSA layers, "
-            f"V4.1's Full / Reindex layers); {type(model).__name__} has none. Set {SWITCH}=false."
+            f"indexer replay ({SWITCH}=true) needs a model whose sparse-attention indexer can replay (verl-ds4's DS4 "
+            f"CSA layers, V4.1's Full / Reindex layers); {type(model).__name__} has none (no indexer, or an attention "
+            f"without replay support such as Megatron-LM's DSv4HybridAttention). Set {SWITCH}=false."
         )
     replays = []
     for name, module in layers:
