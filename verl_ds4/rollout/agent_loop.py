@@ -57,6 +57,8 @@ class IndexerAgentLoopOutput(AgentLoopOutput):
 
 def with_indexer_choices(output: AgentLoopOutput) -> AgentLoopOutput:
     """Move the CPU rollout's ``extra_fields['indexer_topk']`` into :class:`IndexerAgentLoopOutput`'s tensor field."""
+    if not isinstance(output, AgentLoopOutput):  # (verl's single-turn loop returns one output; leave others alone)
+        return output
     rows = output.extra_fields.pop(indexer_replay.FIELD, None)
     if rows is None:
         return output
