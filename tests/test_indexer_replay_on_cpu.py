@@ -374,3 +374,45 @@ def test_a_model_without_an_indexer_and_a_replaying_critic_are_refused():
         enable(torch.nn.Linear(2, 2))
     with pytest.raises(IndexerReplayError, match="critic.megatron.indexer_replay=true"):
         DS4MegatronEngineWithValueHead._check_startup_settings(None, None, SimpleNamespace(indexer_replay=True))
+
+
+def test_ds4_indexer_loss_still_trains_on_its_own_scores_under_replay():
+    """DS4's indexer loss (KL of the main attention over all visible blocks vs the indexer's scores) does not
+    read the top-k: under a replayed choice that differs from the native one, the loss and the indexer's
+    gradients are the native ones, while the output (which attends to the chosen blocks) differs (control)."""
+    from verl_ds4.mcore.indexer_replay import IndexerReplay, mask_to_ids
+    from verl_ds4.models.ds4.attention import DS4AttentionSpec, DS4HybridAttention
+
+    spec = DS4AttentionSpec(hidden_size=32, num_heads=2, head_dim=16, rope_dim=8, q_lora_rank=16, o_groups=2,
+                            o_lora_rank=8, compress_ratio=4, window_size=4, index_n_heads=2, index_head_dim=8,
+                            index_topk=2, indexer_loss_coeff=0.1, yarn_factor=None)  # fmt: skip
+    torch.manual_seed(0)
+    attn = DS4HybridAttention(spec, dtype=torch.float64).train()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(40, 32, dtype=torch.float64)
+    cu = torch.tensor([0, 40])
+
+    def run(target):
+        attn.zero_grad(set_to_none=True)
+        attn.indexer_replay = IndexerReplay("attn", spec.index_topk)
+        attn.indexer_replay.record = True
+        attn.indexer_replay.target = target
+        out = attn(x, cu)
+        out.pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in attn.named_parameters() if ".indexer." in n and p.grad is not None}
+        return out.detach(), attn.last_indexer_loss.clone(), grads, attn.indexer_replay.last
+
+    native_out, native_loss, native_grads, chosen = run(None)
+    reach = (torch.arange(40) + 1) // 4
+    flipped = torch.zeros(40, int(reach.max()), dtype=torch.bool)
+    for t in range(40):  # the two lowest reachable blocks instead of the indexer's choice
+        flipped[t, : min(2, int(reach[t]))] = True
+    target = mask_to_ids(flipped, spec.index_topk)
+    assert not torch.equal(target, chosen)  # the replayed choice differs somewhere
+    out, loss, grads, _ = run(target)
+    assert torch.equal(loss, native_loss)
+    assert grads.keys() == native_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], native_grads[name], rtol=0, atol=1e-12)
+    assert (out - native_out).abs().max() > 1e-6  # control: the output does follow the replayed choice
