@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from typing import Any
 
 import torch
@@ -54,6 +55,9 @@ __all__ = [
     "selecting_layers",
     "set_pending",
 ]
+
+logger = logging.getLogger(__name__)
+_ANNOUNCED = False  # the first replaying forward of this process logs one line
 
 FIELD = "indexer_topk"
 SWITCH = "actor_rollout_ref.actor.megatron.indexer_replay"
@@ -180,9 +184,14 @@ def check_shape(ids: torch.Tensor, model, where: str = FIELD) -> None:
 
 def load(model, rows: torch.Tensor | None) -> None:
     """Hand each selecting layer its slice of ``rows`` ``[local_rows, layers, width]`` (``None``: native)."""
+    global _ANNOUNCED
     replays = _replays(model)
     if rows is not None:
         check_shape(rows, model)
+        if not _ANNOUNCED:
+            _ANNOUNCED = True
+            logger.info("verl-ds4 indexer replay: replaying the rollout's choices, %s on this rank (%d selecting layers)",
+                        list(rows.shape), len(replays))  # fmt: skip
     for i, replay in enumerate(replays):
         replay.target = None if rows is None else rows[:, i, : replay.width]
 
