@@ -251,10 +251,9 @@ def test_recording_does_not_change_the_forward(rollout):
     assert ((field >= 0).sum(axis=2) == 8).any()  # rows that reach more than index_topk blocks exist
 
 
+@pytest.mark.parametrize("rollout", ["ds41"], indirect=True)  # built on V4.1 (its scores are per own-sequence entry)
 def test_a_near_tie_flipped_at_rollout_is_replayed_in_the_recompute(rollout):
     kind, folder, run = rollout
-    if kind != "ds41":
-        pytest.skip("the forced near-tie is built on V4.1 (its scores are per own-sequence entry)")
     layer, row, entry, gap = run["tie"]
     rollout_run = run_distributed(_rollout_worker, world_size=1, args=(folder, kind, run["tie"]), timeout=600)[0]
     nudged_field, nudged_logp = rollout_run["nudged_field"], rollout_run["nudged_logp"]
