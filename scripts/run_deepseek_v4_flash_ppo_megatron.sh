@@ -65,6 +65,9 @@ ROLLOUT_TP=${ROLLOUT_TP:-}
 ROLLOUT_QUANT=${ROLLOUT_QUANT:-}
 # MoE router replay: disabled, R2 or R3 (R3 also turns on rollout routing replay).
 ROUTER_REPLAY=${ROUTER_REPLAY:-disabled}
+# Rollout indexer replay (true/false): the actor replays the rollout's sparse-attention top-k choices. Off until
+# the rollout engine returns them (vLLM, SGLang do not yet: the validator refuses it with them).
+INDEXER_REPLAY=${INDEXER_REPLAY:-false}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-1024}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-2048}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
@@ -97,6 +100,7 @@ if [ -n "$CP" ]; then MESH_OVERRIDES+=("ds4.mesh.cp=$CP"); fi
 MODEL=(
     "actor_rollout_ref.model.path=$MODEL_PATH"
     "ds4.router_replay=$ROUTER_REPLAY"
+    "ds4.indexer_replay=$INDEXER_REPLAY"
     "ds4.offload.param=$OFFLOAD"
     "ds4.offload.optimizer=$OFFLOAD"
 )

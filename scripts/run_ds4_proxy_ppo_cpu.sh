@@ -54,9 +54,11 @@ N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parque
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
 MISMATCH_MAX=${MISMATCH_MAX:-1e-5}     # stop when rollout and actor log-probs differ by more (max abs; null: report only)
-# ... on more than MISMATCH_TOKENS response tokens a step (each still <= 1e-3). ds41: 2, for top-k near-ties
-# (docs/troubleshooting.md, "The mismatch gate stopped the run"); ds4, ds4_proxy: 0
-MISMATCH_TOKENS=${MISMATCH_TOKENS:-$([ "$MODEL" = ds41 ] && echo 2 || echo 0)}
+INDEXER_REPLAY=${INDEXER_REPLAY:-0}     # 1: the actor replays the rollout's indexer top-k choices (ds4, ds41;
+                                        # actor_rollout_ref.actor.megatron.indexer_replay=true)
+# ... on more than MISMATCH_TOKENS response tokens a step (each still <= 1e-3). ds41 without indexer replay: 2, for
+# top-k near-ties (docs/troubleshooting.md, "The mismatch gate stopped the run"); otherwise 0
+MISMATCH_TOKENS=${MISMATCH_TOKENS:-$([ "$MODEL" = ds41 ] && [ "$INDEXER_REPLAY" != 1 ] && echo 2 || echo 0)}
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
 REWARD_RISE=${REWARD_RISE:-}            # e.g. 0.3: the summary says whether the last-5 mean reward beat the first-5 by that
 # --------------------------------------------------------------------------------------
@@ -147,6 +149,11 @@ MODEL_ARGS=(
     actor_rollout_ref.ref.megatron.context_parallel_size="$CP"
 )
 [ "$DS4_RL_RECIPE" = ppo ] && MODEL_ARGS+=(critic.megatron.context_parallel_size="$CP")
+case "$INDEXER_REPLAY" in
+    0) ;;
+    1) MODEL_ARGS+=(actor_rollout_ref.actor.megatron.indexer_replay=true) ;;
+    *) echo "INDEXER_REPLAY=$INDEXER_REPLAY: expected 0 (off) or 1 (the actor replays the rollout's indexer choices)" >&2; exit 2 ;;
+esac
 TRAINER=(
     trainer.nnodes="$NNODES"
     trainer.n_gpus_per_node="$NPROC_PER_NODE"
@@ -190,7 +197,7 @@ CONSOLE=(
     "${MODEL_FACT[@]}"
     --fact "parallel=CP $CP ($ROLES), TP 1, PP 1; $NNODES node(s) x $NPROC_PER_NODE processes$CLUSTER_FACT"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
-    --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)")"
+    --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)"); indexer replay $([ "$INDEXER_REPLAY" = 1 ] && echo on || echo off) (INDEXER_REPLAY)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )
 [ -n "$REWARD_RISE" ] && CONSOLE+=(--reward-rise "$REWARD_RISE")

@@ -1,7 +1,7 @@
 """``MODEL=ds41``: verl's own PPO trainer (main_ppo, v1, Ray) with a GAE critic on the tiny DeepSeek-V4.1 at CP=2.
 
 The real run: ``MODEL=ds41 scripts/run_ds4_proxy_ppo_cpu.sh`` (recipe ``ds4_proxy_ppo_cpu``), 2 steps of 8
-prompts, response <= 8, with verl's router replay R2 on the actor
+prompts, response <= 8, with verl's router replay R2 and verl-ds4's indexer replay (``INDEXER_REPLAY=1``) on the actor
 (``actor_rollout_ref.actor.megatron.router_replay.mode=R2``: the old-log-prob pass records every V4.1
 router's routes, the actor update replays them; verl's engine raises "R2 RECORD completed without capturing
 any router routes" when no router is wired), under the guard of the other CPU RL tests
@@ -34,7 +34,7 @@ BATCH = 8  # PPO: verl needs a multiple of its minimal batch (8 here)
 def ds41_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("ds41_ppo")
     env = {"MODEL": "ds41", "DS4_RL_RECIPE": "ppo", "STEPS": "2", "N_TRAIN": "32", "BATCH": str(BATCH),
-           "RESPONSE_LENGTH": "8", "MISMATCH_MAX": str(GATE_MAX)}
+           "RESPONSE_LENGTH": "8", "MISMATCH_MAX": str(GATE_MAX), "INDEXER_REPLAY": "1"}
     result = run_cpu_rl_launcher(work, env, timeout_s=TIMEOUT_S, rss_limit_gb=RSS_LIMIT_GB,
                                  args=["actor_rollout_ref.actor.megatron.router_replay.mode=R2"])
     print(f"\nCPU PPO, MODEL=ds41: 2 steps in {result.wall_s:.0f} s, peak RSS {result.peak_rss_gb:.1f} GB")
@@ -54,6 +54,9 @@ def test_ds41_ppo_console_and_builder(ds41_run):
     for engine in ("CPUMegatronEngineWithLMHead", "CPUMegatronEngineWithValueHead"):
         assert f"{engine}: contiguous CP layout (cp=2" in result.log
     assert "'mode': 'R2'" in result.log, "the resolved config should show router_replay.mode R2"
+    # indexer replay (INDEXER_REPLAY=1): the actor replayed the rollout's choices, no token tolerated
+    assert "indexer replay on (INDEXER_REPLAY)" in result.console and "MISMATCH_TOKENS" not in result.console
+    assert "verl-ds4 indexer replay: replaying the rollout's choices" in result.log
     # verl's engine turned replay on in the actor's config (the builder then wires the routers), not elsewhere
     assert "moe_enable_routing_replay=True" in result.log and "moe_enable_routing_replay=False" in result.log
     step_dir = work / "checkpoints" / "global_step_2"

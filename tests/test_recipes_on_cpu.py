@@ -194,6 +194,7 @@ BAD_CASES = [
     ("rollout_tp", "ppo", ["ds4.rollout.tp=3"], "actor_rollout_ref.rollout.tensor_model_parallel_size: rollout replicas of TPxDPxPP=3x1x1=3 GPUs do not divide the 64 GPUs"),
     ("r3_without_rollout_routes", "grpo", ["ds4.router_replay=R3"], "enable_rollout_routing_replay: is False while router_replay.mode=R3"),
     ("filter_overlong", "ppo", ["data.filter_overlong_prompts=true"], "DS4 checkpoints ship no chat template"),
+    ("indexer_replay_with_vllm", "grpo", ["ds4.indexer_replay=true"], "indexer_replay: is True, but rollout.name=vllm returns no indexer choices"),
     ("resume_path_empty", "sft", ["trainer.resume_mode=resume_path"], "is empty while trainer.resume_mode=resume_path"),
     ("cp_zero", "sft", ["ds4.mesh.cp=0"], "engine.context_parallel_size: is 0; parallel sizes must be >= 1"),
     ("cp_not_int", "sft", ["ds4.mesh.cp=abc"], "engine.context_parallel_size: is 'abc', not an integer"),

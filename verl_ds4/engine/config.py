@@ -1,10 +1,12 @@
 """verl-ds4's Megatron engine config: verl's ``McoreEngineConfig`` plus the settings it owns.
 
-``DS4McoreEngineConfig`` adds one field to verl 0.9.1's config and keeps every other field and
+``DS4McoreEngineConfig`` adds two fields to verl 0.9.1's config and keeps every other field and
 check of verl's. Select it in a Hydra config with ``_target_: verl_ds4.engine.config.
 DS4McoreEngineConfig`` (the DS4 recipes do; see ``recipes/recipe/``); engines built from verl's
 own config read the defaults below.
 
+* ``indexer_replay`` (default ``false``): the actor replays the rollout's indexer top-k choices
+  (:mod:`verl_ds4.mcore.indexer_replay`; DS4 and V4.1 only, refused for a model without an indexer).
 * ``cp_balance``: ``null`` (default: sequences stay in batch order in the packed buffer) or the
   name of a per-token cost model (``ds4`` or ``dense``, :mod:`verl_ds4.layout.cost`): with the
   contiguous CP layout, the order of sequences in the buffer is chosen to minimise the most
@@ -41,9 +43,13 @@ def _check_cp_balance(value) -> Optional[str]:
 
 @dataclass
 class DS4McoreEngineConfig(McoreEngineConfig):
-    """verl's ``McoreEngineConfig`` plus ``cp_balance`` (see the module docstring)."""
+    """verl's ``McoreEngineConfig`` plus ``cp_balance`` and ``indexer_replay`` (see the module docstring)."""
 
     cp_balance: Optional[str] = None
+    # Rollout indexer replay (verl_ds4.mcore.indexer_replay): the actor's log-prob recompute and update take
+    # the rollout's sparse-attention top-k choices (batch field ``indexer_topk``). Off by default; set on the
+    # actor only (actor_rollout_ref.actor.megatron.indexer_replay); the reference and critic ignore it.
+    indexer_replay: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -51,7 +51,7 @@ import verl.workers.engine.megatron.transformer_impl as _transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
-from verl_ds4.mcore import batch_plans, resolver
+from verl_ds4.mcore import batch_plans, indexer_replay, resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
 logger = logging.getLogger(__name__)
@@ -390,6 +390,16 @@ def hooks_installed() -> dict[str, bool]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _indexer_replay_on(engine_config) -> bool:
+    return bool(getattr(engine_config, "indexer_replay", False))
+
+
+def _unwrap_model(chunk):
+    from verl.utils.megatron_utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
 def _pad_to_length_bucket(engine_config) -> int | None:
     if getattr(engine_config, "pad_to_length", False) and getattr(engine_config, "use_remove_padding", False):
         return engine_config.pad_to_length_bucket
@@ -489,6 +499,9 @@ class _ResolvedLayoutEngine:
         )
         resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved
+        if _indexer_replay_on(engine_config):  # refuses a model without an indexer here, at start-up
+            for chunk in module if isinstance(module, (list, tuple)) else [module]:
+                indexer_replay.enable(_unwrap_model(chunk))
         logger.info("verl-ds4 %s: %s", type(self).__name__, resolved.describe())
         return resolved
 
@@ -511,15 +524,19 @@ class _ResolvedLayoutEngine:
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         # One plan per micro-batch: router replay, the forward and the unpacking share it; a
         # dynamic-CP micro-batch brings the plan its scheduler built.
-        with active_layout(self._require_layout()), batch_plans.micro_batch_plans():
-            return super().forward_step(_SeedingIterator(batch_iter), model, logits_processor_func, postprocess_micro_batch_func)
+        replay = _indexer_replay_on(self.engine_config)
+        scope = indexer_replay.micro_batch_scope() if replay else contextlib.nullcontext()
+        with active_layout(self._require_layout()), batch_plans.micro_batch_plans(), scope:
+            batches = _SeedingIterator(batch_iter, replay)
+            return super().forward_step(batches, model, logits_processor_func, postprocess_micro_batch_func)
 
 
 class _SeedingIterator:
     """Yields verl's micro-batches, adding a scheduled micro-batch's plan to the open plan scope."""
 
-    def __init__(self, batches):
+    def __init__(self, batches, indexer_replay_on: bool = False):
         self._batches = iter(batches)
+        self._replay = indexer_replay_on
 
     def __iter__(self):
         return self
@@ -532,6 +549,8 @@ class _SeedingIterator:
             batch_plans.seed_plan(tu.get_non_tensor_data(batch, key=batch_plans.PLAN_KEY, default=None))
         except (AttributeError, KeyError, TypeError):  # not a TensorDict: nothing was scheduled
             pass
+        if self._replay:  # the forward packs it with the micro-batch's plan (model_forward.load_indexer_replay)
+            indexer_replay.set_pending(batch.get(indexer_replay.FIELD, None))
         return batch
 
 
@@ -547,6 +566,8 @@ class DS4MegatronEngineWithValueHead(_ResolvedLayoutEngine, MegatronEngineWithVa
     """
 
     def _check_startup_settings(self, model_config, engine_config) -> None:
+        if _indexer_replay_on(engine_config):
+            indexer_replay.refuse_critic()
         if getattr(engine_config, "dynamic_context_parallel", False):
             raise CPLayoutError(
                 "dynamic_context_parallel=True is not supported for value models (the critic): verl 0.9.1 has no "

@@ -23,7 +23,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from verl_ds4.layout import THDPlan
-from verl_ds4.mcore import batch_plans, resolver, thd
+from verl_ds4.mcore import batch_plans, indexer_replay, resolver, thd
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
 _MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -96,6 +96,21 @@ class PackedBatch:
         if output.dim() < 2 or output.shape[0] != 1:
             raise ValueError(f"expected per-row outputs shaped [1, local_rows, ...], got {tuple(output.shape)}")
         return self.plan.unpack(output[0], group=self.group, cp_rank=self.cp_rank)
+
+
+def load_indexer_replay(batch: PackedBatch, unwrapped) -> None:
+    """In a replaying micro-batch (:func:`verl_ds4.mcore.indexer_replay.pending`), hand the model's selecting
+    layers the rollout's indexer choices of this rank's query rows, packed with the micro-batch's one plan
+    (CP padding rows: NOT_RECORDED, chosen natively)."""
+    replaying, replay_ids = indexer_replay.pending()
+    if not replaying:
+        return
+    if replay_ids is None:
+        indexer_replay.refuse_missing_field()
+    indexer_replay.check_shape(replay_ids, unwrapped)
+    batch._check_same_batch(replay_ids, indexer_replay.FIELD)
+    rows = batch.plan.pack(thd.flat_values(replay_ids), batch.cp_rank, fill=indexer_replay.NOT_RECORDED)
+    indexer_replay.load(unwrapped, rows.to(batch.input_ids.device))
 
 
 def _resolved_for(model, resolved: ResolvedCPLayout | None, cp_layout: str | None, pad_to_length_bucket) -> ResolvedCPLayout:
@@ -266,6 +281,7 @@ def gptmodel_forward_model_engine(
     if router_padding_mask is not None:
         model_kwargs["padding_mask"] = router_padding_mask
 
+    load_indexer_replay(batch, unwrapped)
     output = model(
         input_ids=model_input,
         attention_mask=None,
@@ -316,6 +332,7 @@ def _delegate_to_verl(model, input_ids, multi_modal_inputs, resolved, data_forma
 
 __all__ = [
     "PackedBatch",
+    "load_indexer_replay",
     "check_dynamic_cp_rows",
     "gptmodel_forward_model_engine",
     "pack_thd",

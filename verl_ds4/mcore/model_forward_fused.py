@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_ds4.mcore.model_forward import PackedBatch, _model_kwargs, _resolved_for, _unwrap
+from verl_ds4.mcore.model_forward import PackedBatch, _model_kwargs, _resolved_for, _unwrap, load_indexer_replay
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
 
@@ -79,6 +79,7 @@ def fused_forward_model_engine(vision_model: bool = False):
         )
         if router_padding_mask is not None:
             forward_kwargs["padding_mask"] = router_padding_mask
+        load_indexer_replay(batch, unwrapped)
         output = _call_fused_model(model, forward_kwargs, temperature)
         if not post_process:
             return output

@@ -410,6 +410,10 @@ def _check_agreement(roles: list[RoleMesh], cfg: DictConfig, report: ValidationR
             )
 
 
+#: Rollout engines that return the indexer's top-k choices (verl_ds4.mcore.indexer_replay.FIELD).
+INDEXER_REPLAY_ROLLOUTS = ("cpu_demo",)
+
+
 def _check_rollout(cfg: DictConfig, report: ValidationReport) -> None:
     rollout = _get(cfg, "actor_rollout_ref.rollout")
     if rollout is None:
@@ -452,6 +456,17 @@ def _check_rollout(cfg: DictConfig, report: ValidationReport) -> None:
                 "actor_rollout_ref.rollout.enable_rollout_routing_replay",
                 f"is True while actor router_replay.mode={mode}; only R3 consumes rollout routes.",
                 "set router_replay.mode=R3 or enable_rollout_routing_replay=false.",
+            )
+        )
+    engine = rollout.get("name")
+    if bool(_get(cfg, "actor_rollout_ref.actor.megatron.indexer_replay", False)) and engine not in INDEXER_REPLAY_ROLLOUTS:
+        report.errors.append(
+            Problem(
+                "actor_rollout_ref.actor.megatron.indexer_replay",
+                f"is True, but rollout.name={engine} returns no indexer choices (the batch field 'indexer_topk'); "
+                f"only {list(INDEXER_REPLAY_ROLLOUTS)} records them today.",
+                "set actor_rollout_ref.actor.megatron.indexer_replay=false (recipe knob ds4.indexer_replay) until "
+                "the engine returns them (docs/rl-on-a-laptop.md, 'Indexer replay').",
             )
         )
     if bool(_get(cfg, "data.filter_overlong_prompts", False)):

@@ -26,12 +26,44 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping
 
-from verl.experimental.agent_loop.agent_loop import register
+import torch
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
+from verl_ds4.mcore import indexer_replay
 from verl_ds4.rollout import SEEDED_AGENT_LOOP
 
-__all__ = ["SeededSingleTurnAgentLoop", "request_priority"]
+__all__ = ["IndexerAgentLoopOutput", "SeededSingleTurnAgentLoop", "request_priority"]
+
+
+class IndexerAgentLoopOutput(AgentLoopOutput):
+    """verl's agent-loop output plus the rollout's indexer choices, put in the batch as the tensor field
+    ``indexer_topk`` ``[prompt + response tokens, layers, index_topk]`` (rows the rollout never ran, the
+    last token's, are ``NOT_RECORDED``), beside verl's ``routed_experts`` (:mod:`verl_ds4.mcore.indexer_replay`)."""
+
+    indexer_topk: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        output = super().as_dict()
+        rows = output.pop(indexer_replay.FIELD, None)
+        if rows is not None:
+            rows = torch.as_tensor(rows, dtype=torch.int32)
+            total = output["prompts"].size(0) + output["responses"].size(0)
+            aligned = rows.new_full((total, *rows.shape[1:]), indexer_replay.NOT_RECORDED)
+            aligned[: min(total, rows.shape[0])] = rows[:total]
+            output[indexer_replay.FIELD] = aligned
+        return output
+
+
+def with_indexer_choices(output: AgentLoopOutput) -> AgentLoopOutput:
+    """Move the CPU rollout's ``extra_fields['indexer_topk']`` into :class:`IndexerAgentLoopOutput`'s tensor field."""
+    if not isinstance(output, AgentLoopOutput):  # (verl's single-turn loop returns one output; leave others alone)
+        return output
+    rows = output.extra_fields.pop(indexer_replay.FIELD, None)
+    if rows is None:
+        return output
+    fields = {name: getattr(output, name) for name in output.model_fields_set}
+    return IndexerAgentLoopOutput(**fields, indexer_topk=rows)
 
 
 def request_priority(extra_info: Mapping[str, Any] | None, session_id: Any, group_size: int) -> int:
@@ -64,7 +96,7 @@ class SeededSingleTurnAgentLoop(SingleTurnAgentLoop):
         val_n = getattr(getattr(rollout, "val_kwargs", None), "n", 1) or 1
         group_size = max(int(rollout.n or 1), int(val_n))
         priority = request_priority(kwargs.get("extra_info"), kwargs.get("session_id", 0), group_size)
-        return await super().run(sampling_params, priority=priority, **kwargs)
+        return with_indexer_choices(await super().run(sampling_params, priority=priority, **kwargs))
 
 
 register(SEEDED_AGENT_LOOP)(SeededSingleTurnAgentLoop)

@@ -39,6 +39,7 @@ import torch
 
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl_ds4.mcore.indexer_replay import FIELD as INDEXER_FIELD
 from verl_ds4.rollout import ROLLOUT_NAME, SEEDED_AGENT_LOOP
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
     future: Any = None
+    choices: Any = None  # indexer replay: [rows run so far, layers, index_topk] int32 (verl_ds4.mcore.indexer_replay)
 
 
 @dataclass(eq=False)
@@ -227,6 +229,9 @@ class CPURolloutServer:
             policy_cls = _load_class(os.environ.get(ENV_POLICY, DEFAULT_POLICY))
             policy = policy_cls(model_config.hf_config)
         self.policy = policy
+        # rollout.custom.indexer_replay (the recipes set it from actor_rollout_ref.actor.megatron.indexer_replay):
+        # record every row's indexer top-k choices and return them in TokenOutput.extra_fields["indexer_topk"].
+        self.record_indexer = bool((getattr(config, "custom", None) or {}).get("indexer_replay", False))
         self.eos_token_ids = _eos_token_ids(model_config)
         self.global_steps: Optional[int] = None
         self.num_weight_updates = 0
@@ -302,7 +307,8 @@ class CPURolloutServer:
             log_probs=request.logprobs if request.want_logprobs else None,
             stop_reason="completed",
             num_preempted=0,
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={"global_steps": self.global_steps}
+            | ({INDEXER_FIELD: request.choices} if request.choices is not None else {}),
         )
 
     def decode_step(self, requests: list["_Request"]) -> None:
@@ -312,7 +318,14 @@ class CPURolloutServer:
         for request in requests + [None]:
             length = 0 if request is None else len(request.prompt) + len(request.tokens)
             if chunk and (request is None or rows + length > self.max_batch_tokens):
-                logits = self.policy.next_token_logits_batch([r.prompt + r.tokens for r in chunk])
+                if self.record_indexer:  # earlier rows replay what they chose at earlier steps (a KV cache keeps them)
+                    logits, choices = self.policy.next_token_logits_and_choices(
+                        [r.prompt + r.tokens for r in chunk], [r.choices for r in chunk]
+                    )
+                    for r, rows in zip(chunk, choices):
+                        r.choices = rows
+                else:
+                    logits = self.policy.next_token_logits_batch([r.prompt + r.tokens for r in chunk])
                 self.num_forwards += 1
                 for r, row in zip(chunk, logits):
                     token, logprob = sample_next_token(row, r.temperature, r.top_k, r.top_p, r.generator)

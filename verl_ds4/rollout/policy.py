@@ -139,13 +139,53 @@ class MegatronCPUPolicy:
         One forward of the sequences packed into one THD buffer (``cu_seqlens`` keeps them apart: a
         sequence's logits do not depend on the others), the same packed forward the actor's engine runs.
         """
+        return self._logits(sequences)[0]
+
+    @torch.no_grad()
+    def next_token_logits_and_choices(
+        self, sequences: list[list[int]], known: list[torch.Tensor | None]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`next_token_logits_batch` that also records the indexer's top-k choices (indexer replay).
+
+        ``known[i]``: the choices ``[n_i, layers, index_topk]`` recorded for the first ``n_i`` rows of
+        sequence ``i`` at earlier decode steps (replayed, as an engine with a KV cache keeps them), or
+        ``None``; the other rows choose now. Returns the logits and each sequence's choices of all its
+        rows (``[len_i, layers, index_topk]`` int32, :mod:`verl_ds4.mcore.indexer_replay`'s encoding).
+        """
+        from verl_ds4.mcore import batch_plans, indexer_replay, resolver
+
+        indexer_replay.enable(self.model, record=True)  # idempotent; refuses a model without an indexer
+        layers = len(indexer_replay.selecting_layers(self.model))
+        width = max(m.indexer_replay_width for _, m in indexer_replay.selecting_layers(self.model))
+        field = []
+        for seq, rows in zip(sequences, known):
+            full = torch.full((len(seq), layers, width), indexer_replay.NOT_RECORDED, dtype=torch.int32)
+            if rows is not None:
+                full[: rows.shape[0]] = rows[: len(seq)]
+            field.append(full)
+        with batch_plans.micro_batch_plans(), indexer_replay.micro_batch_scope():
+            offsets = self._offsets(sequences)
+            nested_field = torch.nested.nested_tensor_from_jagged(torch.cat(field), offsets=offsets)
+            indexer_replay.set_pending(nested_field)
+            logits, nested = self._logits(sequences, offsets)
+            plan = batch_plans.plan_for(nested, resolver.resolved_for(self.model).plan_options(None))
+            choices = plan.unpack(indexer_replay.recorded(self.model))
+        indexer_replay.clear(self.model)
+        return logits, [c.clone() for c in choices.unbind()]
+
+    @staticmethod
+    def _offsets(sequences: list[list[int]]) -> torch.Tensor:
+        lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
+        offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(lengths, dim=0)
+        return offsets
+
+    def _logits(self, sequences: list[list[int]], offsets: torch.Tensor | None = None):
         from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
 
         if not sequences or any(len(seq) == 0 for seq in sequences):
             raise ValueError("next_token_logits_batch needs at least one sequence, each of at least one token.")
-        lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
-        offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
-        offsets[1:] = torch.cumsum(lengths, dim=0)
+        offsets = self._offsets(sequences) if offsets is None else offsets
         ids = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)
         nested = torch.nested.nested_tensor_from_jagged(ids, offsets=offsets)
         logits = gptmodel_forward_model_engine(self.model, nested, {}, value_model=False)
@@ -153,4 +193,4 @@ class MegatronCPUPolicy:
             last = logits.values()[offsets[1:] - 1]
         else:  # one sequence returned as [1, T, vocab]
             last = logits[:, -1]
-        return last[:, : self.vocab_size].float()
+        return last[:, : self.vocab_size].float(), nested

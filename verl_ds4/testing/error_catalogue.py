@@ -67,6 +67,7 @@ SCOPE = (
     "verl_ds4/ds41_facts.py",
     "verl_ds4/mcore/resolver.py",
     "verl_ds4/mcore/requirements.py",
+    "verl_ds4/mcore/indexer_replay.py",
     "verl_ds4/engine/plugin.py",
     "verl_ds4/engine/config.py",
     "verl_ds4/cpu/ds4_builder.py",

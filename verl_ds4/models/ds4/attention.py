@@ -277,6 +277,11 @@ class DS4HybridAttention(nn.Module):
     def indexer(self) -> LightningIndexer | None:
         return self.core_attention.indexer
 
+    @property
+    def indexer_replay_width(self) -> int | None:
+        """``index_topk`` of a CSA layer (its choices can be replayed: verl_ds4.mcore.indexer_replay), else None."""
+        return self.spec.index_topk if self.indexer is not None else None
+
     # -- layout contract -----------------------------------------------------------------------
     @property
     def min_local_rows(self) -> int:
@@ -407,6 +412,18 @@ class DS4HybridAttention(nn.Module):
             result = DSAIndexerLossAutoScaler.apply(result, loss)
         return result
 
+    def _replayed_choice(self, chosen, visible, n_blocks, first_block, q_seq) -> torch.Tensor:
+        """The indexer replay's choice ``[T, NB]`` over the buffer's blocks: ``chosen`` / ``visible`` seen as
+        each query's own-sequence blocks ``[T, E]`` (what :class:`~verl_ds4.mcore.indexer_replay.IndexerReplay`
+        records and replays), and back."""
+        first = first_block
+        entries = torch.arange(int(n_blocks.max()), device=visible.device)
+        in_seq = entries < n_blocks[q_seq].unsqueeze(1)
+        own = (first[q_seq].unsqueeze(1) + entries).clamp(max=visible.shape[1] - 1)
+        own_choice = self.indexer_replay.select(chosen.gather(1, own) & in_seq, visible.gather(1, own) & in_seq)
+        out = torch.zeros(visible.shape[0], visible.shape[1] + 1, dtype=torch.bool, device=visible.device)
+        return out.scatter_(1, torch.where(own_choice & in_seq, own, visible.shape[1]), True)[:, :-1]
+
     def _indexer_loss_active(self) -> bool:
         """The indexer loss runs in training forwards with autograd on and a positive coefficient only
         (as Megatron-LM dev); otherwise the indexer path is the no-grad top-k it always was."""
@@ -453,6 +470,8 @@ class DS4HybridAttention(nn.Module):
                 k = min(spec.index_topk, scores.shape[1])
                 order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
                 chosen = torch.zeros_like(visible).scatter_(1, order, True)
+                if getattr(self, "indexer_replay", None) is not None:  # rollout indexer replay (record / replay)
+                    chosen = self._replayed_choice(chosen & visible, visible, n_blocks, first_block, q_seq)
             if with_loss:
                 loss_inputs = (index_scores, visible)
             visible = visible & chosen

@@ -190,6 +190,12 @@ class DS41Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
+    def indexer_replay_width(self) -> int | None:
+        """``index_topk`` of a layer with its own indexer (Full / Reindex: its choices can be replayed,
+        verl_ds4.mcore.indexer_replay), else None (a Reuse layer takes its source's choice)."""
+        return self.index_topk if self.role.ratio and self.core_attention.indexer is not None else None
+
+    @property
     def min_local_rows(self) -> int:
         """Rows every CP rank must hold: the window, and a whole block of this layer's ratio."""
         return max(self.window, self.role.ratio)
@@ -297,6 +303,8 @@ class DS41Attention(nn.Module):
                     raise ValueError(f"hierarchical layer {self.role.layer} needs the candidates of layer {self.role.candidate_source}.")
                 scores = scores.masked_fill(~candidates, float("-inf"))
             selected = stable_topk_mask(scores, self.index_topk)
+            if getattr(self, "indexer_replay", None) is not None:  # rollout indexer replay (record / replay)
+                selected = self.indexer_replay.select(selected, reachable)
         state = replace(state, selected=selected, candidates=candidates)
         return state, selected
 
