@@ -62,16 +62,27 @@ def run(args: argparse.Namespace) -> int:
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
     trainer = TRAINERS[args.kind]
+    from verl_ds4.recipes.override_keys import check_added_keys, compose_without_added, explain_compose_error
+
+    def compose(ovs: list[str]):
+        return compose_recipe(args.kind, ovs)
+
     try:
-        cfg = compose_recipe(args.kind, overrides)
+        cfg = compose(overrides)
     except Exception as e:  # Hydra composition errors name the bad override themselves.
         print(f"verl-ds4 recipe {args.kind}: cannot compose the config: {e}", file=sys.stderr)
+        hint = explain_compose_error(e, compose, overrides)
+        if hint:
+            print(f"verl-ds4 recipe {args.kind}: {hint}", file=sys.stderr)  # error-catalogue: passes on explain_compose_error's message, catalogued where it is built
         return 1
     try:
         report = validate_recipe(cfg, trainer.kind, dry_run=args.dry_run, raise_on_error=False)
     except RecipeValidationError as e:
         print(str(e), file=sys.stderr)
         return 1
+    unread, on_purpose = check_added_keys(compose_without_added(compose, overrides, cfg), cfg, overrides)
+    report.errors[:0] = unread
+    report.notes += on_purpose
     plan = format_plan(cfg, report, launch_line(args.kind, report.nnodes, report.gpus_per_node, len(overrides)))
     if args.dry_run:
         print("(dry-run: composed and validated without GPUs; nothing was launched)")
