@@ -66,6 +66,10 @@ case "$DS4_RL_RECIPE" in
     grpo) RECIPE_NAME=ds4_proxy_grpo_cpu; JOB="GRPO (group-relative advantages, no critic)"; ROLES="actor, reference" ;;
     *) echo "DS4_RL_RECIPE=$DS4_RL_RECIPE: expected ppo or grpo" >&2; exit 2 ;;
 esac
+case "$MODEL" in
+    ds4|ds4_proxy|ds41) ;;
+    *) echo "MODEL=$MODEL: expected one of the known models ds4 (the full tiny DS4, default), ds4_proxy (attention-only) or ds41 (DeepSeek-V4.1), e.g. MODEL=ds4" >&2; exit 2 ;;
+esac
 if [ -n "$MODEL_PATH" ] && [ ! -f "$MODEL_PATH/config.json" ]; then
     echo "MODEL_PATH=$MODEL_PATH: expected an HF DS4 folder (config.json + *.safetensors + tokenizer), e.g. one written by" \
          "python -m verl_ds4.cpu.sft_to_hf --checkpoint SFT_WORK_DIR/checkpoints --model-dir SFT_WORK_DIR/assets/model --out DIR" >&2
@@ -164,6 +168,13 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
     TRAINER+=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null ray_kwargs.ray_init.include_dashboard=null)
     export RAY_OVERRIDE_JOB_RUNTIME_ENV=1
     CLUSTER_FACT="; Ray cluster $RAY_ADDRESS"
+fi
+
+# The overrides compose with the recipe on verl's PPO config and add no key that nothing reads (a typo),
+# checked in seconds before Ray starts: Hydra's error first, the closest known key, no third-party warnings.
+if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys ppo_trainer --before "Ray started" -- "${RECIPE[@]}" \
+        "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}; then
+    exit 2
 fi
 
 # Resuming: refuse at start-up, before Ray starts, a checkpoint another run wrote (a changed CP size,
