@@ -118,13 +118,6 @@ ASSETS="$WORK_DIR/assets"
 # script: importing it as verl_ds4.rollout.demo_task would import verl first (~10 s). An assets folder
 # written before with the same arguments is reused (a resumed run, a retry).
 REWARD_FILE=$("$PYTHON" -c 'import importlib.util, os; s = importlib.util.find_spec("verl_ds4"); print(os.path.join(s.submodule_search_locations[0], "rollout", "demo_task.py"))')
-if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
-elif ! assets_out=$("$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
-    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
-    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
-    exit 1
-fi
 START_MODEL=${MODEL_PATH:-$ASSETS/model}
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
@@ -175,6 +168,14 @@ fi
 if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys ppo_trainer --before "Ray started" -- "${RECIPE[@]}" \
         "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}; then
     exit 2
+fi
+# The assets (data, the seeded model folder), written once the overrides passed.
+if [ "$VERBOSE" = 1 ]; then
+    "$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
+elif ! assets_out=$("$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
+    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
+    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
+    exit 1
 fi
 
 # Resuming: refuse at start-up, before Ray starts, a checkpoint another run wrote (a changed CP size,

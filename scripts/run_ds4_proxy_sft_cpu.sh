@@ -175,6 +175,7 @@ if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys sft_trainer_engine --
     exit 2
 fi
 
+# The assets (data, the seeded model folder), written once the overrides passed.
 if [ "$VERBOSE" = 1 ]; then
     "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"
 elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN" 2>&1); then
