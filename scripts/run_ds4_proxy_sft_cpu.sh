@@ -159,6 +159,12 @@ CONSOLE=(
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
+# A rerun of a finished run: verl's sft_trainer would resume at the last step and train one step past it;
+# the console says the run is complete instead (unless the overrides move the run's folder or resume mode).
+case " ${OVERRIDES[*]-} " in
+    *" trainer.default_local_dir="*|*" trainer.resume_mode="*|*" trainer.total_training_steps="*) ;;
+    *) [ "$RESUME_MODE" = auto ] && [ "$NNODES" = 1 ] && CONSOLE+=(--finished-check "$WORK_DIR/checkpoints") ;;
+esac
 HYDRA_ARGS=(
     engine=megatron optim=megatron
     "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
