@@ -69,11 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = compose(overrides)
-    except Exception as e:  # Hydra composition errors name the bad override themselves.
-        print(f"verl-ds4 recipe {args.kind}: cannot compose the config: {e}", file=sys.stderr)
+    except Exception as e:  # Hydra composition errors name the bad override themselves; a hint follows an unknown key.
         hint = explain_compose_error(e, compose, overrides)
-        if hint:
-            print(f"verl-ds4 recipe {args.kind}: {hint}", file=sys.stderr)  # error-catalogue: passes on explain_compose_error's message, catalogued where it is built
+        hint = f"\nverl-ds4 recipe {args.kind}: {hint}" if hint else ""
+        print(f"verl-ds4 recipe {args.kind}: cannot compose the config: {e}{hint}", file=sys.stderr)
         return 1
     try:
         report = validate_recipe(cfg, trainer.kind, dry_run=args.dry_run, raise_on_error=False)
