@@ -304,6 +304,7 @@ def finished_run_lines(checkpoints: str | Path, total_steps: int, log_dir: str |
     ]
     latest = Path(log_dir) / "latest.log" if log_dir is not None else None
     if latest is not None and latest.exists():
-        summary = summarize_sft(latest.read_text(errors="replace"), total_steps)
-        lines += [line for line in sft_summary_lines(summary, log_path=latest.resolve())]
+        last = latest.parent / latest.readlink() if latest.is_symlink() else latest
+        summary = summarize_sft(last.read_text(errors="replace"), total_steps)
+        lines += [say("(the last run's summary, from its log)")] + sft_summary_lines(summary, log_path=last)
     return lines
