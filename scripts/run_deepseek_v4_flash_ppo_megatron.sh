@@ -8,9 +8,10 @@
 #
 # Start the Ray cluster first (ray start --head / --address on every node); this runs the driver.
 # DeepSeek-V4.1-Flash (GRPO only): MODEL_VERSION=v41 (recipe deepseek_v41_grpo, ds4_model=v41_flash,
-# its default mesh gb300_96gpu_pp4_ep24_cp4).
-# DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_256gpu_pp4_ep64` (and MODEL_PATH to the Pro checkpoint);
-# `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256` lists the meshes that fit.
+# its default mesh gb300_128gpu_pp1_ep128_cp2).
+# DS4-Pro: GRPO only on the shipped meshes (scripts/run_deepseek_v4_flash_grpo_megatron.sh); PPO's critic doubles
+# the states verl offloads to the host, more than a GB300 node's RAM on gb300_256gpu_pp4_ep64 (its not_for);
+# `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256-512 --recipe ppo` lists the meshes that fit.
 # Before Ray starts, the full config is composed and validated (`verl-ds4 recipe ppo`): a bad
 # mesh, budget, rollout TP or missing path fails in seconds with the setting and the fix.
 # scripts/run_deepseek_v4_flash_grpo_megatron.sh runs this launcher with DS4_RL_RECIPE=grpo.
@@ -39,7 +40,7 @@ case "$MODEL_VERSION:$RL_RECIPE" in
     v41:grpo)
         RECIPE_NAME=deepseek_v41_grpo DS4_MODEL=v41_flash
         MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4.1-Flash}
-        MESH=${MESH:-gb300_96gpu_pp4_ep24_cp4}
+        MESH=${MESH:-gb300_128gpu_pp1_ep128_cp2}
         PROJECT_NAME=${PROJECT_NAME:-deepseek-v41-grpo}
         EXP_NAME=${EXP_NAME:-v41-flash-megatron}
         ;;
@@ -51,7 +52,7 @@ TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_rl/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_rl/test.parquet}
 # Named mesh from configs/ds4_mesh/ (nodes, GPUs per node, PP/EP/CP). The knobs below, when set,
 # replace single fields of it; empty means "take it from MESH".
-MESH=${MESH:-h200_64gpu_pp8_ep8}
+MESH=${MESH:-h200_64gpu_pp8_ep8_cp2}
 NNODES=${NNODES:-}
 GPUS_PER_NODE=${GPUS_PER_NODE:-}
 PP=${PP:-}
@@ -67,7 +68,8 @@ ROUTER_REPLAY=${ROUTER_REPLAY:-disabled}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-1024}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-2048}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
-TOKENS_PER_GPU=${TOKENS_PER_GPU:-16384}
+# Token budget per GPU (ds4.max_token_len_per_gpu); empty: the mesh's, sized so the peak fits (docs/memory.md).
+TOKENS_PER_GPU=${TOKENS_PER_GPU:-}
 OFFLOAD=${OFFLOAD:-true}
 PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-$RL_RECIPE}
 EXP_NAME=${EXP_NAME:-flash-megatron}
@@ -97,8 +99,8 @@ MODEL=(
     "ds4.router_replay=$ROUTER_REPLAY"
     "ds4.offload.param=$OFFLOAD"
     "ds4.offload.optimizer=$OFFLOAD"
-    "ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"
 )
+if [ -n "$TOKENS_PER_GPU" ]; then MODEL+=("ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"); fi
 if [ "$ROUTER_REPLAY" = R3 ]; then MODEL+=(actor_rollout_ref.rollout.enable_rollout_routing_replay=true); fi
 
 ROLLOUT=("ds4.rollout.engine=$ROLLOUT_ENGINE")

@@ -9,7 +9,7 @@
 #
 # Multi-node: run the same command on every node with NODE_RANK, MASTER_ADDR and MASTER_PORT set.
 # DeepSeek-V4.1-Flash: MODEL_VERSION=v41 (recipe deepseek_v41_sft, ds4_model=v41_flash, its default mesh
-# h200_192gpu_pp4_ep48_cp4, MTP off: V4.1's mtp.* stages are a DSpark drafter).
+# h200_384gpu_pp1_ep192_cp2, MTP off: V4.1's mtp.* stages are a DSpark drafter).
 # DS4-Pro: append `ds4_model=pro ds4_mesh=gb300_256gpu_pp4_ep64` (and MODEL_PATH to the Pro checkpoint);
 # `verl-ds4 plan --fit --model pro --gpu GB300 --gpus 256` lists the meshes that fit.
 # Before torchrun starts, the full config is composed and validated (`verl-ds4 recipe sft`): a bad
@@ -33,7 +33,7 @@ case "$MODEL_VERSION" in
     v41)
         RECIPE_NAME=deepseek_v41_sft DS4_MODEL=v41_flash
         MODEL_PATH=${MODEL_PATH:-$HOME/models/DeepSeek-V4.1-Flash}
-        MESH=${MESH:-h200_192gpu_pp4_ep48_cp4}
+        MESH=${MESH:-h200_384gpu_pp1_ep192_cp2}
         MTP=${MTP:-false}
         PROJECT_NAME=${PROJECT_NAME:-deepseek-v41-sft}
         EXP_NAME=${EXP_NAME:-v41-flash-megatron}
@@ -45,14 +45,15 @@ TRAIN_FILES=${TRAIN_FILES:-$HOME/data/gsm8k_ds4_sft/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k_ds4_sft/test.parquet}
 # Named mesh from configs/ds4_mesh/ (nodes, GPUs per node, PP/EP/CP). The knobs below, when set,
 # replace single fields of it; empty means "take it from MESH".
-MESH=${MESH:-h200_64gpu_pp4_ep8}
+MESH=${MESH:-h200_64gpu_pp8_ep8_cp2}
 NNODES=${NNODES:-}
 GPUS_PER_NODE=${GPUS_PER_NODE:-}
 PP=${PP:-}
 EP=${EP:-}
 CP=${CP:-}
 MAX_LENGTH=${MAX_LENGTH:-4096}
-TOKENS_PER_GPU=${TOKENS_PER_GPU:-8192}
+# Token budget per GPU (ds4.max_token_len_per_gpu); empty: the mesh's, sized so the peak fits (docs/memory.md).
+TOKENS_PER_GPU=${TOKENS_PER_GPU:-}
 MTP=${MTP:-true}
 OFFLOAD=${OFFLOAD:-false}
 PROJECT_NAME=${PROJECT_NAME:-deepseek-v4-sft}
@@ -92,8 +93,9 @@ DATA=(
     "data.train_files=$TRAIN_FILES"
     "data.val_files=$VAL_FILES"
     "data.max_length=$MAX_LENGTH"
-    "ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"
 )
+
+if [ -n "$TOKENS_PER_GPU" ]; then DATA+=("ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"); fi
 
 TRAINER=(
     "trainer.project_name=$PROJECT_NAME"

@@ -424,7 +424,7 @@ def test_ds4_proxy_cp_parity_holds_with_balance_on(monkeypatch, tmp_path):
     on in every plan the THD path builds: CP 2 and 4 reproduce CP 1."""
     import verl_ds4.layout as layout_pkg
     from verl_ds4.layout.plan import PlanOptions as RealPlanOptions
-    from verl_ds4.cpu.verify import RAGGED, compare, format_table, rows_passed, run_parity
+    from verl_ds4.verify.parity import RAGGED, compare, format_table, rows_passed, run_parity
 
     reference = run_parity(1, dtypes=("fp64",), layout_checks=False)
     marker = tmp_path / "balanced"

@@ -1,7 +1,9 @@
 """The device check (benchmarks/gpu/device_check.sh) stays runnable: its Python parts on the CPU.
 
 The script itself runs on a GPU machine without Megatron or verl; here its --help, its argument
-checks, the DS4 attention check (device=cpu, quick sizes) and the no-verl/megatron import rule.
+checks, the DS4 attention check (device=cpu, quick sizes) and the no-verl/megatron import rule, and the
+whole-model checks of DS4 and V4.1 (``--checks ds4,ds41 --quick``: one PASS line per model; they may
+import Megatron-Core, carried as a wheel, and nothing of verl / Ray).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def test_attention_check_passes_on_cpu_and_imports_no_verl_or_megatron(tmp_path)
     # A fresh interpreter: what the check imports is what the device machine must have.
     results = tmp_path / "results.txt"
     code = (
-        "import sys, runpy; sys.argv = ['device_checks', '--device', 'cpu', '--quick', '--results', sys.argv[1]];"
+        "import sys, runpy; sys.argv = ['device_checks', '--device', 'cpu', '--quick', '--checks', 'attention,memory',"
+        " '--results', sys.argv[1]];"
         f"runpy.run_path({str(REPO / 'benchmarks' / 'gpu' / 'device_checks.py')!r}, run_name='__main__')"
     )
     out = subprocess.run([sys.executable, "-c", code, str(results)], capture_output=True, text=True, cwd=REPO)
@@ -79,3 +82,34 @@ def test_the_import_rule_sees_a_forbidden_module(monkeypatch):
     assert dc.forbidden_modules_loaded() == []
     monkeypatch.setitem(sys.modules, "megatron", type(sys)("megatron"))
     assert dc.forbidden_modules_loaded() == ["megatron"]
+
+
+def test_whole_model_checks_pass_on_cpu_one_line_per_model(tmp_path):
+    results = tmp_path / "results.txt"
+    code = (
+        "import sys, runpy; sys.argv = ['device_checks', '--device', 'cpu', '--quick', '--checks', 'ds4,ds41',"
+        " '--results', sys.argv[1]];"
+        f"runpy.run_path({str(REPO / 'benchmarks' / 'gpu' / 'device_checks.py')!r}, run_name='__main__')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(results)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    lines = results.read_text().splitlines()
+    print("\n".join(lines))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert [line.split(":")[0] for line in lines] == ["PASS ds4 whole model on cpu", "PASS ds41 whole model on cpu"], lines
+    for line in lines:
+        assert "float32: " in line and "bfloat16: " in line and "routes replayed" in line and "routes native, 0 of " in line
+    assert "FAIL imports" not in out.stdout
+
+
+def test_a_model_check_row_over_its_tolerance_fails():
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    _load()
+    import model_checks
+
+    from verl_ds4.verify.parity import Row
+
+    rows = [Row("fp32 ragged loss", 1e-7, 1e-7, 1e-3), Row("fp32 ragged grads mtp (3 params)", 1e-6, 2e-6, 1e-3)]
+    assert model_checks._summary(rows, 1e-3)[0]
+    rows.append(Row("fp32 ragged grads experts (4 params)", 0.1, 0.5, 1e-3))  # negative control: one bad group
+    ok, detail = model_checks._summary(rows, 1e-3)
+    assert not ok and "worst gradient group: grads experts 5.0e-01" in detail

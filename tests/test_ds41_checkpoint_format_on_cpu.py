@@ -340,7 +340,7 @@ def test_the_recipe_validator_reads_the_folder_format(hub, tmp_path, monkeypatch
 def test_v4_and_v41_folders_are_refused_both_ways(hub, tmp_path, capsys):
     """A V4 folder given to the V4.1 loaders / verify, and the V4.1 released folder given to V4's loader and
     V4's verify, are refused naming model_type and the fix."""
-    from verl_ds4.cpu import verify_cli
+    from verl_ds4.verify import cli as verify_cli
     from verl_ds4.cpu.ds41_builder import ds41_folder_of
     from verl_ds4.models.ds4.hf_checkpoint import load_hf_checkpoint
     from verl_ds4.models.ds41.folder import load_drafter
@@ -360,8 +360,8 @@ def test_v4_and_v41_folders_are_refused_both_ways(hub, tmp_path, capsys):
     assert re.search(r"model_type='deepseek_v4'.*--model ds4", capsys.readouterr().err)
     with pytest.raises(ValueError, match=r"DeepSeek-V4.1 checkpoint.*verl-ds4 verify --model ds41"):
         load_hf_checkpoint(hub.folder)
-    with pytest.raises(ValueError, match=r"DeepSeek-V4.1 checkpoint.*verl-ds4 verify --model ds41"):
-        verify_cli.run(parser.parse_args(["--hf-checkpoint", str(hub.folder)]))
+    assert verify_cli.run(parser.parse_args(["--hf-checkpoint", str(hub.folder)])) == 2
+    assert re.search(r"^verify --hf-checkpoint: .*DeepSeek-V4.1 checkpoint.*verl-ds4 verify --model ds41", capsys.readouterr().err)
 
 
 def test_verify_hf_checkpoint(hub, tmp_path, capsys):
@@ -370,8 +370,8 @@ def test_verify_hf_checkpoint(hub, tmp_path, capsys):
     Our export in released names (float64) read by ours is the same model as NeMo's reading of the FP8 original;
     folders in our names and in NeMo's in-memory names pass too.
     Negative control: NeMo reading a copy with one scale byte one higher (its 32 x 32 block doubled) is caught."""
-    from verl_ds4.cpu import verify_cli
-    from verl_ds4.cpu.verify_ds41_hf import compare_folder_with_nemo, nemo_model_from_folder
+    from verl_ds4.verify import cli as verify_cli
+    from verl_ds4.verify.ds41_hf import compare_folder_with_nemo, nemo_model_from_folder
     from verl_ds4.models.ds41.folder import save_folder
 
     parser = __import__("argparse").ArgumentParser()
@@ -384,7 +384,7 @@ def test_verify_hf_checkpoint(hub, tmp_path, capsys):
     assert result["logits"] < 1e-10 and result["log_probs"] < 1e-10
 
     # Exit codes: the same numbers against a tolerance no fp64 computation meets exit 1; no reference exits 2.
-    from verl_ds4.cpu import verify_ds41_hf
+    from verl_ds4.verify import ds41_hf as verify_ds41_hf
     from verl_ds4.models.ds41 import reference
 
     with pytest.MonkeyPatch.context() as mp:

@@ -73,20 +73,20 @@ def test_explicit_anchors_are_checked():
 
 @pytest.fixture(scope="module")
 def case():
-    from verl_ds4.cpu.verify_ds41_dspark import build_dspark_case
+    from verl_ds4.verify.ds41_dspark import build_dspark_case
 
     return build_dspark_case()
 
 
 @pytest.fixture(scope="module")
 def compared(case):
-    from verl_ds4.cpu.verify_ds41_dspark import compare_dspark_with_nemo
+    from verl_ds4.verify.ds41_dspark import compare_dspark_with_nemo
 
     return compare_dspark_with_nemo(2, case=case)
 
 
 def test_loss_and_drafter_gradients_equal_nemo_and_cp2_equals_cp1(compared):
-    from verl_ds4.cpu.verify_ds41_dspark import dspark_rows
+    from verl_ds4.verify.ds41_dspark import dspark_rows
 
     one, two = compared["cp1"], compared["cp2"]
     print(f"DSpark step vs NeMo Automodel (fp64): loss {compared['nemo']['loss']:.6f}, CP=1 loss {one['loss_vs_nemo']:.1e}, "
@@ -153,7 +153,7 @@ def test_other_settings_equal_nemo(case):
     """Slot decay (``decay_gamma`` 2), a confidence head reading detached inputs and other term weights:
     loss and drafter gradients equal NeMo's with the same settings; with equal slot weights instead
     (negative control) the loss moves."""
-    from verl_ds4.cpu.verify_ds41_dspark import grad_errors
+    from verl_ds4.verify.ds41_dspark import grad_errors
     from verl_ds4.models.ds41.dspark_reference import dspark_fp64_reference, nemo_dspark_step
     from verl_ds4.models.ds41.model import DS41Model
 
@@ -187,7 +187,7 @@ def test_other_settings_equal_nemo(case):
 def test_cp2_without_the_gather_moves_the_loss(case, compared, monkeypatch):
     """Each rank's features filled into every rank's slot (the drafter reads only its own slice): the
     CP 2 loss leaves CP 1's."""
-    from verl_ds4.cpu.verify_ds41_dspark import ours_on_cp_ranks
+    from verl_ds4.verify.ds41_dspark import ours_on_cp_ranks
     from verl_ds4.layout.plan import THDPlan
 
     monkeypatch.setattr(THDPlan, "gather", lambda self, local, group=None, cp_rank=None: local.repeat(self.cp_size, *[1] * (local.dim() - 1)))

@@ -23,7 +23,8 @@ from verl_ds4.testing import ds41_reference as ref
 needs_reference = pytest.mark.skipif(ref.reference_missing() is not None, reason=str(ref.reference_missing()))
 
 FLASH_TEXT = dict(
-    num_hidden_layers=40, vocab_size=129280, sliding_window=128,
+    num_hidden_layers=40, vocab_size=129280, sliding_window=128, rms_norm_eps=1e-20, rope_theta=10000.0,
+    compress_rope_theta=160000.0, rope_scaling=dict(facts.TEXT_DEFAULTS["rope_scaling"]),
     compress_ratios=list(facts.FLASH_COMPRESS_RATIOS), kv_source_layer_ids=list(facts.FLASH_KV_SOURCES),
     index_source_layer_ids=list(facts.FLASH_INDEX_SOURCES), candidate_source_layer_id=facts.FLASH_CANDIDATE_SOURCE,
     candidate_block_size=8, candidate_topk_blocks=2048, engram_layer_ids=list(facts.FLASH_ENGRAM_LAYERS),

@@ -132,11 +132,11 @@ def test_the_engine_layout_resolver_reads_the_v41_declarations():
 
 
 def _train_step(rank: int, world: int, build, lengths, broken_halo: bool):
-    """One actor step through verl-ds4's THD data path (``verl_ds4.cpu.verify``: pack with the contiguous
+    """One actor step through verl-ds4's THD data path (``verl_ds4.verify.parity``: pack with the contiguous
     plan, log-probs, entropy, loss, backward) of the Megatron V4.1 model; gradients summed over CP."""
     from megatron.core import parallel_state
 
-    from verl_ds4.cpu.verify import _actor_step, _batch, _grads
+    from verl_ds4.verify.parity import _actor_step, _batch, _grads
 
     if broken_halo:  # negative control: the CSA2 left halo never arrives
         from verl_ds4.models.ds41 import csa2
@@ -186,7 +186,7 @@ def test_training_step_through_the_thd_path_is_cp_exact(setup):
 def _critic_step(rank: int, world: int, build, lengths):
     from megatron.core import parallel_state
 
-    from verl_ds4.cpu.verify import _batch, _critic_step, _grads
+    from verl_ds4.verify.parity import _batch, _critic_step, _grads
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     try:
@@ -205,7 +205,7 @@ def _critic_step(rank: int, world: int, build, lengths):
 def test_value_head_critic_step_is_cp_exact(setup):
     """The critic (V4.1 decoder + hidden -> 1 head, verl's value model): values are the head applied to
     the LM model's final hidden rows, and values, value loss and gradients at CP 2 and 4 equal CP 1."""
-    from verl_ds4.cpu.verify import _batch
+    from verl_ds4.verify.parity import _batch
     from verl_ds4.mcore.distributed import run_distributed
     from verl_ds4.models.ds41.model import DS41Model, run_decoder
 

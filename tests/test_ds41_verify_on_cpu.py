@@ -1,5 +1,5 @@
 """``verl-ds4 verify --model ds41 --cp 2``: one training step of the tiny V4.1 in Megatron-Core at CP 1 and 2
-against CP 1 and NeMo Automodel 0.7.0 at fp64 (``verl_ds4.cpu.verify_ds41``), with its negative controls.
+against CP 1 and NeMo Automodel 0.7.0 at fp64 (``verl_ds4.verify.ds41``), with its negative controls.
 
 * the CLI at CP 2 exits 0; every comparison row is within 1e-10 (loss, log-probs, entropy, gradients per
   group: Full / Reindex / Reuse / window-only attention, Engram tables, the rest; the Megatron wrapper's
@@ -7,7 +7,7 @@ against CP 1 and NeMo Automodel 0.7.0 at fp64 (``verl_ds4.cpu.verify_ds41``), wi
 * negative controls of the harness itself: with the Engram halo or the CSA2 halo zeroed in the main
   run, the CP 2 vs CP 1 rows fail (loss, log-probs, gradients); the same figures against a tolerance
   no fp64 computation meets fail; the zigzag guard of the decoder raises on zigzag rows;
-* the DSpark hook: without ``verl_ds4.cpu.verify_ds41_dspark`` the rows say "not built"; a module
+* the DSpark hook: without ``verl_ds4.verify.ds41_dspark`` the rows say "not built"; a module
   providing ``compare_dspark_with_nemo`` / ``dspark_rows`` adds its rows (a failing one fails the table);
 * the CLI refuses options ds41 would ignore, and exits 2 without the reference.
 
@@ -67,8 +67,8 @@ def test_cli_cp2_passes_with_every_row(cli_run):
 def test_cli_negative_controls_fail_against_an_impossible_tolerance(cli_run, monkeypatch, capsys):
     """The same run's figures against rtol 1e-30: every match row with a non-zero difference fails."""
     from verl_ds4.cli import main
-    from verl_ds4.cpu import verify_ds41
-    from verl_ds4.cpu.verify import Row
+    from verl_ds4.verify import ds41 as verify_ds41
+    from verl_ds4.verify.parity import Row
 
     _, result = cli_run
     rows = [Row(r["quantity"], r["max_abs"], r["max_rel"], 1e-30 if r["expect"] == "match" else r["tol"], r["expect"]) for r in result["rows"]]
@@ -79,7 +79,7 @@ def test_cli_negative_controls_fail_against_an_impossible_tolerance(cli_run, mon
 
 @pytest.fixture(scope="module")
 def case_and_nemo():
-    from verl_ds4.cpu import verify_ds41 as v
+    from verl_ds4.verify import ds41 as v
 
     case, theirs, ours = v.build_case()
     threads = torch.get_num_threads()
@@ -94,7 +94,7 @@ def _broken_rank_rows(case, nemo, module_name: str):
     """CP 1 correct, CP 2 with ``module_name``'s left halo replaced by zeros (forked ranks inherit the patch)."""
     import importlib
 
-    from verl_ds4.cpu import verify_ds41 as v
+    from verl_ds4.verify import ds41 as v
 
     module = importlib.import_module(module_name)
     runs = {1: v.ours_on_cp_ranks(case, 1)}
@@ -133,9 +133,9 @@ def test_the_decoder_refuses_zigzag_rows():
 
 
 def test_dspark_rows(monkeypatch):
-    from verl_ds4.cpu import verify_ds41 as v
-    from verl_ds4.cpu import verify_ds41_dspark as dspark
-    from verl_ds4.cpu.verify import rows_passed
+    from verl_ds4.verify import ds41 as v
+    from verl_ds4.verify import ds41_dspark as dspark
+    from verl_ds4.verify.parity import rows_passed
 
     entries = [{"check": "loss, CP=2 vs CP=1 (rel)", "value": 3e-16, "limit": 1e-10},
                {"check": "drafter tensors the DSpark loss trains", "value": 40, "limit": None}]  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verl_ds4.models.ds4 import cp_comm
-from verl_ds4.cpu.verify import SHORT, compare, format_table, rows_passed, run_parity
+from verl_ds4.verify.parity import SHORT, compare, format_table, rows_passed, run_parity
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def test_config_describes_every_ds4_component(folder):
 def test_transformers_loads_the_folder_and_equals_our_model(folder):
     from transformers import DeepseekV4ForCausalLM
 
-    from verl_ds4.cpu.verify_hf import compare_with_transformers
+    from verl_ds4.verify.hf import compare_with_transformers
 
     model, info = DeepseekV4ForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

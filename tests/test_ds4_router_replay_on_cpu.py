@@ -29,7 +29,7 @@ def _replay_worker(rank: int, world: int, replay_routes):
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
     from verl.utils.megatron.router_replay_utils import iter_model_routers, set_model_router_replay_action
 
-    from verl_ds4.cpu.verify import _Models, _batch
+    from verl_ds4.verify.parity import _Models, _batch
     from verl_ds4.layout import PlanOptions
     from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for
     from verl_ds4.models.ds4.router_replay import enable_router_replay
@@ -145,7 +145,7 @@ def _verl_r3_worker(rank: int, world: int):
         set_router_replay_data,
     )
 
-    from verl_ds4.cpu.verify import _Models, _batch
+    from verl_ds4.verify.parity import _Models, _batch
     from verl_ds4.engine.megatron import active_layout, install_verl_hooks
     from verl_ds4.mcore.model_forward import pack_thd
     from verl_ds4.mcore.resolver import resolve_cp_layout

@@ -157,7 +157,7 @@ def _worker(rank: int, world: int, dynamic: bool):
     from verl.plugin.platform.platform_manager import set_platform
 
     from verl_ds4.cpu.platform import PlatformCPU
-    from verl_ds4.cpu.verify import _Models, _ds4_config
+    from verl_ds4.verify.parity import _Models, _ds4_config
     from verl_ds4.models.ds4.mcore_attention import DS4HybridSelfAttention
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -248,7 +248,7 @@ def _train(engine, model, data) -> dict:
     """
     from verl.workers.utils.losses import sft_loss
 
-    from verl_ds4.cpu.verify import _grads
+    from verl_ds4.verify.parity import _grads
 
     model.zero_grad(set_to_none=True)
 
@@ -264,8 +264,8 @@ def _train(engine, model, data) -> dict:
 
 
 def _grad_groups(ours: dict, ref: dict) -> dict[str, float]:
-    """Per parameter group (:func:`verl_ds4.cpu.verify.param_group`): max |ours - ref| / max |ref|."""
-    from verl_ds4.cpu.verify import param_group
+    """Per parameter group (:func:`verl_ds4.verify.parity.param_group`): max |ours - ref| / max |ref|."""
+    from verl_ds4.verify.parity import param_group
 
     diff, scale = {}, {}
     for name, g in ref.items():
@@ -350,7 +350,7 @@ def _preload():
         "verl.workers.utils.losses",
         "megatron.core.pipeline_parallel.hybrid_cp_schedule",
         "verl_ds4.cpu.engine",
-        "verl_ds4.cpu.verify",
+        "verl_ds4.verify.parity",
         "verl_ds4.models.ds4.model",
     ):
         importlib.import_module(name)

@@ -29,7 +29,7 @@ def test_every_refusal_is_on_the_page_and_every_listed_message_is_raised():
     paths = {s.path for s in report.sites}
     for where in ("verl_ds4/recipes/validate.py", "verl_ds4/mcore/resolver.py", "verl_ds4/recipes/resume_check.py",
                   "verl_ds4/models/ds4/chat.py", "verl_ds4/ds41_facts.py", "scripts/cluster_lib.sh",
-                  "scripts/run_ds4_proxy_ppo_cpu.sh", "verl_ds4/layout/plan_cli.py", "verl_ds4/cpu/verify_cli.py"):
+                  "scripts/run_ds4_proxy_ppo_cpu.sh", "verl_ds4/layout/plan_cli.py", "verl_ds4/verify/cli.py"):
         assert where in paths, where
     assert len(report.sites) >= 200, len(report.sites)
     for path in ec.SCOPE + ec.SHELL_SCOPE:

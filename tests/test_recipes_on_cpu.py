@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -87,10 +88,10 @@ def _validate(kind: str, overrides: list[str], dry_run: bool = False, **kw):
 @pytest.mark.parametrize(
     "kind, mesh",
     [
-        ("sft", "h200_64gpu_pp4_ep8"),
+        ("sft", "h200_64gpu_pp8_ep8_cp2"),
         ("sft", "h200_64gpu_pp4_ep8_cp4"),
-        ("ppo", "h200_64gpu_pp8_ep8"),
-        ("ppo", "h200_64gpu_pp4_ep8_cp4"),
+        ("ppo", "h200_64gpu_pp8_ep8_cp2"),
+        ("ppo", "h100_128gpu_pp8_ep8_cp2"),
         ("grpo", "gb200_40gpu_pp5_ep8_cp2"),
     ],
 )
@@ -106,6 +107,10 @@ def test_flash_recipes_compose_and_validate_with_real_paths(kind, mesh, assets):
     assert engine.expert_model_parallel_size == mesh_cfg.ep and engine.tensor_model_parallel_size == 1
     assert engine.use_mbridge is True and engine.vanilla_mbridge is False
     assert engine.override_transformer_config.cp_partition_mode == "contiguous"
+    # the attention kernel path and the recompute the mesh names for its GPU reach Megatron's config
+    otc = engine.override_transformer_config
+    assert otc.dsa_kernel_backend == mesh_cfg.dsa_kernel_backend in ("none", "cudnn")
+    assert otc.recompute_granularity == mesh_cfg.recompute_granularity == "full" and otc.recompute_method == "uniform"
     if kind == "sft":
         assert cfg.model.use_remove_padding is True and cfg.model.mtp.enable is True
         assert cfg.data.custom_cls.name == "DS4ChatSFTDataset"
@@ -160,7 +165,7 @@ def test_pro_recipe_uses_pro_facts_and_meshes(assets):
     assert report.errors == [] and report.facts.source.startswith("recipe") and report.facts.n_routed_experts == 384
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 16 and cfg.actor_rollout_ref.rollout.quantization == "fp8"
     # The 32-GPU GB300 mesh the launchers once suggested for Pro cannot hold Pro's states: refused.
-    with pytest.raises(RecipeValidationError, match=r"actor memory: .*= 900\.3 GiB per GPU exceeds the 279\.0 GiB"):
+    with pytest.raises(RecipeValidationError, match=r"actor memory: .*states 900\.3 .*exceeds 251\.1 GiB, the 279\.0 GiB of one GB300.*\(the states alone exceed it\)"):
         _validate("grpo", ["ds4_model=pro", "ds4_mesh=gb300_32gpu_pp4_ep8"], dry_run=True)
 
 
@@ -172,7 +177,7 @@ def test_user_override_wins_over_knob_and_is_not_rewritten(assets):
 # ---------------------------------------------------------------- each bad case names its setting
 
 BAD_CASES = [
-    ("world_not_divisible", "sft", ["ds4.mesh.cp=3"], "is not divisible by TPxPPxCP=12"),
+    ("world_not_divisible", "sft", ["ds4.mesh.cp=3"], "is not divisible by TPxPPxCP=24"),
     ("ep_not_dividing_experts", "sft", ["ds4.mesh.nnodes=3", "ds4.mesh.ep=6"], "EP=6 does not divide the 256 routed experts"),
     ("tp_gt_1", "sft", ["ds4.mesh.tp=2"], "engine.tensor_model_parallel_size: is 2, but DS4's hybrid attention does not support"),
     ("cp_without_thd", "sft", ["ds4.mesh.cp=2", "model.use_remove_padding=false"], "model.use_remove_padding: is False with CP=2"),
@@ -181,7 +186,7 @@ BAD_CASES = [
     ("zigzag_direct", "ppo", ["ds4.mesh.cp=2", "critic.megatron.override_transformer_config.cp_partition_mode=zigzag"], "critic.megatron.override_transformer_config.cp_partition_mode: is 'zigzag'"),
     ("budget_below_rows", "sft", ["ds4.mesh.cp=4", "ds4.max_token_len_per_gpu=100", "data.max_length=256"], "below the CP x 128 = 512 rows"),
     ("budget_below_seq", "ppo", ["ds4.max_token_len_per_gpu=1024"], "cannot hold one sequence of the maximum length 3072"),
-    ("ref_mesh_disagrees", "grpo", ["actor_rollout_ref.ref.megatron.context_parallel_size=2"], "actor_rollout_ref.ref.megatron.context_parallel_size: is 2 but the actor uses 1"),
+    ("ref_mesh_disagrees", "grpo", ["actor_rollout_ref.ref.megatron.context_parallel_size=4"], "actor_rollout_ref.ref.megatron.context_parallel_size: is 4 but the actor uses 2"),
     ("ref_layout_disagrees", "grpo", ["ds4.mesh.cp=2", "actor_rollout_ref.ref.megatron.override_transformer_config={cp_partition_mode:zigzag}"], "reference log-probs would be computed on a different token layout"),
     ("critic_mtp", "ppo", ["critic.model.mtp.enable=true"], "critic.model.mtp.enable: is True, but a value head has no MTP"),
     ("critic_dynamic_cp", "ppo", ["critic.megatron.dynamic_context_parallel=true", "critic.megatron.max_seqlen_per_dp_cp_rank=4096"], "dynamic CP supports language models only"),
@@ -194,6 +199,17 @@ BAD_CASES = [
     ("cp_not_int", "sft", ["ds4.mesh.cp=abc"], "engine.context_parallel_size: is 'abc', not an integer"),
     ("pp_gt_layers", "sft", ["ds4.mesh.pp=64", "ds4.mesh.nnodes=8"], "PP=64 exceeds the 43 decoder layers"),
     ("cp_balance_unknown", "sft", ["ds4.cp_balance=fast"], "engine.cp_balance: is 'fast'; expected null"),
+    ("tilelang", "sft", ["ds4.dsa_kernel_backend=tilelang"], "is 'tilelang', which Megatron-LM dev refuses for DeepSeek-V4"),
+    ("backend_unknown", "ppo", ["ds4.dsa_kernel_backend=flash"], "is 'flash'; expected one of ['cudnn', 'none']"),
+    ("fused_dense_indexer_loss_sm90", "sft", ["ds4.dsa_kernel_backend=cudnn", "ds4.indexer_loss_coeff=0.01"], "with the dense indexer loss on SM90"),
+    ("selective_without_modules", "sft", ["ds4.recompute_granularity=selective", "ds4.recompute_modules=[]"], "Megatron then recomputes core_attn"),
+    ("recompute_core_attn", "sft", ["ds4.recompute_granularity=selective", "ds4.recompute_modules=[moe_act,core_attn]"], "contains core_attn"),
+    ("recompute_unknown", "ppo", ["ds4.recompute_granularity=selective", "ds4.recompute_modules=[moe_act,attention]"], "has ['attention'], not modules DeepSeek-V4 recomputes"),
+    ("recompute_mhc_mlp", "sft", ["ds4.recompute_granularity=selective", "ds4.recompute_modules=[mhc,mlp]"], "has both mhc and mlp"),
+    ("full_without_method", "sft", ["ds4.recompute_method=null"], "is full without recompute_method"),
+    ("recompute_granularity_unknown", "sft", ["ds4.recompute_granularity=some"], "is 'some'; expected null, selective or full"),
+    ("headroom_out_of_range", "sft", ["ds4.memory_headroom=1.5"], "ds4.memory_headroom: headroom is 1.5; expected a fraction in [0, 1)"),
+    ("host_memory_negative", "sft", ["+ds4.mesh.host_memory_gib=-1"], "ds4.mesh.host_memory_gib: ds4.mesh.host_memory_gib is -1"),
     ("cp_balance_on_verls_config", "ppo", ["ds4.cp_balance=ds4", "critic.megatron._target_=verl.workers.config.McoreEngineConfig"], "critic.megatron._target_: is 'verl.workers.config.McoreEngineConfig', which has no cp_balance field"),
 ]
 
@@ -243,9 +259,9 @@ def test_config_without_recipe_is_rejected():
 def test_plan_shows_resolved_mesh_and_overridden_fields(assets):
     cfg, report = _validate("sft", _paths("sft", assets) + ["ds4.mesh.nnodes=16", "ds4.mesh.cp=4"])
     plan = format_plan(cfg, report)
-    assert "16 nodes x 8 GPUs = 128 GPUs" in plan and "overridden: nnodes 8->16, cp 1->4" in plan
-    assert "sft   1   4   -    4   8   1    8   4          contiguous" in plan
-    assert "43 layers over PP4 -> [11, 11, 11, 10]" in plan and "validation: OK" in plan
+    assert "16 nodes x 8 GPUs = 128 GPUs" in plan and "overridden: nnodes 8->16, cp 2->4" in plan
+    assert "sft   1   8   -    4   8   1    4   2          contiguous" in plan
+    assert "43 layers over PP8 -> [6, 6, 6, 5, 5, 5, 5, 5]" in plan and "validation: OK" in plan
 
 
 # ---------------------------------------------------------------- launchers
@@ -260,13 +276,14 @@ def _launcher_env(**extra) -> dict[str, str]:
 @pytest.mark.parametrize("kind", ["sft", "ppo", "grpo"])
 def test_launcher_dry_run_prints_plan(kind):
     script = REPO / "scripts" / f"run_deepseek_v4_flash_{kind}_megatron.sh"
-    env = _launcher_env(NNODES="8", GPUS_PER_NODE="8", PP="4", EP="8", CP="4")
+    env = _launcher_env(NNODES="8", GPUS_PER_NODE="8", PP="8", EP="8", CP="4", TOKENS_PER_GPU="1024")
     out = subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry-run: composed and validated without GPUs" in out.stdout
     assert "8 nodes x 8 GPUs = 64 GPUs" in out.stdout and "validation: OK (0 errors" in out.stdout
     first_role = "sft" if kind == "sft" else "actor"
-    assert any(line.split()[:5] == [first_role, "1", "4", "-", "4"] for line in out.stdout.splitlines()), out.stdout
+    assert any(line.split()[:5] == [first_role, "1", "8", "-", "4"] for line in out.stdout.splitlines()), out.stdout
+    assert re.search(rf"{first_role} +update +PP8/EP8/CP4 .* 1024 .* yes", out.stdout), out.stdout  # the budget reached the check
     trainer = {"sft": "sft", "ppo": "ppo", "grpo": "ppo"}[kind]
     assert f"DS4 recipe plan: {kind} ({trainer} trainer)" in out.stdout  # GRPO runs the PPO launcher's code
     assert "contiguous" in out.stdout

@@ -24,7 +24,7 @@ from pathlib import Path
 # name -> (module, one-line help). Add one line per subcommand.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("verl_ds4.engine.doctor_cli", "check that verl uses verl-ds4's engines and whether this stack can run DS4 with CP"),
-    "verify": ("verl_ds4.cpu.verify_cli", "prove CP parity of the full tiny DS4 on CPU (loss, log-probs, gradients vs CP=1), or compare an HF folder with transformers; --model ds41: the tiny DeepSeek-V4.1 vs CP=1 and NeMo Automodel"),
+    "verify": ("verl_ds4.verify.cli", "prove CP parity of the full tiny DS4 on CPU (loss, log-probs, gradients vs CP=1; --device cuda: on GPUs vs the fp64 CPU reference), or compare an HF folder with transformers; --model ds41: the tiny DeepSeek-V4.1 vs CP=1 and NeMo Automodel"),
     "recipe": ("verl_ds4.recipes.command", "compose, validate (memory included) and print the plan of a DS4 SFT/PPO/GRPO recipe"),
     "plan": ("verl_ds4.recipes.plan_command", "show a micro-batch's CP layout (rows, padding, cost per rank), or with --fit the meshes a DS4 model fits on"),
 }

@@ -28,7 +28,10 @@ Rules (each returns a :class:`~verl_ds4.ds4_facts.Violation`: the field, its val
       normalisation) in the folder;
     * DSpark (``mtp.*``): window-only stages after the backbone, targets inside the backbone;
       on a V4 model, ``mtp.enable=true`` with a DSpark drafter is refused (:func:`check_v4_mtp`);
-    * ``model_type``: V4.1 code refuses a V4 folder and V4 code a V4.1 folder (:func:`check_model_type`).
+    * ``model_type``: V4.1 code refuses a V4 folder and V4 code a V4.1 folder (:func:`check_model_type`);
+    * RoPE as transformers 5 / NeMo Automodel (``rope_parameters``) or earlier (``rope_scaling``) write it:
+      YaRN only, the two never disagreeing; a folder's ``config.json`` gives every key :data:`TEXT_DEFAULTS`
+      would fill (no silent default).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_ds4.ds4_facts import HF_MODEL_TYPE as V4_MODEL_TYPE
-from verl_ds4.ds4_facts import Violation
+from verl_ds4.ds4_facts import Violation, check_rope, yarn_settings
 
 #: Hugging Face ``model_type`` of DeepSeek-V4.1 (and of its text sub-config).
 HF_MODEL_TYPE = "deepseek_v41"
@@ -103,8 +106,13 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 
 
 def text_value(config: Any, key: str) -> Any:
-    """``key`` of a V4.1 config's text part, or its :data:`TEXT_DEFAULTS` value when absent."""
-    value = _get(text_config(config), key)
+    """``key`` of a V4.1 config's text part, or its :data:`TEXT_DEFAULTS` value when absent (a folder's
+    ``config.json`` must give them: :func:`read_config` with ``tokenizer_files``). ``rope_scaling`` is read from
+    transformers 5's ``rope_parameters`` too, and ``rope_theta`` from it when the key itself is absent."""
+    text = text_config(config)
+    value = yarn_settings(text) if key == "rope_scaling" else _get(text, key)
+    if value is None and key == "rope_theta" and isinstance(_get(text, "rope_parameters"), Mapping):
+        value = _get(text, "rope_parameters").get("rope_theta")
     return TEXT_DEFAULTS.get(key) if value is None else value
 
 
@@ -315,6 +323,26 @@ def _dspark_rules(text: Any, ratios: list[int], n: int) -> list[Violation]:
     return problems
 
 
+def _rope_rules(text: Any, compressed: bool, folder: bool) -> list[Violation]:
+    """RoPE as transformers 5 / NeMo Automodel (``rope_parameters``) or earlier (``rope_scaling``) write it; a
+    folder's config.json must also give every :data:`TEXT_DEFAULTS` key the model reads (no silent default)."""
+    problems = check_rope(text, compressed, yarn_only=True, released=TEXT_DEFAULTS["rope_scaling"], required=folder)
+    params, theta = _get(text, "rope_parameters"), _get(text, "rope_theta")
+    inner = params.get("rope_theta") if isinstance(params, Mapping) else None
+    if theta is not None and inner is not None and float(theta) != float(inner):
+        problems.append(Violation("rope_theta", theta, f"rope_parameters gives rope_theta {inner} (transformers 5 reads "
+                                  "that one, NeMo Automodel rope_theta)", "Give both the same value, the checkpoint's."))
+    if folder:
+        needed = [k for k in TEXT_DEFAULTS if k != "rope_scaling" and (k != "compress_rope_theta" or compressed)
+                  and _get(text, k) is None and not (k == "rope_theta" and inner is not None)]
+        for key in needed:
+            flash = FLASH_CANDIDATE_SOURCE if key == "candidate_source_layer_id" else TEXT_DEFAULTS[key]
+            problems.append(Violation(key, None, "config.json leaves it out, and a built-in default would stand in for "
+                                      "the checkpoint's value", f"Write the checkpoint's {key} into config.json (the "
+                                      f"released Flash: {flash!r})."))
+    return problems
+
+
 def config_violations(config: Any, tokenizer_files: Iterable[str] | None = None) -> list[Violation]:
     """Every rule a V4.1 config breaks. ``tokenizer_files``: the folder's file names (checks that
     Engram's tokenizer is there); ``None`` skips that check (a config without a folder)."""
@@ -337,6 +365,7 @@ def _read(config: Any, files: Iterable[str] | None) -> tuple[list[Violation], V4
                           "Give compress_ratios from the checkpoint's config.json.")], None
     ratios = list(ratios)
     problems, roles = _layer_rules(text, ratios, n)
+    problems += _rope_rules(text, any(ratios[:n]), folder=files is not None)
     vocab = int(_get(text, "vocab_size", 0) or 0)
     problems += _engram_rules(text, n, vocab, files)
     if has_dspark(text):

@@ -16,6 +16,11 @@ Rows
     fewest rows every CP rank must hold, which the engine pads each micro-batch to and the
     recipe validator checks token budgets against.
 
+RoPE
+    :func:`yarn_settings` (the compressed layers' YaRN as ``config.json`` gives it: transformers 5's
+    ``rope_parameters`` or the older ``rope_scaling``) and :func:`check_rope` (both given and disagreeing,
+    neither given, not YaRN: refused; V4 and V4.1 readers).
+
 Rules
     ``check_*`` functions return ``None`` or a :class:`Violation` (the setting, its value, why it
     cannot work, the fix). The engine raises them at start-up (:meth:`Violation.engine_message`),
@@ -248,6 +253,80 @@ def fill_transformer_config(user: Mapping[str, Any], fields: Iterable[str], cp_s
     return fills
 
 
+# ------------------------------------------------------------------------------------- RoPE
+
+#: The compressed layers' YaRN of the released Flash checkpoints (V4 and V4.1: x16 over 65536 positions).
+FLASH_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536}
+#: The YaRN keys of the compressed layers' RoPE (both models), and the values YaRN means when one is left out.
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1}
+
+
+def _rope_entries(text: Any) -> tuple[Any, Any]:
+    """``(rope_scaling, rope_parameters)`` as ``config.json`` gives them; V4's ``rope_parameters`` nested by
+    rope kind (``{"main": ..., "compress": ...}``, transformers 5) is read at ``compress``."""
+    params = _get(text, "rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get("compress"), Mapping):
+        params = params["compress"]
+    return _get(text, "rope_scaling"), params
+
+
+def yarn_settings(text: Any) -> Any:
+    """The compressed layers' RoPE settings of a text config: transformers 5's ``rope_parameters`` (what it and
+    NeMo Automodel write and read), else the older ``rope_scaling``; ``None`` when neither is there."""
+    scaling, params = _rope_entries(text)
+    return params if params is not None else scaling
+
+
+def _rope_type(entry: Mapping) -> Any:
+    return entry.get("rope_type", entry.get("type", "default"))
+
+
+def check_rope(text: Any, compressed: bool, yarn_only: bool, released: Mapping, required: bool = True) -> list[Violation]:
+    """The RoPE settings of a ``config.json`` text config, as transformers 5 (``rope_parameters``) or earlier
+    (``rope_scaling``) write them: both given and disagreeing, or (``compressed``: the model has compressed
+    layers; ``required``) neither given, is refused, as is (``yarn_only``) anything but YaRN with a positive
+    ``factor`` and ``original_max_position_embeddings``. ``released``: the checkpoint family's published values (for the fix)."""
+    scaling, params = _rope_entries(text)
+    example = f"rope_parameters: {dict(released)}"
+    problems = []
+    if isinstance(scaling, Mapping) and isinstance(params, Mapping):
+        def norm(entry: Mapping, key: str) -> Any:
+            value = entry.get(key, YARN_DEFAULTS.get(key))
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+        differ = [k for k in YARN_KEYS if norm(scaling, k) != norm(params, k)]
+        differ += ["rope_type"] if _rope_type(scaling) != _rope_type(params) else []
+        if differ:
+            problems.append(Violation(
+                "rope_scaling", dict(scaling), f"config.json also has rope_parameters {dict(params)}, and the two "
+                f"disagree on {', '.join(differ)} (transformers 5 and NeMo Automodel read rope_parameters, older readers "
+                "rope_scaling)", "Keep one of them (rope_parameters, as transformers 5 writes it) or give both the "
+                "same values."))
+    entry, key = (params, "rope_parameters") if params is not None else (scaling, "rope_scaling")
+    if entry is None:
+        if compressed and required:
+            problems.append(Violation(
+                "rope_scaling", None, "config.json gives the compressed layers no RoPE settings (neither rope_scaling "
+                "nor rope_parameters), and a built-in default would stand in for the checkpoint's", "Write the "
+                f"checkpoint's YaRN settings into config.json, e.g. the released ones: {example}."))
+        return problems
+    if not isinstance(entry, Mapping):
+        return problems + [Violation(key, entry, "expected an object (rope_type, factor, original_max_position_embeddings, "
+                                     "beta_fast, beta_slow)", f"Write it as in the checkpoint's config.json, e.g. {example}.")]
+    if yarn_only and compressed:
+        if _rope_type(entry) != "yarn":
+            problems.append(Violation(key, dict(entry), f"rope_type {_rope_type(entry)!r}: the compressed layers implement "
+                                      "YaRN only", f"Give rope_type 'yarn' with the checkpoint's values, e.g. {example}."))
+        bad = [k for k in YARN_KEYS[:2] if not isinstance(entry.get(k), (int, float)) or isinstance(entry.get(k), bool)
+               or entry.get(k) <= 0]
+        if bad:
+            what = f"{bad[0]} as a positive number" if len(bad) == 1 else f"{' and '.join(bad)} as positive numbers"
+            problems.append(Violation(key, dict(entry), f"YaRN needs {what}, and a built-in default would stand in for "
+                                      "a missing one", f"Give the checkpoint's values, e.g. {example}."))
+    return problems
+
+
 __all__ = [
     "ATTENTION_VARIANT",
     "COMPRESS_RATIOS",
@@ -256,6 +335,7 @@ __all__ = [
     "DEFAULT_SEQUENCE_PACKING_SCHEDULER",
     "DEFAULT_WINDOW",
     "FLASH_LAYER_RATIOS",
+    "FLASH_YARN",
     "HCA_RATIO",
     "HF_MODEL_TYPE",
     "LAYER_TYPE_RATIOS",
@@ -265,7 +345,10 @@ __all__ = [
     "TENSOR_PARALLEL_SIZE",
     "Violation",
     "WINDOW_ONLY",
+    "YARN_DEFAULTS",
+    "YARN_KEYS",
     "check_compress_ratios",
+    "check_rope",
     "check_cp_partition_mode",
     "check_packing_scheduler",
     "check_rows_per_rank",
@@ -277,4 +360,5 @@ __all__ = [
     "window_rows",
     "window_size",
     "with_mtp",
+    "yarn_settings",
 ]

@@ -7,15 +7,20 @@ usage() {
     cat <<'EOF'
 usage: benchmarks/gpu/device_check.sh [--out DIR] [--device cuda|cpu] [--quick] [--help]
 
-Runs, each under its own time limit (at most 7.5 minutes in all: 120 s + 210 s + 120 s):
+Runs, each under its own time limit (at most 7.5 minutes in all: 60 s + 90 s + 60 s + 90 s + 120 s):
   1. layout   the CUDA-gated layout/plan tests (pytest -m gpu tests/test_layout_plan_on_cpu.py),
               the balanced-plan sync test among them; on cuda they must run, not skip
   2. thd      benchmarks/bench_thd_layout.py --device DEVICE --without-verl (rows checked
               against verl_ds4 on the CPU)
-  3. checks   benchmarks/gpu/device_checks.py: DS4 attention forward+backward, bf16 and fp32,
-              against CPU fp64; the memory model's calibration (one training step of a scaled-down
-              DS4 at Flash's widths: allocated bytes / modelled, as ratios; copy the line to
-              benchmarks/results/memory_calibration.txt)
+  3. checks   benchmarks/gpu/device_checks.py --checks attention: DS4 attention forward+backward, bf16
+              and fp32, against CPU fp64
+     memory   benchmarks/gpu/memory_calibration.py: one training step of a scaled-down DS4 at Flash's
+              widths at 2k, 8k and 16k tokens, without and with full recompute: the states and the
+              step's peak against the memory model (verl_ds4/recipes/peak.py), PASS within 10%; the
+              records go to DIR/memory_calibration.json (for memory_calibration.py --compare)
+  4. models   benchmarks/gpu/device_checks.py --checks ds4,ds41: the whole tiny DS4 (MTP, indexer loss,
+              critic) and V4.1 (Engram, CSA2, mHC) as verify builds them, one THD training step in fp32
+              and bf16 (routes replayed, every indexer block kept) against our CPU fp64 models
 
 Writes DIR/results.txt (one PASS/FAIL line per check), DIR/<step>.log, DIR/env.txt, and prints
 a summary. Exit 0 only if everything passed.
@@ -115,7 +120,7 @@ run_step() {  # run_step NAME LIMIT_S COMMAND...; its output goes to NAME.log
 }
 
 # --- 1. the CUDA-gated layout tests ---------------------------------------------------------------
-run_step layout 120 "$py" -m pytest -p no:cacheprovider -m gpu -rs -q tests/test_layout_plan_on_cpu.py \
+run_step layout 60 "$py" -m pytest -p no:cacheprovider -m gpu -rs -q tests/test_layout_plan_on_cpu.py \
     --junitxml="$out_dir/layout-junit.xml"
 if [[ $device == cuda && -f $out_dir/layout-junit.xml ]]; then
     # On a GPU the CUDA tests must have run: skipped ones mean CUDA was not seen.
@@ -135,13 +140,27 @@ if [[ $quick -eq 1 ]]; then
 else
     thd_args=(--batches 64 256 1024 4096 --cp 4 8 --repeats 20)
 fi
-run_step thd 210 "$py" benchmarks/bench_thd_layout.py --device "$device" --without-verl "${thd_args[@]}"
+run_step thd 90 "$py" benchmarks/bench_thd_layout.py --device "$device" --without-verl "${thd_args[@]}"
 
 # --- 3. the numerical checks (DS4 attention, memory calibration) ---------------------------------------
 check_args=(--device "$device")
 [[ $quick -eq 1 ]] && check_args+=(--quick)
-run_step checks 120 "$py" benchmarks/gpu/device_checks.py "${check_args[@]}"
+run_step checks 60 "$py" benchmarks/gpu/device_checks.py "${check_args[@]}" --checks attention
 grep -E '^(PASS|FAIL) ' "$out_dir/checks.log" | sed 's/^/  /' >> "$results"
+
+# --- 3b. the memory model's calibration: 2k, 8k and 16k tokens, without and with full recompute --------
+if [[ $quick -eq 1 ]]; then
+    mem_args=(--quick --tokens 64)
+else
+    mem_args=(--tokens 2048 8192 16384)
+fi
+run_step memory 90 "$py" benchmarks/gpu/memory_calibration.py --device "$device" "${mem_args[@]}" --recompute none full \
+    --json "$out_dir/memory_calibration.json"
+grep -E '^(PASS|FAIL) ' "$out_dir/memory.log" | sed 's/^/  /' >> "$results"
+
+# --- 4. the whole models (DS4, V4.1; Megatron-Core from the carried wheel), in their own process ------
+run_step models 120 "$py" benchmarks/gpu/device_checks.py "${check_args[@]}" --checks ds4,ds41
+grep -E '^(PASS|FAIL) ' "$out_dir/models.log" | sed 's/^/  /' >> "$results"
 
 # --- summary ----------------------------------------------------------------------------------------
 echo

@@ -10,11 +10,9 @@
 * :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path
   (:mod:`.training_worker`: verl's ``TrainingWorker`` on the CPU engine, composed as verl does);
   :mod:`.console`: the launchers' quiet console (progress, summary, loss plot; full log to a file).
-* :mod:`.verify` + :mod:`.verify_cli`: ``verl-ds4 verify --cp N``, the CP parity check (gloo ranks:
-  :mod:`verl_ds4.mcore.distributed`); :mod:`.verify_hf`: ``verl-ds4 verify --hf-checkpoint DIR``
-  (our model through :func:`verl_ds4.models.ds4.hf_logits` against transformers).
 * :mod:`.engine_config`, :mod:`.cuda_shim`, :mod:`.rng`, :mod:`.builders`, :mod:`.optimizer_state`,
   :mod:`.progress`: the CPU engine's pieces, one job each (see :mod:`.engine`).
 
-Nothing here is imported by the layers below (layout, mcore, engine, models).
+Nothing here is imported by the layers below (layout, mcore, engine, models). ``verl-ds4 verify`` is not a CPU job:
+it lives in :mod:`verl_ds4.verify` (floor 6) and reads the tiny models' configs from here.
 """

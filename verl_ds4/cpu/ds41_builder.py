@@ -10,7 +10,10 @@ The model is :class:`verl_ds4.models.ds41.mcore_model.DS41MegatronModel` (Megatr
 output layer around the V4.1 decoder) on Megatron's CP group, built from the model folder
 (``model.path``, :mod:`verl_ds4.models.ds41.folder`): ``config.json`` checked against every
 ``ds41_facts`` rule before a weight is read, ``tokenizer.json`` for the Engram normalisation table,
-``model.safetensors`` in our names (every tensor present with its shape). verl's critic
+``model.safetensors`` in our names (every tensor present with its shape). ``config.json`` may be flat or
+NeMo Automodel's nested one (``text_config``, ``model_type: deepseek_v41_text``, YaRN as transformers 5's
+``rope_parameters``); RoPE it cannot read unambiguously, or a key a built-in value would fill, is refused
+(``ds41_facts``). verl's critic
 (``value_model``) gets ``DS41MegatronModel(value_head=True)`` (hidden -> 1, seeded; the folder's LM
 head is not loaded). ``engine.dist_checkpointing_path`` (loaded by the engine afterwards) still wins.
 
@@ -18,7 +21,8 @@ Refused at start-up, with the field and the fix: a folder that is not V4.1 (or b
 zigzag CP split (``DS41TransformerConfig``), ``model.mtp.enable=true`` on a folder whose ``mtp.*``
 is a DSpark drafter (the CPU model does not train it), override keys that are not
 ``TransformerConfig`` fields, a ``model.override_config`` value the builder would not see (it builds
-from ``config.json``).
+from ``config.json``; verl's object is compared with it level by level, so the top-level keys a nested
+``config.json`` repeats are not taken for overrides).
 
 verl's router replay (``router_replay.mode`` R2 / R3): every layer's router (V4's ``DS4Router``; V4.1
 has score routers only, no ``hash_moe`` layers) gets a verl ``RouterReplay`` and its 1-based
@@ -79,13 +83,17 @@ def _changed_by_verl_overrides(hf_config, config: dict) -> list[tuple[str, objec
 
     attrs = getattr(hf_config, "__dict__", {})
     nested = attrs.get("text_config") if isinstance(attrs.get("text_config"), dict) else {}
+    # A nested config.json (NeMo Automodel's save_pretrained) repeats some keys at its top level (model_type
+    # deepseek_v41 beside the text's deepseek_v41_text, the token ids, dtype): a top-level attribute is an
+    # override only where it differs from the top level of config.json.
+    top = {k: v for k, v in config.items() if k != "text_config"} if "text_config" in config else {}
     changed = []
     for key, value in ds41_facts.text_config(config).items():
-        # transformers renames rope_scaling on its object and takes dtype / torch_dtype for itself (the model's
-        # dtype comes from verl's engine settings, not config.json).
-        if key in _SET_BY_VERL or key in ("rope_scaling", "dtype", "torch_dtype"):
+        # transformers renames rope_scaling / rope_parameters on its object and takes dtype / torch_dtype for
+        # itself (the model's dtype comes from verl's engine settings, not config.json).
+        if key in _SET_BY_VERL or key in ("model_type", "rope_scaling", "rope_parameters", "dtype", "torch_dtype"):
             continue
-        if key in attrs:
+        if key in attrs and not (key in top and attrs[key] == top[key]):
             seen = attrs[key]
         elif key in nested:
             seen = nested[key]

@@ -55,8 +55,12 @@ def _ds4_transformer_config(hf_config, dtype, overrides):
         return _ds4_proxy_transformer_config(hf_config, dtype, overrides)
     from megatron.core import parallel_state as mpu
 
+    from verl_ds4.models.ds4.hf_checkpoint import read_config
     from verl_ds4.models.ds4.model_config import ds4_transformer_config
 
+    folder = model_folder_of(hf_config)
+    if folder is not None and (folder / "config.json").is_file():
+        read_config(folder)  # the folder's config.json as written (nested, RoPE): refused with the fix
     overrides = dict(overrides)
     overrides.setdefault("hetereogenous_dist_checkpoint", True)  # layers differ in shape (see the proxy's note)
     return ds4_transformer_config(hf_config, dtype=dtype, cp_size=mpu.get_context_parallel_world_size(), **overrides)

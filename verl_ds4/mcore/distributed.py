@@ -1,4 +1,4 @@
-"""Run a function on N real processes joined in a gloo ``torch.distributed`` group.
+"""Run a function on N real processes joined in a gloo (or nccl: one GPU each) ``torch.distributed`` group.
 
 Used by the CP tests, the parity harness and benchmarks::
 
@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -40,7 +40,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank, chosen before the group exists
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args, **kwargs)
         queue.put((rank, True, result))
     except BaseException:  # report everything, including assertion errors, to the parent
@@ -57,15 +59,21 @@ def run_distributed(
     kwargs: dict | None = None,
     timeout: float = 300.0,
     start_method: str = "fork",
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``backend="nccl"``: each rank first selects GPU ``rank`` (``torch.cuda.set_device``); use it with
+    ``start_method="spawn"`` (a CUDA context does not survive a fork)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: run_distributed runs 'gloo' (CPU) or 'nccl' (one GPU per rank) groups.")
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {}, queue), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {}, queue, backend), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:

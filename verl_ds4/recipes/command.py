@@ -2,6 +2,7 @@
 
     verl-ds4 recipe sft  --dry-run  [hydra overrides ...]
     verl-ds4 recipe ppo  --shell-env [hydra overrides ...]
+    verl-ds4 recipe grpo --dry-run --json [hydra overrides ...]
 
 KIND is sft (verl.trainer.sft_trainer), ppo or grpo (verl.trainer.main_ppo), or a V4.1 recipe:
 deepseek_v41_sft / deepseek_v41_grpo. The overrides are
@@ -16,6 +17,7 @@ configuration was rejected; every error names the setting and the fix.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from verl_ds4.recipes.compose import TRAINERS
@@ -34,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after a successful validation print NNODES=<n> and GPUS_PER_NODE=<g> on stdout (plan on stderr)",
     )
     parser.add_argument(
+        "--json",
+        action="store_true",
+        help="with --dry-run: print the plan as JSON (engines, budgets, memory per role: states, activations, logits, "
+        "peak, fits) instead of the table; the exit status is the same",
+    )
+    parser.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
         help="Hydra overrides passed to the trainer (a leading '--' is ignored)",
@@ -50,6 +58,19 @@ def launch_line(kind: str, nnodes: int, gpus_per_node: int, n_overrides: int) ->
     return f"python -m {trainer.module} <{n_overrides} overrides> (Ray cluster of {nnodes} nodes x {gpus_per_node} GPUs)"
 
 
+def plan_json(kind: str, report) -> dict:
+    """The machine-readable plan of ``verl-ds4 recipe KIND --dry-run --json``."""
+    return {
+        "recipe": kind, "trainer": report.trainer, "model": report.facts.name, "nnodes": report.nnodes,
+        "gpus_per_node": report.gpus_per_node, "world_size": report.world_size, "max_seq_len": report.max_seq_len,
+        "engines": {r.role: {"tp": r.tp, "pp": r.pp, "vpp": r.vpp, "cp": r.cp, "ep": r.ep, "etp": r.etp,
+                             "budgets": {b.key: b.tokens_per_gpu for b in r.budgets}} for r in report.roles},
+        "memory": report.memory.as_dict() if report.memory is not None else None,
+        "errors": [str(p) for p in report.errors], "warnings": [str(p) for p in report.warnings],
+        "valid": not report.errors,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from verl_ds4.recipes.compose import compose_recipe
     from verl_ds4.recipes.plan import format_plan
@@ -57,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides or [])
     # Flags given after KIND land in the remainder; Hydra overrides never start with "--".
-    while overrides and overrides[0] in ("--dry-run", "--shell-env"):
+    while overrides and overrides[0] in ("--dry-run", "--shell-env", "--json"):
         setattr(args, overrides.pop(0)[2:].replace("-", "_"), True)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
@@ -82,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     unread, on_purpose = check_added_keys(compose_without_added(compose, overrides, cfg), cfg, overrides)
     report.errors[:0] = unread
     report.notes += on_purpose
+    if getattr(args, "json", False):
+        print(json.dumps(plan_json(args.kind, report), indent=1))
+        return 1 if report.errors else 0
     plan = format_plan(cfg, report, launch_line(args.kind, report.nnodes, report.gpus_per_node, len(overrides)))
     if args.dry_run:
         print("(dry-run: composed and validated without GPUs; nothing was launched)")

@@ -1,55 +1,88 @@
-"""Which meshes fit: every TP=1 mesh (PP, EP, CP, DP) of a GPU count whose states fit with headroom.
+"""Which meshes fit at peak: every TP=1 mesh (PP, EP, CP, DP) of a GPU count whose roles' peaks stay under the GPU.
 
     from verl_ds4.recipes.fit import find_meshes
-    fits = find_meshes(sizes, capacity_gib=139.8, gpu_counts=[64], recipe="sft")
+    rows = find_meshes(sizes, capacity_gib=139.8, gpu_counts=[64], recipe="sft", tokens_per_gpu=4096)
+    [r for r in rows if r.fits]
 
-CP does not change a GPU's states (dense optimizer states shard over DP x CP = world / PP either
-way), so one row stands for a (PP, EP) pair and lists the CP sizes it allows (those dividing
-``world / PP``; each row's DP is ``world / (PP x CP)``). A mesh *fits* when the worst pipeline stage's weights + gradients + optimizer states
-(:mod:`verl_ds4.recipes.memory`) leave ``headroom`` of the GPU free for activations, the CUDA
-context and communication buffers: ``states <= (1 - headroom) x capacity``. With
-``check_activations`` the activation estimate at ``tokens_per_gpu`` must fit too
-(``states + activations <= capacity`` on every stage). For the RL recipes the rollout's weights are
-reported at the smallest TP (from one node up) that fits vLLM's share, bf16 first, then FP8.
+Each row is one (PP, EP) pair at the smallest CP that holds the longest sequence (``tokens_per_gpu x
+CP >= max_seq_len``; a larger CP that divides DP x CP is listed with it: it changes a GPU's peak only
+through the all-gathered compressed KV). For each role the recipe builds (SFT: one engine; PPO: actor,
+reference, critic; GRPO: actor, reference) the peak of each pass (:mod:`verl_ds4.recipes.peak`) on its
+highest stage. A mesh *fits* when every role's peak is at most ``(1 - headroom)`` of the GPU (the start-up
+check's rule, :data:`verl_ds4.recipes.peak.DEFAULT_HEADROOM`); ``check_activations=False`` judges the
+states alone (the old rule, for comparison). Rows are ranked: meshes that fit first, then fewest GPUs,
+then the lowest peak. For the best rows that do not fit, :func:`verl_ds4.recipes.memory_fixes.fixes`
+lists the levers (tokens per GPU with the CP it then needs, recompute, the fused kernel, EP, PP, more
+GPUs, optimizer offload) that bring the worst role under the limit. For the RL recipes the rollout's
+weights are reported at the smallest TP (from one node up) that fits vLLM's share, bf16 first, then FP8.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verl_ds4.models.ds4.sizes import DS4Sizes
-from verl_ds4.recipes.memory import Mesh, OptimizerSettings, StageMemory, rollout_weights_gib, training_memory, worst_stage
+from verl_ds4.recipes.memory import Mesh, OptimizerSettings, StageMemory, rollout_weights_gib
+from verl_ds4.recipes.peak import DEFAULT_HEADROOM, check_headroom
 
-__all__ = ["MeshFit", "find_meshes", "DEFAULT_HEADROOM", "PP_CHOICES", "CP_CHOICES"]
+__all__ = ["MeshFit", "find_meshes", "DEFAULT_HEADROOM", "PP_CHOICES", "CP_CHOICES", "ROLES"]
 
-DEFAULT_HEADROOM = 0.15
 PP_CHOICES = (1, 2, 4, 5, 8, 10, 16)
-CP_CHOICES = (1, 2, 4, 8)
+CP_CHOICES = (1, 2, 4, 8, 16)
+#: The engines each recipe builds, with the logits of their main pass.
+ROLES = {"sft": (("sft", "sft"),), "ppo": (("actor", "sft"), ("ref", "ref"), ("critic", "value")), "grpo": (("actor", "sft"), ("ref", "ref"))}
 
 
-@dataclass(frozen=True)
+@dataclass
 class MeshFit:
     mesh: Mesh
-    worst: StageMemory
-    peak_estimate_gib: float
+    peaks: dict[str, tuple[str, StageMemory]]  # role -> (pass, the stage with its highest peak)
+    limit_gib: float
     capacity_gib: float
     rollout: tuple[int, str, float] | None  # (TP, "bf16" | "fp8", GiB per GPU) or None
-    cps: tuple[int, ...] = (1,)  # the CP sizes this (PP, EP) allows; self.mesh has CP 1
+    cps: tuple[int, ...] = (1,)  # the CP sizes this (PP, EP) allows at the budget; self.mesh has the smallest
+    states_only: bool = False
+    levers: list[str] = field(default_factory=list)
+    roles: dict = field(default_factory=dict)  # role -> RoleMemory (for the levers)
 
     @property
     def dp(self) -> int:
-        """DP at CP 1 (DP x CP for any CP in ``cps``)."""
+        """DP x CP."""
         return self.mesh.world // self.mesh.pp
 
+    @property
+    def worst_role(self) -> str:
+        return max(self.peaks, key=lambda r: self.peaks[r][1].peak_gib)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peaks[self.worst_role][1].peak_gib
+
+    @property
+    def states_gib(self) -> float:
+        return max(s.static_gib for _, s in self.peaks.values())
+
+    @property
+    def fits(self) -> bool:
+        if self.states_only:
+            return self.states_gib <= self.limit_gib
+        return self.peak_gib <= self.limit_gib
+
     def as_dict(self) -> dict:
-        m, w = self.mesh, self.worst
+        m = self.mesh
         out = {
             "gpus": m.world, "tp": 1, "pp": m.pp, "ep": m.ep, "cp": list(self.cps), "dp_x_cp": self.dp, "expert_dp": m.expert_dp,
-            "worst_stage": w.stage, "weights_gib": round(w.weights_gib, 2), "grads_gib": round(w.grads_gib, 2),
-            "optimizer_gib": round(w.optimizer_gib, 2), "states_gib": round(w.static_gib, 2),
-            "peak_estimate_gib": round(self.peak_estimate_gib, 2), "capacity_gib": self.capacity_gib,
-            "free_after_states_gib": round(self.capacity_gib - w.static_gib, 2),
+            "fits": self.fits, "peak_gib": round(self.peak_gib, 2), "states_gib": round(self.states_gib, 2),
+            "limit_gib": round(self.limit_gib, 2), "capacity_gib": self.capacity_gib,
+            "roles": {
+                role: {"pass": name, "stage": s.stage, "states_gib": round(s.static_gib, 2), "activations_gib": round(s.activations_gib, 2),
+                       "transient_gib": round(s.transient_gib, 2), "logits_gib": round(s.logits_gib, 2),
+                       "peak_gib": round(s.peak_gib, 2), "fits": s.peak_gib <= self.limit_gib}
+                for role, (name, s) in self.peaks.items()
+            },
         }
+        if self.levers:
+            out["levers"] = self.levers
         if self.rollout:
             out["rollout"] = {"tp": self.rollout[0], "weights": self.rollout[1], "gib_per_gpu": round(self.rollout[2], 2)}
         return out
@@ -67,6 +100,23 @@ def _rollout(sizes: DS4Sizes, gpus_per_node: int, world: int, share_gib: float) 
     return None
 
 
+def _roles(sizes, mesh: Mesh, recipe: str, mtp: bool, optimizer, settings: dict) -> dict:
+    from verl_ds4.recipes.memory_check import role_memory
+
+    out = {}
+    for role, logits in ROLES[recipe]:
+        trainable = role != "ref"
+        rl = recipe != "sft"
+        out[role] = role_memory(
+            sizes, role, mesh, trainable=trainable, optimizer=(optimizer or OptimizerSettings()) if trainable else OptimizerSettings(),
+            mtp=mtp and role == "sft", param_offload=rl, optimizer_offload=rl, logits=logits,
+            tokens_per_gpu=settings["infer_tokens"] if role == "ref" else settings["tokens"],
+            infer_tokens=settings["infer_tokens"] if (trainable and rl) else None,
+            recompute=settings["recompute"], path=settings["path"], max_seq_len=settings["max_seq_len"],
+        )
+    return out
+
+
 def find_meshes(
     sizes: DS4Sizes,
     capacity_gib: float,
@@ -76,29 +126,44 @@ def find_meshes(
     mtp: bool | None = None,
     optimizer: OptimizerSettings | None = None,
     headroom: float = DEFAULT_HEADROOM,
-    tokens_per_gpu: int = 8192,
-    check_activations: bool = False,
+    tokens_per_gpu: int = 4096,
+    infer_tokens_per_gpu: int | None = None,
+    max_seq_len: int | None = None,
+    path: str = "unfused",
+    recompute: frozenset[str] | None = None,
+    check_activations: bool = True,
     gpus_per_node: int = 8,
     rollout_share: float = 0.6,
+    arch: str | None = None,
+    levers_for: int = 6,
 ) -> list[MeshFit]:
-    """Meshes that fit, fewest GPUs first, then the most memory left after the states."""
-    if not 0.0 <= headroom < 1.0:
-        raise ValueError(f"headroom is {headroom}; expected a fraction in [0, 1).")
+    """Every valid mesh, ranked: fitting first, then fewest GPUs, then lowest peak (see the module doc).
+
+    ``recompute``: the recomputed modules (``None``: full recompute, the default of ``plan --fit``).
+    ``levers_for``: how many of the best non-fitting rows get their levers computed (each costs a search)."""
+    from verl_ds4.recipes.memory_fixes import fixes
+
+    check_headroom(headroom)
     mtp = (recipe == "sft") if mtp is None else mtp
+    seq = max_seq_len or tokens_per_gpu
+    settings = {"tokens": tokens_per_gpu, "infer_tokens": infer_tokens_per_gpu or 2 * tokens_per_gpu, "recompute": recompute,
+                "path": path, "max_seq_len": seq}
+    limit = (1 - headroom) * capacity_gib
     out = []
     for world in sorted(set(gpu_counts)):
         for pp in PP_CHOICES:
+            cps = tuple(cp for cp in CP_CHOICES if (world // pp) % cp == 0 and tokens_per_gpu * cp >= seq)
+            if not cps:
+                continue
             for ep in (d for d in range(1, sizes.n_routed_experts + 1) if sizes.n_routed_experts % d == 0):
-                mesh = Mesh(world=world, pp=pp, ep=ep, cp=1)
+                mesh = Mesh(world=world, pp=pp, ep=ep, cp=cps[0])
                 if not mesh.valid_for(sizes):
                     continue
-                stages = training_memory(sizes, mesh, optimizer, mtp=mtp, tokens_per_gpu=tokens_per_gpu)
-                worst = worst_stage(stages)
-                peak = max(s.total_gib for s in stages)
-                if worst.static_gib > (1 - headroom) * capacity_gib or (check_activations and peak > capacity_gib):
-                    continue
+                roles = _roles(sizes, mesh, recipe, mtp, optimizer, settings)
+                peaks = {role: rm.peak for role, rm in roles.items()}
                 rollout = None if recipe == "sft" else _rollout(sizes, gpus_per_node, world, rollout_share * capacity_gib)
-                cps = tuple(cp for cp in CP_CHOICES if (world // pp) % cp == 0)
-                out.append(MeshFit(mesh, worst, peak, capacity_gib, rollout, cps))
-    out.sort(key=lambda f: (f.mesh.world, f.worst.static_gib, f.mesh.pp))
+                out.append(MeshFit(mesh, peaks, limit, capacity_gib, rollout, cps, not check_activations, roles=roles))
+    out.sort(key=lambda f: (not f.fits, f.mesh.world, f.peak_gib, f.mesh.pp))
+    for f in [f for f in out if not f.fits][:levers_for]:
+        f.levers = fixes(f.roles[f.worst_role], sizes, limit, gpus_per_node, arch)
     return out

@@ -20,16 +20,13 @@ meta-device builds). What each GPU of a pipeline stage holds, TP = 1 (DS4 has no
   ``store_param_remainders`` (default), the fp32 master as a 16-bit remainder of the bf16 weight
   (2 bytes). Megatron's CPU optimizer offload moves ``optimizer_offload_fraction`` of the optimizer
   state (and an fp32 copy of its gradients) to host memory.
-* **activations** (an *estimate*): bytes one token leaves for the backward pass in one layer,
-  ``2 x A(ratio)`` (bf16 elements ``A`` listed by :func:`activation_elements`, assuming selective
-  recompute of ``moe_act`` and ``mhc`` as the recipes set, flash-style attention that keeps no
-  score matrix, THD packing), times the stage's layers, times the GPU's rows per micro-batch (the
-  per-GPU token budget; CP splits the packed buffer, so a GPU holds its budget), times the
-  micro-batches in flight on the stage under non-interleaved 1F1B (``PP - stage``, or fewer when one
-  update has fewer micro-batches: :mod:`.memory_check` bounds them from the batch sizes, the
-  longest sequence and the budget); plus the last
-  stage's logits (bf16 + fp32 for the loss, one micro-batch). CUDA context, NCCL buffers and
-  allocator fragmentation are not included: keep headroom for them.
+* **what a step adds** (:mod:`verl_ds4.recipes.peak`): the activations every micro-batch in flight
+  keeps for backward (``PP - stage`` under non-interleaved 1F1B, or fewer when one update has fewer
+  micro-batches: :mod:`.memory_check` bounds them from the batch sizes, the longest sequence and the
+  budget), for the recipe's attention kernel path and recompute, at the GPU's rows per micro-batch
+  (the per-GPU token budget; CP splits the packed buffer, so a GPU holds its budget); the largest
+  transient (one layer's backward, or the loss buffers of the logits on the last stage, MTP's too);
+  the expert-parallel all-to-all buffers; an allocator margin. The *peak* is states + these.
 
 verl's ``param_offload`` / ``optimizer_offload`` move a role's states to the host *between* phases
 and back for its update: they do not lower a role's own peak, only what sits beside another role
@@ -40,15 +37,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verl_ds4 import ds41_facts
+from verl_ds4 import ds4_facts
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
-from verl_ds4.models.ds41.sizes import DS41Sizes
+from verl_ds4.recipes.peak import StepShape, step_peak
 
 __all__ = [
-    "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "activation_elements",
-    "layer_activation_elements",
-    "gpu_memory_gib", "rollout_weights_gib", "training_memory", "worst_stage",
+    "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "gpu_memory_gib",
+    "peak_stage", "rollout_weights_gib", "training_memory", "worst_stage",
 ]
 
 GIB = float(1 << 30)
@@ -133,7 +129,12 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """What one GPU of pipeline stage ``stage`` holds (GiB), and host memory it offloads to."""
+    """What one GPU of pipeline stage ``stage`` holds at its peak (GiB), and host memory it offloads to.
+
+    The dynamic terms (:mod:`verl_ds4.recipes.peak`): ``activations_gib`` kept for backward by every
+    micro-batch in flight, ``transient_gib`` the largest one-off allocation (a layer's backward, or the
+    logits' loss buffers, ``logits_gib`` of which), ``a2a_gib`` the expert-parallel all-to-all buffers,
+    ``margin_gib`` the allocator margin."""
 
     stage: int
     layers: int
@@ -143,6 +144,11 @@ class StageMemory:
     optimizer_gib: float
     activations_gib: float
     host_gib: float  # Megatron's CPU optimizer offload, per GPU
+    transient_gib: float = 0.0
+    logits_gib: float = 0.0
+    a2a_gib: float = 0.0
+    margin_gib: float = 0.0
+    peak_detail: str = ""
 
     @property
     def static_gib(self) -> float:
@@ -150,85 +156,42 @@ class StageMemory:
         return self.weights_gib + self.grads_gib + self.optimizer_gib
 
     @property
-    def total_gib(self) -> float:
-        return self.static_gib + self.activations_gib
+    def dynamic_gib(self) -> float:
+        """What a step adds on top of the states at its peak."""
+        return self.activations_gib + self.transient_gib + self.a2a_gib + self.margin_gib
+
+    @property
+    def peak_gib(self) -> float:
+        return self.static_gib + self.dynamic_gib
+
+    total_gib = peak_gib
 
 
-def activation_elements(sizes: DS4Sizes, ratio: int, recompute: frozenset[str] = frozenset({"moe_act", "mhc"})) -> int:
-    """bf16 elements one token keeps for backward in one layer of ``ratio`` (an estimate).
-
-    mHC: each of the two sites keeps its ``n x h`` input streams (and, without ``mhc`` recompute,
-    its mixed ``n x h`` output). Attention: the normed input ``h``, the q down-projection and its
-    norm ``2 r_q``, queries and the attention output ``2 n_h d``, the KV head ``d``, the grouped
-    output's low rank ``g r_o``; the compressor's KV and gate rows ``2c`` (``c = 2d`` CSA, ``d``
-    HCA); the indexer's queries, head weights and KV/gate rows. MoE: the normed input ``h``, router
-    logits (fp32: ``2E``), the ``k`` dispatched copies ``k h``, their gate/up output ``2 k I`` (and
-    the activation ``k I`` without ``moe_act`` recompute), the expert outputs ``k h``; the shared
-    expert's ``3 I`` and the combined output ``h``.
-    """
-    h, n, d = sizes.hidden_size, sizes.hc_mult, sizes.head_dim
-    k, inter = sizes.num_experts_per_tok, sizes.moe_intermediate_size
-    mhc = 2 * n * h * (1 if "mhc" in recompute else 2)
-    attention = h + 2 * sizes.q_lora_rank + 2 * sizes.num_attention_heads * d + d + sizes.o_groups * sizes.o_lora_rank
-    if ratio:
-        attention += 2 * (2 * d if ratio == 4 else d)
-    if ratio == 4:
-        ni, di = sizes.index_n_heads, sizes.index_head_dim
-        attention += ni * di + ni + 2 * 2 * di
-    moe = h + 2 * sizes.n_routed_experts + k * h + 2 * k * inter + (0 if "moe_act" in recompute else k * inter) + k * h
-    moe += sizes.n_shared_experts * 3 * inter + h
-    return mhc + attention + moe
-
-
-def layer_activation_elements(sizes: DS4Sizes, layer: int, recompute: frozenset[str] = frozenset({"moe_act", "mhc"})) -> int:
-    """:func:`activation_elements` of decoder layer ``layer`` (V4: by its ratio; V4.1: by its role)."""
-    if isinstance(sizes, DS41Sizes):
-        return _v41_activation_elements(sizes, layer, recompute)
-    return activation_elements(sizes, sizes.compress_ratios[layer], recompute)
-
-
-def _v41_activation_elements(sizes: DS41Sizes, layer: int, recompute: frozenset[str]) -> int:
-    """V4.1's per-token estimate: V4's window-only layer (mHC, attention, MoE), plus a Full layer's
-    compressor rows (KV ``d``, and the gate ``d`` at ratio > 1), an index source's indexer queries
-    and head weights (``n_I d_I + n_I``, a Full layer's key ``d_I`` too), and an Engram layer's
-    gathered table rows ``(N-1) heads hd`` with its projected key / value ``2 (N-1) heads hd``."""
-    elements = activation_elements(sizes, 0, recompute)
-    role, ratio = sizes.roles[layer], sizes.compress_ratios[layer]
-    if role == ds41_facts.FULL:
-        elements += sizes.head_dim * (2 if ratio > 1 else 1) + sizes.index_head_dim
-    if role in (ds41_facts.FULL, ds41_facts.REINDEX):
-        elements += sizes.index_n_heads * (sizes.index_head_dim + 1)
-    if layer in sizes.engram_layers:
-        elements += 3 * (sizes.engram_max_ngram_size - 1) * sizes.engram_n_heads * sizes.engram_head_dim
-    return elements
-
-
-def _stage_params(sizes: DS4Sizes, pp: int, stage: int, mtp: bool, value_head: bool, recompute: frozenset[str]) -> tuple[int, int, list[int]]:
-    """(dense parameters, expert-sharded parameters, per-layer activation elements) of one pipeline stage.
+def _stage_params(sizes: DS4Sizes, pp: int, stage: int, mtp: bool, value_head: bool) -> tuple[int, int, list[int], int]:
+    """(dense parameters, expert-sharded parameters, decoder layer indices, MTP depths) of one pipeline stage.
 
     Expert-sharded: the components :attr:`DS4Sizes.expert_sharded` names (V4: routed experts; V4.1:
     routed experts and the Engram tables), split over EP, their optimizer state over expert-DP."""
     counts = pipeline_stage_layers(sizes.num_layers, pp)
     start = sum(counts[:stage])
-    layers = range(start, start + counts[stage])
+    layers = list(range(start, start + counts[stage]))
     dense = routed = 0
-    acts = []
     for i in layers:
         parts = sizes.layer_params(i)
         routed += sum(parts[k] for k in sizes.expert_sharded)
         dense += sum(v for key, v in parts.items() if key not in sizes.expert_sharded)
-        acts.append(layer_activation_elements(sizes, i, recompute))
     if stage == 0:
         dense += sizes.embedding()
+    mtp_depths = 0
     if stage == pp - 1:
         dense += sizes.head() - (sizes.vocab_size - 1) * sizes.hidden_size * value_head  # value head: h x 1
         if mtp:
+            mtp_depths = sizes.mtp_layers
             for _ in range(sizes.mtp_layers):
                 parts = sizes.mtp_layer()
                 routed += parts[ROUTED]
                 dense += sum(v for key, v in parts.items() if key != ROUTED)
-                acts.append(activation_elements(sizes, 0, recompute))
-    return dense, routed, acts
+    return dense, routed, layers, mtp_depths
 
 
 def training_memory(
@@ -240,16 +203,30 @@ def training_memory(
     mtp: bool = False,
     value_head: bool = False,
     tokens_per_gpu: int = 0,
-    recompute: frozenset[str] = frozenset({"moe_act", "mhc"}),
+    recompute: frozenset[str] | None = frozenset({"moe_act", "mhc"}),
     micro_batches: int | None = None,
+    path: str = "unfused",
+    training: bool | None = None,
+    logits_kind: str | None = None,
+    max_seq_len: int | None = None,
+    dense_indexer_loss: bool = False,
+    margin: bool = True,
 ) -> list[StageMemory]:
-    """Per-GPU memory of every pipeline stage of one engine (actor, critic, SFT; ``trainable=False``:
-    a reference model, weights only, forward-only activations of one layer). ``micro_batches``: an
-    upper bound on the micro-batches of one update (fewer than ``PP`` caps the ones in flight)."""
+    """Per-GPU memory of every pipeline stage of one engine at its peak.
+
+    ``trainable``: the engine has gradients and an optimizer (SFT, actor, critic; ``False``: a
+    reference model, weights only). ``training``: the pass is a training step (default: ``trainable``);
+    ``False`` for a forward-only pass (log-probs, values) of a trainable engine. ``recompute``: the
+    recomputed modules (``None``: full recompute). ``path``: the attention kernel path
+    (:data:`verl_ds4.recipes.peak.ATTENTION_PATHS`). ``micro_batches``: an upper bound on the
+    micro-batches of one update (fewer than ``PP`` caps the ones in flight). ``logits_kind``: the pass's
+    loss buffers (:data:`verl_ds4.recipes.peak.LOGITS_BYTES`; default ``sft`` for training, ``logprob``
+    for a forward). ``max_seq_len``: the longest sequence (default: the budget x CP)."""
     optimizer = optimizer or OptimizerSettings()
+    training = trainable if training is None else training
     out = []
     for stage in range(mesh.pp):
-        dense, routed, layer_acts = _stage_params(sizes, mesh.pp, stage, mtp, value_head, recompute)
+        dense, routed, layers, mtp_depths = _stage_params(sizes, mesh.pp, stage, mtp, value_head)
         local = dense + routed // mesh.ep
         weights = 2 * local
         grads = optim = host = 0.0
@@ -260,23 +237,32 @@ def training_memory(
             state = optimizer.state_bytes * (shard_dense + shard_routed)
             f = optimizer.cpu_offload_fraction
             optim, host = state * (1 - f), f * (state + 4 * (shard_dense + shard_routed))
-        per_token = 2 * sum(layer_acts)
-        if trainable:
-            in_flight = mesh.pp - stage if micro_batches is None else max(1, min(mesh.pp - stage, micro_batches))
-            acts = per_token * tokens_per_gpu * in_flight
-            if stage == mesh.pp - 1 and not value_head:
-                acts += 6 * tokens_per_gpu * sizes.vocab_size  # logits: bf16 + fp32 for the loss
-        else:
-            acts = per_token / max(len(layer_acts), 1) * tokens_per_gpu  # forward only: about one layer live
-        out.append(
-            StageMemory(stage, len(layer_acts), local, weights / GIB, grads / GIB, optim / GIB, acts / GIB, host / GIB)
+        last = stage == mesh.pp - 1
+        logits = None
+        if last:
+            logits = "value" if value_head else (logits_kind or ("sft" if training else "logprob"))
+        in_flight = mesh.pp - stage if micro_batches is None else max(1, min(mesh.pp - stage, micro_batches))
+        step = step_peak(
+            sizes, [sizes.compress_ratios[i] for i in layers] + [ds4_facts.MTP_COMPRESS_RATIO] * mtp_depths, path=path,
+            shape=StepShape(max(tokens_per_gpu, 1), mesh.cp, max_seq_len), in_flight=in_flight, training=training,
+            recompute=recompute, logits=logits, mtp_depths=mtp_depths, ep=mesh.ep, margin=margin,
+            layer_ids=layers + [None] * mtp_depths, dense_indexer_loss=dense_indexer_loss,
         )
+        out.append(StageMemory(
+            stage, len(layers) + mtp_depths, local, weights / GIB, grads / GIB, optim / GIB, step.activations_gib,
+            host / GIB, step.transient_gib, step.logits_gib, step.a2a_gib, step.margin_gib, step.detail,
+        ))
     return out
 
 
 def worst_stage(stages: list[StageMemory]) -> StageMemory:
     """The stage with the most weights + gradients + optimizer states (ties: the earlier stage)."""
     return max(stages, key=lambda s: (s.static_gib, -s.stage))
+
+
+def peak_stage(stages: list[StageMemory]) -> StageMemory:
+    """The stage with the highest peak (states + what the step adds; ties: the earlier stage)."""
+    return max(stages, key=lambda s: (s.peak_gib, -s.stage))
 
 
 def rollout_weights_gib(sizes: DS4Sizes, tp: int, quantization: str | None = None) -> float:

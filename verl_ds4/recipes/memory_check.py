@@ -4,15 +4,16 @@
 budgets, the rollout) and the model's sizes, computes per role and per GPU what
 :mod:`verl_ds4.recipes.memory` says, and adds to the validation report:
 
-* an **error** (``ds4.memory_check=error``, the default) when a role's weights + gradients +
-  optimizer states on its worst pipeline stage exceed the GPU, when the roles that share the GPUs
-  (verl colocates actor, reference and critic) exceed it together in one phase, or when the
-  rollout's weights exceed vLLM's share (``gpu_memory_utilization``). Each names the role, the
-  stage, the figure, the capacity and the smallest changes that fit (:mod:`.memory_fixes`);
+* an **error** (``ds4.memory_check=error``, the default) when a role's *peak* on one of its passes
+  (:mod:`verl_ds4.recipes.peak`: states + activations for the recipe's attention kernel path and
+  recompute + the peak moment + the all-to-all buffers + the allocator margin) exceeds the GPU less the
+  headroom (``ds4.memory_headroom``, default 0.1: the same rule as ``plan --fit``), when the roles that
+  share the GPUs (verl colocates actor, reference and critic) exceed it together in one phase, when the
+  rollout's weights exceed vLLM's share (``gpu_memory_utilization``), or when a node's host RAM is
+  short (:mod:`.memory_host`). Each names the role, the pass, the stage, the terms, the capacity and the
+  smallest changes that fit (:mod:`.memory_fixes`);
 * the same findings as **warnings** with ``ds4.memory_check=warn`` (and a line saying so), nothing
-  with ``off`` (and a line saying the check is off);
-* a **note** when the activation *estimate* on top of the states exceeds the GPU (an estimate:
-  its assumptions are in :mod:`verl_ds4.recipes.memory`).
+  with ``off`` (and a line saying the check is off).
 
 Colocation: a role's update holds all its states; the other roles keep on the GPU what verl does
 not offload (``param_offload``: weights and gradients; ``optimizer_offload``: optimizer states) and
@@ -29,12 +30,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl_ds4.recipes.memory import (
-    OPTIM_KEYS, Mesh, OptimizerSettings, StageMemory, gpu_memory_gib, training_memory, worst_stage,
+    OPTIM_KEYS, Mesh, OptimizerSettings, StageMemory, gpu_memory_gib, peak_stage, training_memory, worst_stage,
 )
+from verl_ds4.recipes.peak import DEFAULT_HEADROOM, PATH_OF_BACKEND, check_headroom
+from verl_ds4.recipes.kernel_check import GPU_ARCH, dense_indexer_loss
 from verl_ds4.recipes.memory_fixes import findings
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
-__all__ = ["MEMORY_CHECK_MODES", "RoleMemory", "MemoryReport", "check_memory", "optimizer_settings"]
+__all__ = ["MEMORY_CHECK_MODES", "RoleMemory", "MemoryReport", "check_memory", "optimizer_settings", "role_memory"]
 
 MEMORY_CHECK_MODES = ("error", "warn", "off")
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "32": 4, "bf16": 2, "bfloat16": 2, "16": 2}
@@ -42,11 +45,15 @@ _DTYPE_BYTES = {"fp32": 4, "float32": 4, "32": 4, "bf16": 2, "bfloat16": 2, "16"
 
 @dataclass
 class RoleMemory:
-    """One role's per-GPU figures (GiB) on its worst stage, and what it keeps resident when idle."""
+    """One role's per-GPU figures (GiB): its passes (``update`` / ``forward``), each per pipeline stage.
+
+    ``update``: a training step (SFT, actor, critic) with every state on the GPU; ``forward``: a
+    forward-only pass (actor log-probs, reference, critic values) with the weights, the gradient
+    buffers of a trainable engine and its optimizer states unless verl offloads them."""
 
     role: str
     mesh: Mesh
-    stages: list[StageMemory]
+    stages: list[StageMemory]  # the update (or, for the reference, the forward) pass
     trainable: bool
     tokens_per_gpu: int
     param_offload: bool
@@ -55,20 +62,40 @@ class RoleMemory:
     mtp: bool = False
     recompute: frozenset[str] | None = frozenset({"moe_act", "mhc"})
     micro_batches: int | None = None
+    path: str = "unfused"
+    max_seq_len: int | None = None
+    infer_tokens: int | None = None  # the forward pass's budget (None: no forward-only pass)
+    logits: str = "sft"
+    dense_indexer_loss: bool = False
+    forward: list[StageMemory] = field(default_factory=list)
 
-    def recompute_stages(self, sizes, mesh: Mesh, optimizer: OptimizerSettings | None = None) -> list[StageMemory]:
-        """This role's stages on another ``mesh`` / ``optimizer`` (for the fixes)."""
-        return _stages(sizes, mesh, optimizer or self.optimizer, self.trainable, self.mtp, self.role == "critic",
-                       self.tokens_per_gpu, self.recompute, self.micro_batches)
+    def with_changes(self, sizes, **changes) -> "RoleMemory":
+        """This role with other settings (``mesh``, ``optimizer``, ``tokens_per_gpu``, ``infer_tokens``,
+        ``recompute``, ``path``), its passes recomputed (for the fixes)."""
+        rm = dataclasses.replace(self, **changes)
+        rm.stages, rm.forward = _passes(sizes, rm)
+        return rm
+
+    @property
+    def passes(self) -> dict[str, list[StageMemory]]:
+        out = {("update" if self.trainable else "forward"): self.stages}
+        if self.forward:
+            out["forward"] = self.forward
+        return out
 
     @property
     def worst(self) -> StageMemory:
+        """The stage with the most states (the update's)."""
         return worst_stage(self.stages)
 
     @property
-    def peak_estimate_gib(self) -> float:
-        """States + activation estimate, on the stage where that sum is largest."""
-        return max(s.total_gib for s in self.stages)
+    def peak(self) -> tuple[str, StageMemory]:
+        """(pass, stage) of this role's highest peak."""
+        return max(((name, peak_stage(stages)) for name, stages in self.passes.items()), key=lambda x: x[1].peak_gib)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak[1].peak_gib
 
     @property
     def resident_gib(self) -> float:
@@ -96,6 +123,41 @@ class MemoryReport:
     host_gib_per_node: float = 0.0
     gpus_per_node: int = 1
     skipped: str | None = None
+    headroom: float = DEFAULT_HEADROOM
+    host: dict[str, float] = field(default_factory=dict)  # host RAM per node: what -> GiB
+    host_capacity_gib: float | None = None
+
+    @property
+    def limit_gib(self) -> float:
+        """What a role's peak may reach: the GPU less the headroom."""
+        return (1 - self.headroom) * (self.capacity_gib or 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The machine-readable summary (``verl-ds4 recipe NAME --dry-run --json``)."""
+        out: dict[str, Any] = {"check": self.mode, "skipped": self.skipped, "hardware": self.hardware,
+                               "gpu_gib": self.capacity_gib, "headroom": self.headroom, "roles": {}}
+        if self.skipped:
+            return out
+        out["limit_gib"] = round(self.limit_gib, 2)
+        for rm in self.roles:
+            name, stage = rm.peak
+            out["roles"][rm.role] = {
+                "mesh": {"pp": rm.mesh.pp, "ep": rm.mesh.ep, "cp": rm.mesh.cp, "dp_x_cp": rm.mesh.dense_dp, "expert_dp": rm.mesh.expert_dp},
+                "attention_kernel": rm.path, "recompute": "full" if rm.recompute is None else sorted(rm.recompute),
+                "tokens_per_gpu": rm.tokens_per_gpu, "pass": name, "stage": stage.stage,
+                "states_gib": round(stage.static_gib, 2), "activations_gib": round(stage.activations_gib, 2),
+                "transient_gib": round(stage.transient_gib, 2),
+                "logits_gib": round(max(s.logits_gib for stages in rm.passes.values() for s in stages), 2),
+                "a2a_gib": round(stage.a2a_gib, 2), "margin_gib": round(stage.margin_gib, 2),
+                "peak_gib": round(stage.peak_gib, 2), "peak_moment": stage.peak_detail,
+                "fits": stage.peak_gib <= self.limit_gib,
+                "passes": {n: round(peak_stage(s).peak_gib, 2) for n, s in rm.passes.items()},
+            }
+        if self.rollout:
+            out["rollout"] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in self.rollout.items()}
+        out["host"] = {"per_node_gib": {k: round(v, 1) for k, v in self.host.items()},
+                       "total_gib": round(sum(self.host.values()), 1), "capacity_gib": self.host_capacity_gib}
+        return out
 
 
 def _dtype_bytes(value: Any, key: str, problems: list[Problem]) -> int:
@@ -136,8 +198,8 @@ def optimizer_settings(cfg: DictConfig, role: RoleMesh, problems: list[Problem])
     return OptimizerSettings(distributed, grads, params, m, v, fraction)
 
 
-def _recompute(engine: Any) -> frozenset[str] | None:
-    """Recomputed modules (``None``: full recompute, only layer inputs kept)."""
+def recompute_of(engine: Any) -> frozenset[str] | None:
+    """Recomputed modules of an engine block (``None``: full recompute, only layer inputs kept)."""
     otc = engine.get("override_transformer_config") or {}
     granularity = otc.get("recompute_granularity")
     if granularity == "full":
@@ -147,21 +209,49 @@ def _recompute(engine: Any) -> frozenset[str] | None:
     return frozenset()
 
 
+def attention_path_of(engine: Any) -> str:
+    """The DS4 attention kernel path an engine block runs (Megatron's default backend: unfused)."""
+    otc = engine.get("override_transformer_config") or {}
+    return PATH_OF_BACKEND.get(str(otc.get("dsa_kernel_backend") or "none"), "unfused")
+
+
+def _logits_kind(cfg: DictConfig, role: str) -> str:
+    if role == "sft":
+        return "sft"
+    if role == "critic":
+        return "value"
+    if role == "ref":
+        return "ref"
+    entropy = float(_get(cfg, "actor_rollout_ref.actor.entropy_coeff", 0.0) or 0.0)
+    return "actor" if entropy != 0.0 or bool(_get(cfg, "actor_rollout_ref.actor.calculate_entropy", False)) else "sft"
+
+
+def role_memory(sizes, role: str, mesh: Mesh, **settings) -> RoleMemory:
+    """A role's memory from its settings (the :class:`RoleMemory` fields), passes computed (``plan --fit``)."""
+    rm = RoleMemory(role=role, mesh=mesh, stages=[], **settings)
+    rm.stages, rm.forward = _passes(sizes, rm)
+    return rm
+
+
 def _role_memory(cfg: DictConfig, role: RoleMesh, sizes, world: int, max_seq_len: int, problems: list[Problem]) -> RoleMemory:
     engine = _get(cfg, role.engine_key) or {}
+    otc = engine.get("override_transformer_config") or {}
     mesh = Mesh(world=world, pp=role.pp, ep=role.ep, cp=role.cp, etp=role.etp, tp=role.tp)
     trainable = role.role != "ref"
     optim = optimizer_settings(cfg, role, problems) if trainable else OptimizerSettings()
     tokens = role.budgets[0].tokens_per_gpu if role.budgets else max_seq_len
-    recompute = _recompute(engine)
+    infer = role.budgets[1].tokens_per_gpu if trainable and len(role.budgets) > 1 else None
     mtp = role.mtp and role.role != "critic"
-    micro = _micro_batches(cfg, role, mesh, tokens, max_seq_len)
-    return RoleMemory(
-        role=role.role, mesh=mesh, stages=_stages(sizes, mesh, optim, trainable, mtp, role.role == "critic", tokens, recompute, micro),
-        trainable=trainable, tokens_per_gpu=tokens, param_offload=bool(engine.get("param_offload", False)),
-        optimizer_offload=bool(engine.get("optimizer_offload", False)), optimizer=optim, mtp=mtp, recompute=recompute,
-        micro_batches=micro,
+    dense_loss = dense_indexer_loss(otc)
+    rm = RoleMemory(
+        role=role.role, mesh=mesh, stages=[], trainable=trainable, tokens_per_gpu=tokens,
+        param_offload=bool(engine.get("param_offload", False)), optimizer_offload=bool(engine.get("optimizer_offload", False)),
+        optimizer=optim, mtp=mtp, recompute=recompute_of(engine), micro_batches=_micro_batches(cfg, role, mesh, tokens, max_seq_len),
+        path=attention_path_of(engine), max_seq_len=max_seq_len, infer_tokens=infer, logits=_logits_kind(cfg, role.role),
+        dense_indexer_loss=dense_loss,
     )
+    rm.stages, rm.forward = _passes(sizes, rm)
+    return rm
 
 
 def _micro_batches(cfg: DictConfig, role: RoleMesh, mesh: Mesh, tokens: int, max_seq_len: int) -> int | None:
@@ -181,14 +271,25 @@ def _micro_batches(cfg: DictConfig, role: RoleMesh, mesh: Mesh, tokens: int, max
     return max(1, -(-(per_rank * max_seq_len) // (tokens * mesh.cp)))
 
 
-def _stages(sizes, mesh, optim, trainable, mtp, value_head, tokens, recompute, micro=None) -> list[StageMemory]:
-    stages = training_memory(
-        sizes, mesh, optim, trainable=trainable, mtp=mtp, value_head=value_head, tokens_per_gpu=tokens,
-        recompute=recompute if recompute is not None else frozenset({"moe_act", "mhc"}), micro_batches=micro,
+def _passes(sizes, rm: RoleMemory) -> tuple[list[StageMemory], list[StageMemory]]:
+    """(the role's main pass, its forward-only pass or []) per pipeline stage."""
+    common = dict(
+        mtp=rm.mtp, value_head=rm.role == "critic", recompute=rm.recompute, path=rm.path, max_seq_len=rm.max_seq_len,
+        dense_indexer_loss=rm.dense_indexer_loss,
     )
-    if recompute is None:  # full recompute: about one layer's activations live, not every layer's
-        stages = [dataclasses.replace(s, activations_gib=s.activations_gib / max(s.layers, 1)) for s in stages]
-    return stages
+    main = training_memory(
+        sizes, rm.mesh, rm.optimizer, trainable=rm.trainable, tokens_per_gpu=rm.tokens_per_gpu,
+        micro_batches=rm.micro_batches, logits_kind=rm.logits, **common,
+    )
+    forward = []
+    if rm.trainable and rm.infer_tokens:
+        forward = training_memory(
+            sizes, rm.mesh, rm.optimizer, trainable=True, training=False, tokens_per_gpu=rm.infer_tokens,
+            logits_kind="logprob" if rm.role == "actor" else None, **common,
+        )
+        if rm.optimizer_offload:  # verl loads the weights and gradient buffers for a forward, not the optimizer
+            forward = [dataclasses.replace(s, optimizer_gib=0.0) for s in forward]
+    return main, forward
 
 
 def check_memory(cfg: DictConfig, report) -> MemoryReport:
@@ -201,7 +302,7 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
         return MemoryReport(mode="error", skipped="ds4.memory_check has an unknown value")
     memory = MemoryReport(mode=mode, gpus_per_node=report.gpus_per_node)
     if mode == "off":
-        memory.skipped = "ds4.memory_check=off: whether the states fit on the GPUs was NOT checked"
+        memory.skipped = "ds4.memory_check=off: whether the peak fits on the GPUs was NOT checked"
         report.warnings.append(Problem("ds4.memory_check", "is off: the memory check was skipped.", "set ds4.memory_check=error to check."))
         return memory
     sizes = report.facts.sizes
@@ -216,6 +317,13 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
         report.errors.append(Problem("ds4.mesh.hardware", str(e), "name known hardware or give ds4.mesh.gpu_memory_gib."))
         memory.skipped = "unknown GPU capacity"
         return memory
+    headroom = _get(cfg, "ds4.memory_headroom", DEFAULT_HEADROOM)
+    try:
+        memory.headroom = check_headroom(float(headroom))
+    except (TypeError, ValueError) as e:
+        report.errors.append(Problem("ds4.memory_headroom", str(e), "set ds4.memory_headroom to a fraction such as 0.1 (the default)."))
+        memory.skipped = "ds4.memory_headroom is invalid"
+        return memory
     problems: list[Problem] = []
     world = report.world_size
     memory.roles = [
@@ -224,7 +332,9 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
         if min(r.tp, r.pp, r.cp, r.ep, r.etp) >= 1 and Mesh(world, r.pp, r.ep, r.cp, r.etp, r.tp).valid_for(sizes)
     ]
     report.errors.extend(problems)
-    found, notes = findings(cfg, report, memory, sizes)
+    arch = GPU_ARCH.get(str(hardware))
+    dense_sm90 = arch == "sm90" and any(rm.dense_indexer_loss for rm in memory.roles)
+    found, notes = findings(cfg, report, memory, sizes, arch, dense_sm90)
     if mode == "warn" and found:
         report.warnings.extend(Problem(p.setting, p.message + " (ds4.memory_check=warn: not refused)", p.fix) for p in found)
         report.notes.append(f"ds4.memory_check=warn: {len(found)} memory finding(s) reported as warnings; the run is NOT refused.")
@@ -235,29 +345,34 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
 
 
 def format_memory(memory: MemoryReport | None) -> list[str]:
-    """The memory table the plan prints (one line per role, then the rollout, the phases, host RAM)."""
+    """The memory table the plan prints (one line per role and pass, then the rollout, the phases, host RAM)."""
     if memory is None:
         return []
     if memory.skipped:
         return [f"memory  : not checked ({memory.skipped})"]
     cap = memory.capacity_gib
     lines = [
-        f"memory per GPU (GiB) on {memory.hardware} ({cap:.1f} GiB each; check: {memory.mode}); worst pipeline stage; "
-        "states = weights + grads + optimizer; act. = activation estimate (verl_ds4/recipes/memory.py):"
+        f"memory per GPU (GiB) on {memory.hardware} ({cap:.1f} GiB each, peak limit {memory.limit_gib:.1f} with headroom "
+        f"{memory.headroom:g}; check: {memory.mode}); the stage with the highest peak of each pass "
+        "(verl_ds4/recipes/peak.py; docs/memory.md):"
     ]
-    rows = [["role", "mesh", "stage", "layers", "weights", "grads", "optimizer", "states", "act. est.", "tokens/GPU",
-             "micro-batches", "peak est.", "states fit"]]
+    rows = [["role", "pass", "mesh", "kernel", "recompute", "tokens/GPU", "stage", "states", "act.", "transient",
+             "margin", "peak", "fits"]]
     for rm in memory.roles:
-        w, m = rm.worst, rm.mesh
-        rows.append([
-            rm.role, f"PP{m.pp}/EP{m.ep}/CP{m.cp} DPxCP {m.dense_dp} eDP {m.expert_dp}", str(w.stage), str(w.layers),
-            f"{w.weights_gib:.1f}", f"{w.grads_gib:.1f}", f"{w.optimizer_gib:.1f}", f"{w.static_gib:.1f}",
-            f"{max(s.activations_gib for s in rm.stages):.1f}", str(rm.tokens_per_gpu),
-            "-" if not rm.trainable else f"<= {rm.micro_batches or m.pp}", f"{rm.peak_estimate_gib:.1f}",
-            "yes" if w.static_gib <= cap else "NO",
-        ])
+        m = rm.mesh
+        for name, stages in rm.passes.items():
+            s = peak_stage(stages)
+            rows.append([
+                rm.role, name, f"PP{m.pp}/EP{m.ep}/CP{m.cp} DPxCP {m.dense_dp} eDP {m.expert_dp}", rm.path,
+                "full" if rm.recompute is None else (",".join(sorted(rm.recompute)) or "none"),
+                str(rm.tokens_per_gpu if name == "update" or not rm.trainable else rm.infer_tokens), str(s.stage),
+                f"{s.static_gib:.1f}", f"{s.activations_gib:.1f}", f"{s.transient_gib:.1f}", f"{s.a2a_gib + s.margin_gib:.1f}",
+                f"{s.peak_gib:.1f}", "yes" if s.peak_gib <= memory.limit_gib else "NO",
+            ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
+    lines.append("  states = weights + grads + optimizer; act. = kept by the other micro-batches in flight; transient = the "
+                 "peak moment (a layer's backward or the logits' loss buffers); margin = all-to-all buffers + allocator margin")
     for rm in memory.roles:
         if rm.optimizer.cpu_offload_fraction:
             lines.append(f"  {rm.role}: Megatron CPU optimizer offload {rm.optimizer.cpu_offload_fraction:g} of the optimizer states")
@@ -270,6 +385,9 @@ def format_memory(memory: MemoryReport | None) -> list[str]:
         )
     if memory.phases:
         lines.append("  colocated phases (states on the GPU): " + ", ".join(f"{n} {v:.1f}" for n, v in memory.phases))
-    if memory.host_gib_per_node:
-        lines.append(f"  host RAM per node for offloaded states: {memory.host_gib_per_node:.0f} GiB ({memory.gpus_per_node} GPUs)")
+    if memory.host:
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in memory.host.items() if v)
+        of = "(RAM unknown)" if memory.host_capacity_gib is None else f"of {memory.host_capacity_gib:.0f}"
+        lines.append(f"  host RAM per node ({memory.gpus_per_node} GPUs): {sum(memory.host.values()):.0f} GiB {of}"
+                     + (f" ({parts})" if parts else ""))
     return lines

@@ -1,54 +1,86 @@
 """What does not fit, and the smallest changes that do (the refusals of the memory check).
 
-:func:`findings` turns a :class:`~verl_ds4.recipes.memory_check.MemoryReport` into problems (role,
-stage, figure, capacity, fixes) and notes; :func:`fixes` searches, for one role whose states do not
-fit, the smallest change in each direction that makes them fit: more GPUs (nodes), a larger EP, PP
-or CP, Megatron's CPU optimizer offload (with the precision-aware optimizer it needs). The rollout's
-fixes are a larger TP or FP8 weights. Every candidate is recomputed with the same memory model.
+:func:`findings` turns a :class:`~verl_ds4.recipes.memory_check.MemoryReport` into problems and notes:
+a role whose peak (:mod:`verl_ds4.recipes.peak`: states + activations + the peak moment + the margin)
+exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout that does not fit
+vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
+direction that brings its peak under the limit: a lower token budget per GPU (with the CP the longest
+sequence then needs), full recompute, the fused attention kernel where the GPU runs it, a larger EP or
+PP, more GPUs, Megatron's CPU optimizer offload. Every candidate is recomputed with the same model, so
+a lever that does not lower the peak enough is never suggested.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from verl_ds4.recipes.memory import OPTIM_KEYS, Mesh, rollout_weights_gib, worst_stage
+from verl_ds4.recipes.memory import OPTIM_KEYS, Mesh, peak_stage, rollout_weights_gib
+from verl_ds4.recipes.memory_host import host_findings
 from verl_ds4.recipes.roles import Problem, _get
 
-__all__ = ["findings", "fixes", "rollout_fixes"]
+__all__ = ["findings", "fixes", "rollout_fixes", "BUDGET_KEYS"]
 
 _MAX_NODE_FACTOR = 16
+#: The recipe knob of each pass's token budget.
+BUDGET_KEYS = {"update": "ds4.max_token_len_per_gpu", "forward": "ds4.infer_max_token_len_per_gpu"}
+_MIN_TOKENS = 1024
 
 
-def _fits(rm, sizes, mesh: Mesh, capacity: float, optimizer=None) -> bool:
-    return mesh.valid_for(sizes) and worst_stage(rm.recompute_stages(sizes, mesh, optimizer)).static_gib <= capacity
+def _fits(rm, sizes, limit: float, **changes) -> bool:
+    mesh = changes.get("mesh", rm.mesh)
+    if not mesh.valid_for(sizes):
+        return False
+    return rm.with_changes(sizes, **changes).peak_gib <= limit
 
 
-def fixes(rm, sizes, capacity: float, gpus_per_node: int) -> list[str]:
-    """The smallest change in each direction that makes ``rm``'s worst-stage states fit (may be empty)."""
+def _budget_fix(rm, sizes, limit: float, pass_name: str) -> str | None:
+    """The largest token budget (halving) that fits, with the CP the longest sequence then needs."""
+    key = "infer_tokens" if pass_name == "forward" and rm.trainable else "tokens_per_gpu"
+    tokens = getattr(rm, key) or rm.tokens_per_gpu
+    seq = rm.max_seq_len or tokens * rm.mesh.cp
+    while tokens // 2 >= _MIN_TOKENS:
+        tokens //= 2
+        cp = rm.mesh.cp
+        while tokens * cp < seq:
+            cp *= 2
+        mesh = dataclasses.replace(rm.mesh, cp=cp)
+        if _fits(rm, sizes, limit, mesh=mesh, **{key: tokens}):
+            where = BUDGET_KEYS["forward" if key == "infer_tokens" else "update"]
+            more = f" with ds4.mesh.cp={cp} (the longest sequence, {seq} tokens, needs budget x CP >= {seq})" if cp != rm.mesh.cp else ""
+            return f"{where}={tokens}{more}"
+    return None
+
+
+def fixes(rm, sizes, limit: float, gpus_per_node: int, arch: str | None = None, dense_loss_on_sm90: bool = False) -> list[str]:
+    """The smallest change in each direction that brings ``rm``'s peak to ``limit`` (may be empty)."""
     m, out = rm.mesh, []
-    nodes = m.world // gpus_per_node
-    for factor in range(2, _MAX_NODE_FACTOR + 1):
-        bigger = dataclasses.replace(m, world=m.world * factor)
-        if _fits(rm, sizes, bigger, capacity):
-            out.append(f"more GPUs: ds4.mesh.nnodes={nodes * factor} ({bigger.world} GPUs, same mesh; launcher NNODES)")
-            break
+    pass_name, _ = rm.peak
+    budget = _budget_fix(rm, sizes, limit, pass_name)
+    if budget:
+        out.append(f"fewer tokens per GPU: {budget}")
+    if rm.recompute is not None and rm.trainable and _fits(rm, sizes, limit, recompute=None):
+        out.append("full recompute: ds4.recompute_granularity=full")
+    if rm.path == "unfused" and arch in ("sm90", "sm100") and not dense_loss_on_sm90 and _fits(rm, sizes, limit, path="fused"):
+        out.append("the fused attention kernel: ds4.dsa_kernel_backend=cudnn")
     for ep in sorted(d for d in range(m.ep + 1, sizes.n_routed_experts + 1) if sizes.n_routed_experts % d == 0):
-        if _fits(rm, sizes, dataclasses.replace(m, ep=ep), capacity):
+        if _fits(rm, sizes, limit, mesh=dataclasses.replace(m, ep=ep)):
             out.append(f"EP={ep} (ds4.mesh.ep)")
             break
     for pp in range(m.pp + 1, sizes.num_layers + 1):
-        if _fits(rm, sizes, dataclasses.replace(m, pp=pp), capacity):
+        if _fits(rm, sizes, limit, mesh=dataclasses.replace(m, pp=pp)):
             out.append(f"PP={pp} (ds4.mesh.pp)")
             break
-    for cp in (2, 4, 8, 16):
-        if cp > m.cp and _fits(rm, sizes, dataclasses.replace(m, cp=cp), capacity):
-            out.append(f"CP={cp} (ds4.mesh.cp; shards the dense optimizer states further)")
+    nodes = m.world // gpus_per_node
+    for factor in range(2, _MAX_NODE_FACTOR + 1):
+        bigger = dataclasses.replace(m, world=m.world * factor)
+        if _fits(rm, sizes, limit, mesh=bigger):
+            out.append(f"more GPUs: ds4.mesh.nnodes={nodes * factor} ({bigger.world} GPUs, same mesh; launcher NNODES)")
             break
     if rm.trainable:
         key = OPTIM_KEYS.get(rm.role, "optim")
         for percent in range(5, 101, 5):
             aware = dataclasses.replace(rm.optimizer, main_params_bytes=2, cpu_offload_fraction=percent / 100)
-            if _fits(rm, sizes, m, capacity, aware):
+            if _fits(rm, sizes, limit, optimizer=aware):
                 out.append(
                     f"Megatron's CPU optimizer offload: +{key}.override_optimizer_config.optimizer_cpu_offload=true "
                     f"+{key}.override_optimizer_config.optimizer_offload_fraction={percent / 100:g} "
@@ -80,52 +112,56 @@ def _plan_fit_hint(report, memory) -> str:
     )
 
 
-def _describe(stage, role, mesh: Mesh) -> str:
+def describe_peak(rm) -> str:
+    """``role (mesh) pass, stage S (L layers): peak P = states + activations + moment + margin`` (GiB per GPU)."""
+    m = rm.mesh
+    name, s = rm.peak
+    tokens = rm.infer_tokens if name == "forward" and rm.trainable else rm.tokens_per_gpu
+    recompute = "full" if rm.recompute is None else (",".join(sorted(rm.recompute)) or "none")
     return (
-        f"{role} (TP1/PP{mesh.pp}/EP{mesh.ep}/CP{mesh.cp}, DP x CP {mesh.dense_dp}, expert-DP {mesh.expert_dp}) "
-        f"stage {stage.stage} ({stage.layers} layers): weights {stage.weights_gib:.1f} + grads {stage.grads_gib:.1f} + "
-        f"optimizer {stage.optimizer_gib:.1f} = {stage.static_gib:.1f} GiB per GPU"
+        f"{rm.role} (TP1/PP{m.pp}/EP{m.ep}/CP{m.cp}, DP x CP {m.dense_dp}, expert-DP {m.expert_dp}; {rm.path} attention, "
+        f"recompute {recompute}, {tokens} tokens per GPU) {name} pass, stage {s.stage} ({s.layers} layers): peak "
+        f"{s.peak_gib:.1f} GiB per GPU = states {s.static_gib:.1f} (weights {s.weights_gib:.1f} + grads {s.grads_gib:.1f} + "
+        f"optimizer {s.optimizer_gib:.1f}) + activations {s.activations_gib:.1f} + {s.peak_detail} {s.transient_gib:.1f}"
+        + (f" (logits {s.logits_gib:.1f})" if s.logits_gib else "") + f" + all-to-all and allocator margin {s.a2a_gib + s.margin_gib:.1f}"
     )
 
 
-def findings(cfg, report, memory, sizes) -> tuple[list[Problem], list[str]]:
-    """Problems (states that cannot fit) and notes (activation estimates, host RAM) of ``memory``."""
+def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_sm90: bool = False) -> tuple[list[Problem], list[str]]:
+    """Problems (peaks over the limit, roles that do not fit together, the rollout, host RAM) and notes."""
     problems, notes = [], []
-    cap, hw = memory.capacity_gib, memory.hardware or "the GPU"
+    cap, hw, limit = memory.capacity_gib, memory.hardware or "the GPU", memory.limit_gib
     for rm in memory.roles:
-        w = rm.worst
-        if w.static_gib > cap:
-            fix = fixes(rm, sizes, cap, report.gpus_per_node)
+        if rm.peak_gib > limit:
+            fix = fixes(rm, sizes, limit, report.gpus_per_node, arch, dense_loss_on_sm90)
+            before = " (the states alone exceed it)" if rm.worst.static_gib > limit else ""
             problems.append(Problem(
                 f"{rm.role} memory",
-                f"{_describe(w, rm.role, rm.mesh)} exceeds the {cap:.1f} GiB of one {hw} before any activation.",
+                f"{describe_peak(rm)} exceeds {limit:.1f} GiB, the {cap:.1f} GiB of one {hw} less the headroom "
+                f"{memory.headroom:g} (ds4.memory_headroom){before}.",
                 ("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory),
             ))
-        elif rm.peak_estimate_gib > cap:
-            notes.append(
-                f"{rm.role}: states {w.static_gib:.1f} GiB + activation estimate at {rm.tokens_per_gpu} tokens/GPU "
-                f"= {rm.peak_estimate_gib:.1f} GiB > {cap:.1f} GiB (an upper estimate, see verl_ds4/recipes/memory.py): "
-                "lower the token budget or raise PP if it runs out of memory."
-            )
-    trainers = [rm for rm in memory.roles]
+    trainers = list(memory.roles)
     if len(trainers) > 1:  # verl colocates the roles on the same GPUs
         for rm in trainers:
             if not rm.trainable:
                 continue
             others = sum(o.resident_gib for o in trainers if o is not rm)
-            total = rm.worst.static_gib + others
+            own = peak_stage(rm.stages).peak_gib
+            total = own + others
             memory.phases.append((f"{rm.role} update", total))
-            if total > cap and rm.worst.static_gib <= cap:
+            if total > limit and own <= limit:
                 problems.append(Problem(
                     f"{rm.role} update",
-                    f"its states {rm.worst.static_gib:.1f} GiB plus {others:.1f} GiB the other roles keep on the GPU "
-                    f"= {total:.1f} GiB exceed the {cap:.1f} GiB of one {hw}.",
+                    f"its peak {own:.1f} GiB plus {others:.1f} GiB the other roles keep on the GPU "
+                    f"= {total:.1f} GiB exceed {limit:.1f} GiB (one {hw} less the headroom).",
                     "turn on verl's offload for the other roles: ds4.offload.param=true ds4.offload.optimizer=true.",
                 ))
     rollout = _rollout_findings(cfg, sizes, memory, report, problems)
     if rollout is not None:
         memory.phases.append(("rollout", rollout))
     memory.host_gib_per_node = report.gpus_per_node * sum(rm.offloaded_host_gib for rm in memory.roles)
+    problems += host_findings(cfg, report, memory)
     return problems, notes
 
 

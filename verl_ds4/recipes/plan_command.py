@@ -5,9 +5,10 @@ padding, cost and the straggler ratio (see the options below; --balance, --plot)
     verl-ds4 plan --lengths 5,127,1000,23 --cp 2 --min-local-rows 128
 
 Fit (--fit): given a model (flash, pro, v41_flash, or a config.json / HF folder), a GPU type and a GPU count
-or range, list the TP=1 meshes (PP, EP, CP, DP) whose weights + gradients + optimizer states fit
-with the stated headroom left for activations, fewest GPUs first, each with its per-GPU figures
-(the memory model of `verl-ds4 recipe --dry-run`, verl_ds4/recipes/memory.py).
+or range, list the TP=1 meshes (PP, EP, CP, DP) on which every role's peak (states + activations for the
+attention kernel path and recompute + the peak moment + margins: the memory model of `verl-ds4 recipe
+--dry-run`, verl_ds4/recipes/peak.py) stays under the GPU less the headroom, fewest GPUs first, then the
+lowest peak, with each role's peak; when none fits, the closest meshes and the levers that bring them under.
     verl-ds4 plan --fit --model flash --gpu H200 --gpus 64
     verl-ds4 plan --fit --model pro --gpu GB300 --gpus 128-512 --recipe grpo --json
 """
@@ -39,9 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 4 on GB200/GB300, else 8)")
     fit.add_argument("--recipe", choices=("sft", "ppo", "grpo"), default="sft", help="sft (MTP on) or RL (no MTP, rollout shown)")
     fit.add_argument("--mtp", choices=("on", "off"), help="override the recipe's MTP (sft: on, RL: off)")
-    fit.add_argument("--headroom", type=float, default=None, help="fraction of each GPU kept free for activations (default 0.15)")
-    fit.add_argument("--tokens-per-gpu", type=int, default=8192, help="token budget for the activation estimate (default 8192)")
-    fit.add_argument("--check-activations", action="store_true", help="also require states + activation estimate <= GPU")
+    fit.add_argument("--headroom", type=float, default=None, help="fraction of each GPU a role's peak must leave free (default 0.1, the start-up check's)")
+    fit.add_argument("--tokens-per-gpu", type=int, default=4096, help="training token budget per GPU (rows per micro-batch after CP; default 4096)")
+    fit.add_argument("--infer-tokens-per-gpu", type=int, help="RL forward-only budget (log-probs, reference; default 2 x --tokens-per-gpu)")
+    fit.add_argument("--max-seq-len", type=int, help="longest sequence; CP must make budget x CP hold it (default: the budget)")
+    fit.add_argument("--kernel", choices=("unfused", "fused"), help="DS4 attention kernel path (default: unfused on H100/H200, fused on B200/GB200/GB300)")
+    fit.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                     help="full (default), selective (moe_act, mhc) or none")
+    fit.add_argument("--states-only", action="store_true", help="judge weights + gradients + optimizer alone (not the peak)")
+    fit.add_argument("--check-activations", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old command lines
     fit.add_argument("--max", type=int, default=12, help="list at most this many meshes (default 12)")
     fit.add_argument("--json", action="store_true", help="print JSON (all fitting meshes) instead of a table")
 
@@ -94,6 +101,7 @@ def _sizes(model: str):
 
 def run_fit(args: argparse.Namespace) -> int:
     from verl_ds4.recipes.fit import DEFAULT_HEADROOM, find_meshes
+    from verl_ds4.recipes.kernel_check import GPU_ARCH
     from verl_ds4.recipes.memory import gpu_memory_gib
 
     if not args.gpus or not (args.gpu or args.gpu_memory_gib):
@@ -103,43 +111,64 @@ def run_fit(args: argparse.Namespace) -> int:
     facts = _sizes(args.model)
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     mtp = None if args.mtp is None else args.mtp == "on"
-    fits = find_meshes(
+    arch = GPU_ARCH.get(args.gpu or "")
+    kernel = args.kernel or ("fused" if arch == "sm100" else "unfused")
+    recompute = {"full": None, "selective": frozenset({"moe_act", "mhc"}), "none": frozenset()}[args.recompute]
+    rows = find_meshes(
         facts.sizes, capacity, _gpu_counts(args.gpus, per_node), recipe=args.recipe, mtp=mtp, headroom=headroom,
-        tokens_per_gpu=args.tokens_per_gpu, check_activations=args.check_activations, gpus_per_node=per_node,
+        tokens_per_gpu=args.tokens_per_gpu, infer_tokens_per_gpu=args.infer_tokens_per_gpu, max_seq_len=args.max_seq_len,
+        path=kernel, recompute=recompute, check_activations=not args.states_only, gpus_per_node=per_node, arch=arch,
+        levers_for=args.max,
     )
+    fits = [r for r in rows if r.fits]
+    settings = {"kernel": kernel, "recompute": args.recompute, "tokens_per_gpu": args.tokens_per_gpu,
+                "infer_tokens_per_gpu": args.infer_tokens_per_gpu or 2 * args.tokens_per_gpu,
+                "max_seq_len": args.max_seq_len or args.tokens_per_gpu, "judged_on": "states" if args.states_only else "peak"}
     if args.json:
         print(json.dumps({"model": facts.name, "gpu": args.gpu, "capacity_gib": capacity, "headroom": headroom,
-                          "recipe": args.recipe, "meshes": [f.as_dict() for f in fits]}, indent=1))
+                          "recipe": args.recipe, **settings, "meshes": [f.as_dict() for f in fits],
+                          "not_fitting": [f.as_dict() for f in rows if not f.fits][: args.max]}, indent=1))
         return 0 if fits else 1
+    _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp)
+    return 0 if fits else 1
+
+
+def _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp) -> None:
     s = facts.sizes
     mtp_on = (args.recipe == "sft") if mtp is None else mtp
     mtp_on = mtp_on and s.mtp_layers > 0
     extra = f" incl. {s.engram_tables() / 1e9:.2f}B Engram tables" if hasattr(s, "engram_tables") else ""
     print(f"{facts.name}: {s.total() / 1e9:.2f}B parameters{extra} ({s.activated() / 1e9:.2f}B activated), MTP {'on' if mtp_on else 'off'}; "
-          f"{args.gpu or 'GPU'} {capacity:.1f} GiB; fits = states <= {1 - headroom:.2f} x GPU (headroom {headroom:g})"
-          + ("; activation estimate checked" if args.check_activations else ""))
+          f"{args.gpu or 'GPU'} {capacity:.1f} GiB; fits = every role's {settings['judged_on']} <= {1 - headroom:.2f} x GPU "
+          f"= {(1 - headroom) * capacity:.1f} GiB (headroom {headroom:g})")
+    print(f"  {settings['kernel']} attention, recompute {settings['recompute']}, {settings['tokens_per_gpu']} tokens per GPU"
+          + (f" (forward passes {settings['infer_tokens_per_gpu']})" if args.recipe != "sft" else "")
+          + f", longest sequence {settings['max_seq_len']}")
     if not fits:
-        print(f"no TP=1 mesh fits on {args.gpus} GPUs: try more GPUs, a larger GPU or --headroom 0.")
-        return 1
-    header = ["GPUs", "PP", "EP", "CP", "DPxCP", "eDP", "stage", "weights", "grads", "optimizer", "states", "free",
-              f"act.est.@{args.tokens_per_gpu}"] + ([] if args.recipe == "sft" else ["rollout"])
-    rows = [header]
-    for f in fits[: args.max]:
-        m, w = f.mesh, f.worst
-        row = [str(m.world), str(m.pp), str(m.ep), ",".join(map(str, f.cps)), str(f.dp), str(m.expert_dp), str(w.stage),
-               f"{w.weights_gib:.1f}", f"{w.grads_gib:.1f}", f"{w.optimizer_gib:.1f}", f"{w.static_gib:.1f}",
-               f"{capacity - w.static_gib:.1f}", f"{f.peak_estimate_gib - w.static_gib:.1f}"]
+        print(f"no TP=1 mesh fits on {args.gpus} GPUs at these settings; the closest, with the changes that fit:")
+    roles = list(rows[0].peaks) if rows else []
+    header = ["GPUs", "PP", "EP", "CP", "DPxCP", "eDP", "states"] + [f"{r} peak" for r in roles] + ["fits"] + \
+        ([] if args.recipe == "sft" else ["rollout"])
+    table = [header]
+    shown = (fits or rows)[: args.max]
+    for f in shown:
+        m = f.mesh
+        row = [str(m.world), str(m.pp), str(m.ep), ",".join(map(str, f.cps)), str(f.dp), str(m.expert_dp), f"{f.states_gib:.1f}"]
+        row += [f"{f.peaks[r][1].peak_gib:.1f}" for r in roles] + ["yes" if f.fits else "NO"]
         if args.recipe != "sft":
             row.append("none fits" if f.rollout is None else f"TP{f.rollout[0]} {f.rollout[1]} {f.rollout[2]:.1f}")
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
+        table.append(row)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
         print("  " + "  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
     if len(fits) > args.max:
         print(f"  ... {len(fits) - args.max} more (--max, or --json for all)")
-    print("per GPU, GiB, on the worst pipeline stage; CP: the sizes that divide DP x CP (CP does not change the "
-          "states); act.est. = activation estimate, an upper estimate (verl_ds4/recipes/memory.py).")
-    return 0
+    for f in shown:
+        if f.levers:
+            m = f.mesh
+            print(f"  PP{m.pp}/EP{m.ep} on {m.world} GPUs ({f.worst_role} peak {f.peak_gib:.1f}): " + "; ".join(f.levers))
+    print("per GPU, GiB, on each role's highest pipeline stage and pass (verl_ds4/recipes/peak.py; docs/memory.md); "
+          "CP: the sizes that hold the longest sequence at this budget and divide DP x CP.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -560,8 +560,10 @@ def validate_recipe(
     _check_agreement(roles, cfg, report)
     if trainer == "ppo":
         _check_rollout(cfg, report)
+    from verl_ds4.recipes.kernel_check import check_kernels
     from verl_ds4.recipes.memory_check import check_memory
 
+    check_kernels(cfg, report)
     report.memory = check_memory(cfg, report)
     _check_paths(cfg, trainer, roles, report, dry_run)
     if isinstance(facts, DS41ModelFacts):

@@ -23,6 +23,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from .attention import _RMSNorm
+from .device import building_on
 from .hyper_connection import DS4HyperConnection, DS4HyperHead
 from .mcore_attention import DS4HybridSelfAttention
 from .model_config import DS4TransformerConfig
@@ -91,11 +92,12 @@ class DS4TransformerBlock(MegatronModule):
             raise NotImplementedError("The CPU DS4 block runs the whole model on one pipeline stage (pipeline_model_parallel_size=1).")
         self.pre_process, self.post_process = pre_process, post_process
         dtype, h, eps = config.params_dtype, config.hidden_size, config.layernorm_epsilon
-        self.layers = torch.nn.ModuleList(
-            DS4DecoderLayer(config, i + 1, pg_collection=pg_collection) for i in range(config.num_layers)
-        )
-        self.hc_head = DS4HyperHead(h, config.num_residual_streams, config.mhc_epsilon, eps, dtype=dtype)
-        self.final_layernorm = _RMSNorm(h, eps, dtype=dtype)
+        with building_on(config):  # the config's device (device.py)
+            self.layers = torch.nn.ModuleList(
+                DS4DecoderLayer(config, i + 1, pg_collection=pg_collection) for i in range(config.num_layers)
+            )
+            self.hc_head = DS4HyperHead(h, config.num_residual_streams, config.mhc_epsilon, eps, dtype=dtype)
+            self.final_layernorm = _RMSNorm(h, eps, dtype=dtype)
         self.input_tensor = None
 
     def set_input_tensor(self, input_tensor) -> None:

@@ -17,7 +17,15 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["hf_logits", "packed_logits", "pack_sequences", "run_on_cp_ranks", "min_local_rows_of"]
+__all__ = ["ModelRefused", "hf_logits", "packed_logits", "pack_sequences", "run_on_cp_ranks", "min_local_rows_of"]
+
+
+class ModelRefused(ValueError):
+    """The ``ValueError`` a rank's ``build`` raised (a folder or config refused, the same on every rank), raised
+    again in the caller of :func:`run_on_cp_ranks` with its message, not as a rank's traceback."""
+
+
+_REFUSED = "verl-ds4: build refused"
 
 
 def min_local_rows_of(model) -> int:
@@ -44,7 +52,7 @@ def pack_sequences(model, sequences: Sequence[torch.Tensor], cp_rank: int = 0, c
     from verl_ds4.mcore.thd import make_plan, pack_input, packed_seq_params_for
 
     lengths = [int(s.numel()) for s in sequences]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    offsets = torch.tensor([0, *lengths], device=sequences[0].device).cumsum(0)  # on the ids' device (CUDA too)
     nested = torch.nested.nested_tensor_from_jagged(torch.cat([s.view(-1).long() for s in sequences]), offsets=offsets)
     plan = make_plan(nested, PlanOptions(layout="contiguous", cp_size=cp_size, min_local_rows=min_local_rows_of(model)))
     params = packed_seq_params_for(plan, layout_consumer_checked=True)
@@ -82,7 +90,10 @@ def _rank_main(rank: int, world: int, build: Callable, sequences, hash_ids_shift
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     try:
-        model = build(world)
+        try:
+            model = build(world)
+        except ValueError as e:  # every rank builds the same folder: each refuses it, none waits in a collective
+            return (_REFUSED, str(e))
         out = packed_logits(model, sequences, parallel_state.get_context_parallel_rank(), world, hash_ids_shift)
         return [t.tolist() for t in out] if rank == 0 else None
     finally:
@@ -92,7 +103,8 @@ def _rank_main(rank: int, world: int, build: Callable, sequences, hash_ids_shift
 def run_on_cp_ranks(build: Callable[[int], torch.nn.Module], sequences, cp: int, dtype=torch.float64, hash_ids_shift: int = 0, timeout: float = 300.0):
     """``build(cp_size) -> model`` on every one of ``cp`` gloo ranks, one packed forward, rank 0's
     gathered per-sequence logits (in ``dtype``). ``cp = 1`` also runs in a child process (a fresh
-    Megatron parallel state)."""
+    Megatron parallel state). A ``ValueError`` of ``build`` (a refused folder) is raised here as
+    :class:`ModelRefused` with its message."""
     from verl_ds4.mcore.distributed import run_distributed
 
     if cp < 1:
@@ -103,6 +115,9 @@ def run_on_cp_ranks(build: Callable[[int], torch.nn.Module], sequences, cp: int,
             "initialised torch.distributed (a fork after gloo started can hang). Call it from a plain process."
         )
     results = run_distributed(_rank_main, world_size=cp, args=(build, list(sequences), hash_ids_shift), timeout=timeout)
+    refused = next((r[1] for r in results if isinstance(r, tuple) and r[:1] == (_REFUSED,)), None)
+    if refused is not None:
+        raise ModelRefused(refused)  # error-catalogue: passes on a message catalogued where it is built
     return [torch.tensor(rows, dtype=dtype) for rows in results[0]]
 
 

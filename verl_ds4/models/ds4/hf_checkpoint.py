@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from verl_ds4 import ds41_facts
+from verl_ds4 import ds41_facts, ds4_facts
 
 from .checkpoint_format import CheckpointFormatError, check_cpu_readable, checkpoint_format_from, read_checkpoint_format
 from .hf_names import detect_family, name_groups
@@ -65,6 +65,18 @@ def read_config(folder: str | Path) -> dict:
         raise HFCheckpointError(f"{path}: {refused.engine_message()}")
     if data.get("model_type") != "deepseek_v4":
         raise HFCheckpointError(f"{path}: model_type is {data.get('model_type')!r}, expected 'deepseek_v4'.")
+    if isinstance(data.get("text_config"), dict):  # transformers' DeepseekV4Config would build its default sizes
+        raise HFCheckpointError(f"{path}: text_config: a DeepSeek-V4 config.json is flat (transformers' and NeMo "
+                                "Automodel's DeepseekV4Config write every key at the top level), and this nested one "
+                                "would be read as the default V4 with its sizes. Move the text_config keys to the top "
+                                "level, or point at a DeepSeek-V4.1 folder with --model ds41.")
+    try:
+        compressed = any(ds4_facts.layer_compress_ratios(data))
+    except (TypeError, ValueError):
+        compressed = True  # transformers' own check names a bad layer schedule
+    problems = ds4_facts.check_rope(data, compressed, yarn_only=False, released=ds4_facts.FLASH_YARN)
+    if problems:
+        raise HFCheckpointError(f"{path}: " + " ".join(p.engine_message() for p in problems))  # error-catalogue: passes on a message catalogued where it is built
     return data
 
 

@@ -25,6 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import DS4AttentionSpec, DS4HybridAttention
+from .device import building_on
 
 __all__ = ["DS4ProxyTransformerConfig", "DS4HybridSelfAttention", "attention_spec_for_layer", "cpu_ds4_settings"]
 
@@ -144,10 +145,8 @@ class DS4HybridSelfAttention(DS4HybridAttention, MegatronModule):
             raise TypeError(f"DS4HybridSelfAttention needs a DS4ProxyTransformerConfig, got {type(config).__name__}.")
         self.layer_number = layer_number
         self.pg_collection = pg_collection
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        self._build(attention_spec_for_layer(config, layer_number), dtype=config.params_dtype)
-        if device is not None:
-            self.to(device)
+        with building_on(config):  # the config's device (models/ds4/device.py)
+            self._build(attention_spec_for_layer(config, layer_number), dtype=config.params_dtype)
         if config.perform_initialization:
             self._initialize(config)
 

@@ -23,6 +23,7 @@ docs/ds4-context-parallel.md section 1).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .block import DS4TransformerBlock
+from .device import building_on, device_overrides, megatron_layers_on, resolve_device
 from .model_config import DS4TransformerConfig, ds4_transformer_config, hf_config_object
 from .proxy import ValueHead
 
@@ -54,25 +56,27 @@ class DS4Model(GPTModel):
         # GPTModel builds a TransformerBlock from the spec; give it no layers, then put the DS4 block there.
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        super().__init__(
-            config=config,
-            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=WrappedTorchNorm),
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            parallel_output=True,
-            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            position_embedding_type="none",
-            pg_collection=pg_collection,
-        )
-        self.decoder = DS4TransformerBlock(config, pre_process=pre_process, post_process=post_process, pg_collection=pg_collection)
-        # ``model.mtp`` exists only with MTP: Megatron's schedule walks ``model.mtp.layers`` whenever
-        # the attribute exists (set_current_microbatch), as GPTModel builds it only with MTP too.
-        if config.mtp_num_layers:
-            from .mtp import DS4MTPBlock
+        with megatron_layers_on(config):  # every tensor on the config's device (device.py)
+            super().__init__(
+                config=config,
+                transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=WrappedTorchNorm),
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                pre_process=pre_process,
+                post_process=post_process,
+                parallel_output=True,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                position_embedding_type="none",
+                pg_collection=pg_collection,
+            )
+        with building_on(config):
+            self.decoder = DS4TransformerBlock(config, pre_process=pre_process, post_process=post_process, pg_collection=pg_collection)
+            # ``model.mtp`` exists only with MTP: Megatron's schedule walks ``model.mtp.layers`` whenever
+            # the attribute exists (set_current_microbatch), as GPTModel builds it only with MTP too.
+            if config.mtp_num_layers:
+                from .mtp import DS4MTPBlock
 
-            self.mtp = DS4MTPBlock(config, pg_collection=pg_collection)
+                self.mtp = DS4MTPBlock(config, pg_collection=pg_collection)
         for param in self.parameters():  # Megatron's torch fallbacks ignore params_dtype
             param.data = param.data.to(config.params_dtype)
 
@@ -178,17 +182,29 @@ def build_ds4_model(
     cp_size: int | None = None,
     allow_mtp_skip: bool = False,
     config_overrides: dict | None = None,
+    device=None,
 ) -> DS4Model:
-    """A CPU :class:`DS4Model` for an HF DeepSeek-V4 config (object, ``config.json`` dict or folder).
+    """A :class:`DS4Model` for an HF DeepSeek-V4 config (object, ``config.json`` dict or folder).
 
     Weights are :func:`init_ds4_weights` (seeded; load real ones with
     :func:`verl_ds4.models.ds4.hf_checkpoint.load_hf_checkpoint`). ``value_head=True`` swaps the LM
     output layer for a hidden -> 1 :class:`~.proxy.ValueHead` (verl's critic). A config with
     ``num_nextn_predict_layers > 0`` builds the MTP block (``model.mtp``) unless ``allow_mtp_skip=True``
-    (which drops it, as transformers does).
+    (which drops it, as transformers does). ``device`` (``None``: the CPU; ``"cuda[:N]"``, ``"meta"``): where
+    every parameter and buffer is created (:mod:`.device`; ``meta``: shapes only, no weights written).
     """
     hf = hf_config_object(hf_config)
-    config = ds4_transformer_config(hf, dtype=dtype, cp_size=cp_size, allow_mtp_skip=allow_mtp_skip, **(config_overrides or {}))
+    dev = resolve_device(device)
+    overrides = {**device_overrides(dev), **(config_overrides or {})}
+    config = ds4_transformer_config(hf, dtype=dtype, cp_size=cp_size, allow_mtp_skip=allow_mtp_skip, **overrides)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        model = _build(config, hf, pre_process, post_process, value_head)
+    if dev.type != "meta":
+        init_ds4_weights(model, seed=seed, std=float(hf.initializer_range))
+    return model
+
+
+def _build(config, hf, pre_process: bool, post_process: bool, value_head: bool) -> DS4Model:
     model = DS4Model(
         config,
         vocab_size=hf.vocab_size,
@@ -203,6 +219,6 @@ def build_ds4_model(
                 "value_head=True with num_nextn_predict_layers > 0: a critic has no next-token head for MTP; "
                 "pass allow_mtp_skip=True to build the critic without the MTP block."
             )
-        model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
-    init_ds4_weights(model, seed=seed, std=float(hf.initializer_range))
+        with building_on(config):
+            model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
     return model

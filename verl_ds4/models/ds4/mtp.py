@@ -44,6 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from .attention import _RMSNorm
 from .block import DS4DecoderLayer
 from .cp_comm import next_rank_first_row
+from .device import building_on
 from .hyper_connection import DS4HyperHead
 
 __all__ = ["DS4MTPLayer", "DS4MTPBlock", "roll_packed_left", "mtp_loss_report"]
@@ -126,7 +127,8 @@ class DS4MTPBlock(MegatronModule):
         depth = int(config.mtp_num_layers or 0)
         if depth < 1:
             raise ValueError(f"DS4MTPBlock needs mtp_num_layers >= 1, got {config.mtp_num_layers!r}.")
-        self.layers = torch.nn.ModuleList(DS4MTPLayer(config, k + 1, pg_collection=pg_collection) for k in range(depth))
+        with building_on(config):  # the config's device (device.py)
+            self.layers = torch.nn.ModuleList(DS4MTPLayer(config, k + 1, pg_collection=pg_collection) for k in range(depth))
         self.last_losses: torch.Tensor | None = None  # [D] per-depth token-mean CE, global over CP, detached
         self.last_scaled_loss: torch.Tensor | None = None  # mtp_loss_scaling_factor / D * sum
 

@@ -89,6 +89,8 @@ class DS4Sizes:
     hc_mult: int
     compress_ratios: tuple[int, ...]
     mtp_layers: int = 0
+    #: Indexer top-k of the CSA layers (no parameters; the memory model's attention keys read it).
+    index_topk: int = 512
 
     #: Components split over EP whose optimizer state shards over expert-DP (the memory model reads it).
     expert_sharded = (ROUTED,)
@@ -118,7 +120,8 @@ class DS4Sizes:
         else:
             raise MissingSizeField(f"{source} has neither num_hidden_layers nor compress_ratios.")
         mtp = text.get("num_nextn_predict_layers", fallback.get("mtp_layers", fallback.get("num_nextn_predict_layers", 0)))
-        return cls(**values, compress_ratios=tuple(ratios), mtp_layers=int(mtp or 0))
+        topk = int(text.get("index_topk", fallback.get("index_topk", 512)) or 512)
+        return cls(**values, compress_ratios=tuple(ratios), mtp_layers=int(mtp or 0), index_topk=topk)
 
     @property
     def num_layers(self) -> int:

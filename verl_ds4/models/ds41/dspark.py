@@ -25,6 +25,7 @@ with ``attn`` / ``ffn`` / ``attn_norm`` / ``ffn_norm`` / ``ffn_hc`` / ``norm``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -105,14 +106,15 @@ class DSparkStage(nn.Module):
 class DS41DSpark(nn.Module):
     """The drafter's stages (``mtp.layers``); see the module doc."""
 
-    def __init__(self, text: Any, dtype=None, cache_qdq: bool = False):
+    def __init__(self, text: Any, dtype=None, cache_qdq: bool = False, device=None):
         super().__init__()
         if not ds41_facts.has_dspark(text):
             raise ValueError("this V4.1 config has no DSpark drafter (num_nextn_predict_layers > 0 with dspark_* keys).")
         stages = int(ds41_facts.text_value(text, "num_nextn_predict_layers"))
         self.hc_mult = int(ds41_facts.text_value(text, "hc_mult"))
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(DSparkStage(text, k, dtype=dtype, cache_qdq=cache_qdq) for k in range(stages))
+        with torch.device(device) if device is not None else contextlib.nullcontext():  # every tensor on ``device``
+            self.mtp.layers = nn.ModuleList(DSparkStage(text, k, dtype=dtype, cache_qdq=cache_qdq) for k in range(stages))
 
     def forward(self, noise: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 previous_ids: torch.Tensor | None = None, confidence: bool = True,

@@ -229,7 +229,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     anchors = torch.zeros(num_anchors, dtype=torch.long)
     keep = torch.zeros(num_anchors, dtype=torch.bool)
     if valid.numel() == 0:
-        return anchors, keep
+        return anchors.to(loss_mask.device), keep.to(loss_mask.device)
     keys = torch.rand(valid.shape[0], generator=generator, dtype=torch.float32).masked_fill(~valid.cpu(), 2.0)
     count = min(int(valid.sum()), num_anchors)
     anchors[:count] = keys.argsort(stable=True)[:count].sort().values

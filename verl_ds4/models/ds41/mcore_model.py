@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from verl_ds4 import ds41_facts, ds4_facts
 
 from ..ds4.attention import _RMSNorm
+from ..ds4.device import building_on, device_overrides, megatron_layers_on
 from ..ds4.mcore_attention import cpu_ds4_settings
 from ..ds4.proxy import ValueHead
 from .engram import EngramHasher
@@ -58,15 +59,17 @@ class DS41TransformerConfig(TransformerConfig):
         return ds41_facts.min_local_rows(self.ds41_text)
 
 
-def ds41_transformer_config(text: dict, dtype: torch.dtype = torch.float32, cp_size: int | None = None, **overrides) -> DS41TransformerConfig:
-    """The CPU-ready config of a V4.1 text config dict (``config.json``'s ``text_config``)."""
+def ds41_transformer_config(text: dict, dtype: torch.dtype = torch.float32, cp_size: int | None = None, device=None,
+                            **overrides) -> DS41TransformerConfig:
+    """The config of a V4.1 text config dict (``config.json``'s ``text_config``); ``device`` (default: the CPU;
+    ``"cuda[:N]"``, ``"meta"``) is where a model built from it creates its tensors."""
     from megatron.core import parallel_state
 
     text = dict(ds41_facts.text_config(text))
     if cp_size is None:
         cp_size = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     get = lambda key: ds41_facts.text_value(text, key)  # noqa: E731
-    return DS41TransformerConfig(
+    fields = dict(
         num_layers=int(get("num_hidden_layers")),
         hidden_size=int(get("hidden_size")),
         ffn_hidden_size=int(get("moe_intermediate_size")),
@@ -82,8 +85,9 @@ def ds41_transformer_config(text: dict, dtype: torch.dtype = torch.float32, cp_s
         moe_shared_expert_intermediate_size=int(get("moe_intermediate_size")) * int(get("n_shared_experts") or 1),
         moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
         ds41_text=text,
-        **overrides,
     )
+    # ``device`` names where the model's tensors are created (models/ds4/device.py); overrides win.
+    return DS41TransformerConfig(**{**fields, **(device_overrides(device) if device is not None else {}), **overrides})
 
 
 class DS41TransformerBlock(MegatronModule):
@@ -96,11 +100,12 @@ class DS41TransformerBlock(MegatronModule):
         if self.facts.engram_layers and token_map is None:
             raise ValueError(f"Engram layers {list(self.facts.engram_layers)} need the tokenizer-normalisation table: "
                              "pass token_map=engram_token_map(tokenizer)[0] with the checkpoint's tokenizer.")  # fmt: skip
-        self.engram_hasher = EngramHasher(text, token_map) if self.facts.engram_layers else None
-        self.layers = torch.nn.ModuleList(
-            DS41Layer(text, i, dtype=dtype, cache_qdq=config.ds41_cache_qdq) for i in range(self.facts.num_layers)
-        )
-        self.final_layernorm = _RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype=dtype)
+        with building_on(config):  # the config's device (models/ds4/device.py)
+            self.engram_hasher = EngramHasher(text, token_map) if self.facts.engram_layers else None
+            self.layers = torch.nn.ModuleList(
+                DS41Layer(text, i, dtype=dtype, cache_qdq=config.ds41_cache_qdq) for i in range(self.facts.num_layers)
+            )
+            self.final_layernorm = _RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype=dtype)
         self.input_tensor = None
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -152,19 +157,21 @@ class DS41MegatronModel(GPTModel):
             raise TypeError(f"DS41MegatronModel needs a DS41TransformerConfig, got {type(config).__name__}.")
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        super().__init__(
-            config=config,
-            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=WrappedTorchNorm),
-            vocab_size=int(vocab_size or ds41_facts.text_value(config.ds41_text, "vocab_size")),
-            max_sequence_length=max_sequence_length,
-            parallel_output=True,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="none",
-            pg_collection=pg_collection,
-        )
-        self.decoder = DS41TransformerBlock(config, token_map)
-        if value_head:  # verl's critic: hidden -> 1 in place of the LM head (V4's ValueHead)
-            self.output_layer = ValueHead(config.hidden_size, config.params_dtype)
+        with megatron_layers_on(config):  # every tensor on the config's device (models/ds4/device.py)
+            super().__init__(
+                config=config,
+                transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=WrappedTorchNorm),
+                vocab_size=int(vocab_size or ds41_facts.text_value(config.ds41_text, "vocab_size")),
+                max_sequence_length=max_sequence_length,
+                parallel_output=True,
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="none",
+                pg_collection=pg_collection,
+            )
+        with building_on(config):
+            self.decoder = DS41TransformerBlock(config, token_map)
+            if value_head:  # verl's critic: hidden -> 1 in place of the LM head (V4's ValueHead)
+                self.output_layer = ValueHead(config.hidden_size, config.params_dtype)
         for param in self.parameters():  # Megatron's torch fallbacks ignore params_dtype
             param.data = param.data.to(config.params_dtype)
 

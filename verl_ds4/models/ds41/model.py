@@ -20,6 +20,7 @@ Megatron-Core wrapper itself is a later step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -78,8 +79,12 @@ class DS41Model(nn.Module):
     Engram normalisation table (:func:`~.engram.engram_token_map`), required when Engram layers exist;
     ``cache_qdq``: the released cache rounding in every attention (:mod:`.cache_qdq`)."""
 
-    def __init__(self, text: Any, token_map: list[int] | None = None, dtype=None, cache_qdq: bool = False):
+    def __init__(self, text: Any, token_map: list[int] | None = None, dtype=None, cache_qdq: bool = False, device=None):
         super().__init__()
+        with torch.device(device) if device is not None else contextlib.nullcontext():  # every tensor on ``device``
+            self._build(text, token_map, dtype, cache_qdq)
+
+    def _build(self, text, token_map, dtype, cache_qdq: bool) -> None:
         nested = ds41_facts.text_config(text) is not text or "model_type" in text
         self.facts = ds41_facts.read_config(text if nested else {"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
         get = lambda key: ds41_facts.text_value(text, key)  # noqa: E731
@@ -118,8 +123,8 @@ def run_decoder(layers, engram_hasher, facts, embedded: torch.Tensor, input_ids:
     if engram_hasher is not None:
         cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
-        cu = (torch.tensor([0, rows * cp_size]) if cu_seqlens_padded is None else cu_seqlens_padded).long()
-        sequence, _ = _row_positions(cu.to(input_ids.device), rows, cp_rank, 0)
+        cu = torch.tensor([0, rows * cp_size], device=input_ids.device) if cu_seqlens_padded is None else cu_seqlens_padded
+        sequence, _ = _row_positions(cu.to(input_ids.device, torch.long), rows, cp_rank, 0)
         hashes = engram_hasher(input_ids, sequence_ids=sequence + 1, cp_group=cp_group)
     state = CSA2State()
     for layer in layers:

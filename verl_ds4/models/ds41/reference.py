@@ -129,6 +129,8 @@ def tiny_text_config(**overrides: Any) -> dict[str, Any]:
         swiglu_limit=0.6,
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
         rope_scaling={"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 1024},
         n_routed_experts=4,
         n_shared_experts=1,

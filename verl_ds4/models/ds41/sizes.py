@@ -99,6 +99,7 @@ class DS41Sizes(DS4Sizes):
             **values,
             compress_ratios=facts.compress_ratios,
             mtp_layers=0,
+            index_topk=int(text.get("index_topk") or 512),
             roles=tuple(r.role for r in facts.roles),
             engram_layers=facts.engram_layers,
             engram_table_rows=tuple(rows),

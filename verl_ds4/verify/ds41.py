@@ -14,7 +14,7 @@ cross the rank boundaries at CP 2-8), everything in float64:
   (:func:`~verl_ds4.models.ds41.reference.reference_tensors`);
 * **ours at CP = 1 and CP = N** on 1 and N gloo ranks (:func:`verl_ds4.mcore.distributed.run_distributed`,
   Megatron's parallel state with ``context_parallel_size``), through verl-ds4's THD data path as V4's
-  verify (:mod:`verl_ds4.cpu.verify`: the contiguous plan with the model's ``min_local_rows``, packed
+  verify (:mod:`verl_ds4.verify.parity`: the contiguous plan with the model's ``min_local_rows``, packed
   ids and rolled labels, ``PackedSeqParams``, ``postprocess_thd_engine``): logits, log-probs, entropy,
   the loss, backward, every gradient summed over the CP group (what Megatron's DDP all-reduce adds).
 
@@ -39,7 +39,7 @@ gradient group: the worst abs diff over its tensors / the group's largest gradie
   layers, recomputing their state (the source layer's modules on their own input) instead of reading
   the source layer's shared state; a zigzag CP split refused by the config and by the decoder
   (``packed_seq_params.cp_partition_mode``), and with the decoder's guard bypassed the log-probs differ;
-* DSpark: the drafter's loss and gradients, from :mod:`verl_ds4.cpu.verify_ds41_dspark` (its own
+* DSpark: the drafter's loss and gradients, from :mod:`verl_ds4.verify.ds41_dspark` (its own
   step at CP 1 and N against NeMo's, :func:`dspark_rows`).
 """
 
@@ -208,7 +208,7 @@ def nemo_step(case: Case, theirs, ours_pure) -> dict[str, Any]:
 def _step(model, ids, cp_rank: int, world: int, layout: str = "contiguous", logits_too: bool = False):
     """One actor forward through verl-ds4's THD path: ``(per-token [T, 2] log-prob / entropy in token
     order, loss, gathered logits [T, V] or None)``."""
-    from verl_ds4.cpu.verify import _forward
+    from verl_ds4.verify.parity import _forward
     from verl_ds4.mcore.thd import pack_input, postprocess_thd_engine
 
     logits, plan, params = _forward(model, ids, layout, cp_rank, int(model.config.min_local_rows), world)
@@ -274,7 +274,7 @@ def _readers_recompute(model, role: str):
 
 def _zigzag_guard_bypassed():
     """The V4.1 decoder accepting any CP partition."""
-    from verl_ds4.cpu.verify import cp_partition_guard_bypassed
+    from verl_ds4.verify.parity import cp_partition_guard_bypassed
     from verl_ds4.models.ds41.mcore_model import DS41TransformerBlock
 
     return cp_partition_guard_bypassed(DS41TransformerBlock)
@@ -285,7 +285,7 @@ def _rank(rank: int, world: int, case: Case, controls: bool):
 
     from megatron.core import parallel_state
 
-    from verl_ds4.cpu.verify import _grads
+    from verl_ds4.verify.parity import _grads
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     parallel_state.initialize_model_parallel(context_parallel_size=world)
@@ -340,7 +340,7 @@ def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float
 
 
 def _diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None) -> tuple[float, float]:
-    from verl_ds4.cpu.verify import _diff as diff
+    from verl_ds4.verify.parity import _diff as diff
 
     if mask is not None and a.shape == b.shape:
         a, b = a[mask], b[mask]
@@ -348,7 +348,7 @@ def _diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None) -> tuple
 
 
 def _grad_rows(prefix: str, ours: dict, ref: dict, facts, tol: float, groups=None) -> list:
-    from verl_ds4.cpu.verify import Row, _grad_diff
+    from verl_ds4.verify.parity import Row, _grad_diff
 
     rows = []
     present = {ds41_param_group(n, facts) for n in ref}
@@ -363,7 +363,7 @@ def _grad_rows(prefix: str, ours: dict, ref: dict, facts, tol: float, groups=Non
 
 
 def _all_grads_row(prefix: str, ours: dict, ref: dict, tol: float):
-    from verl_ds4.cpu.verify import Row, _grad_diff
+    from verl_ds4.verify.parity import Row, _grad_diff
 
     d_abs, d_rel, n, without = _grad_diff(ours, ref)
     note = f" + {without} frozen indexer" if without else ""
@@ -371,8 +371,8 @@ def _all_grads_row(prefix: str, ours: dict, ref: dict, tol: float):
 
 
 def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: float = 1e-10, zigzag_config_error: str | None = None) -> list:
-    """The table's rows (:class:`verl_ds4.cpu.verify.Row`) of :func:`run_ds41_verify`'s results."""
-    from verl_ds4.cpu.verify import Row
+    """The table's rows (:class:`verl_ds4.verify.parity.Row`) of :func:`run_ds41_verify`'s results."""
+    from verl_ds4.verify.parity import Row
 
     facts, mask = case.facts, case.loss_mask()
     rows: list[Row] = []
@@ -416,10 +416,10 @@ def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: floa
 
 
 def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Callable[[str], None] = lambda s: None) -> list:
-    """The DSpark rows of :mod:`verl_ds4.cpu.verify_ds41_dspark` (its entries ``{"check", "value", "limit",
+    """The DSpark rows of :mod:`verl_ds4.verify.ds41_dspark` (its entries ``{"check", "value", "limit",
     "passed"}``; ``limit`` ``None`` = a count that must be above 0) as table rows."""
-    from verl_ds4.cpu import verify_ds41_dspark as dspark
-    from verl_ds4.cpu.verify import Row
+    from verl_ds4.verify import ds41_dspark as dspark
+    from verl_ds4.verify.parity import Row
 
     progress(f"DSpark drafter step (NeMo, CP=1, CP={cp})")
     rows = []

@@ -156,7 +156,7 @@ def compare_folder_with_nemo(folder: str | Path, cp: int = 1, seed: int = 1234, 
 
 
 def run_cli(args) -> int:
-    """The ``verify --model ds41 --hf-checkpoint DIR`` command (``verl_ds4.cpu.verify_cli`` routes here)."""
+    """The ``verify --model ds41 --hf-checkpoint DIR`` command (``verl_ds4.verify.cli`` routes here)."""
     import json
     import warnings
 

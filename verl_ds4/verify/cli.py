@@ -1,4 +1,4 @@
-"""Prove context-parallel parity of the DS4 data path on CPU with the full tiny DeepSeek-V4.
+"""Prove context-parallel parity of the DS4 data path with the full tiny DeepSeek-V4 (CPU, or GPUs with --device cuda).
 
 Runs the CPU jobs' tiny DS4 (``--model ds4``, default: a Megatron-Core GPTModel with mHC, DS4
 hybrid attention (sliding, CSA and HCA layers) and the DS4 MoE with a hash layer; or
@@ -13,8 +13,9 @@ that an MTP roll across sequence ends changes the MTP gradients (negative contro
 Prints a table (quantity, max abs diff, max rel diff, pass/fail); exits 1 on any failure.
 
 With ``--hf-checkpoint DIR`` it instead compares our Megatron DS4 loaded from an HF DeepSeek-V4
-folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.cpu.verify_hf`) and
-prints the max relative errors of logits and per-token log-probs.
+folder with transformers' ``DeepseekV4ForCausalLM`` at fp64 (:mod:`verl_ds4.verify.hf`) and
+prints the max relative errors of logits and per-token log-probs; a folder refused (not DS4, a config
+the model cannot read, a tensor that does not fit) exits 2 with the reason and the fix.
 
 With ``--model ds41 --cp N`` it runs one training step of the tiny DeepSeek-V4.1 in Megatron-Core
 (every component on) at CP = 1 and N through the same THD path and compares, at fp64, CP = N with
@@ -23,12 +24,17 @@ layers' attention, Engram tables, the rest) and both with NeMo Automodel's V4.1 
 loss, gradients); V4.1 has no indexer loss (its indexer is frozen) and the DSpark rows say "not
 built" until the drafter's training exists. Negative controls at CP = N that must differ or be
 refused: Engram n-grams without the previous rank's tokens, reading layers that recompute the
-shared CSA2 state, zigzag (:mod:`verl_ds4.cpu.verify_ds41`). Progress goes to stderr.
+shared CSA2 state, zigzag (:mod:`verl_ds4.verify.ds41`). Progress goes to stderr.
+
+With ``--device cuda --cp N`` the same step runs on N GPUs (one nccl process each) in fp32 and bf16 and is
+compared with CP=1 on the CPU in fp64 (:mod:`verl_ds4.verify.device_run`): bf16 replays the reference's
+expert choices and keeps every indexer block; the negative controls run on the GPUs at N > 1.
 
 Examples:  verl-ds4 verify --cp 8
+           verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
-           verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.cpu.verify_ds41_hf: our
+           verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.verify.ds41_hf: our
                Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
 """
 
@@ -45,11 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="compare our Megatron DS4 loaded from this HF DeepSeek-V4 folder with transformers at fp64 (with --model ds41: a DeepSeek-V4.1 folder with NeMo Automodel)")
     parser.add_argument("--allow-mtp-skip", action="store_true", help="with --hf-checkpoint: build no MTP block and ignore the folder's mtp.* tensors (transformers drops them too; the logits are the same)")
     parser.add_argument(
-        "--dtype", nargs="+", default=["fp64"], choices=["fp64", "fp32"],
-        help="precisions to run (default: fp64; add fp32 for the fp32 table, about twice the time)",
+        "--device", default="cpu", choices=["cpu", "cuda"],
+        help="cpu (default): CP=N vs CP=1 on gloo processes; cuda: CP=N on N GPUs (nccl) vs CP=1 on the CPU in fp64 "
+        "(--model ds4 / ds4_proxy; default --dtype fp32 bf16; verl_ds4.verify.device_run)",
+    )
+    parser.add_argument(
+        "--dtype", nargs="+", default=None, choices=["fp64", "fp32", "bf16"],
+        help="precisions to run (cpu default: fp64; add fp32 for the fp32 table, about twice the time; "
+        "cuda default: fp32 bf16; bf16 on cuda only)",
     )
     parser.add_argument("--fp64-rtol", type=float, default=1e-10, help="max relative difference allowed in fp64 (default 1e-10)")
     parser.add_argument("--fp32-rtol", type=float, default=1e-3, help="max relative difference allowed in fp32 (default 1e-3)")
+    parser.add_argument("--bf16-rtol", type=float, default=2e-1, help="--device cuda: max relative difference of bf16 from the fp64 reference (default 0.2)")
     parser.add_argument(
         "--model", default="ds4", choices=["ds4", "ds4_proxy", "ds41"],
         help="ds4: the full tiny DS4 (default); ds4_proxy: the attention-only proxy; ds41: the tiny DeepSeek-V4.1 in "
@@ -63,10 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_hf(args: argparse.Namespace) -> int:
-    from verl_ds4.cpu.verify_hf import compare_with_transformers
+    from verl_ds4.verify.hf import compare_with_transformers
 
     cp = args.cp or 1
-    result = compare_with_transformers(args.hf_checkpoint, cp=cp, seed=args.seed, allow_mtp_skip=args.allow_mtp_skip)
+    try:
+        result = compare_with_transformers(args.hf_checkpoint, cp=cp, seed=args.seed, allow_mtp_skip=args.allow_mtp_skip)
+    except ValueError as e:  # the folder refused (model_type, config, a tensor): the message names the fix
+        print(f"verify --hf-checkpoint: {e}", file=sys.stderr)  # error-catalogue: passes on a message catalogued where it is built
+        return 2
     ok = result["logits"] <= args.fp64_rtol and result["log_probs"] <= args.fp64_rtol
     print(f"DS4 {args.hf_checkpoint}: our Megatron model at CP={cp} vs transformers (fp64), lengths {result['lengths']}")
     print(f"  logits     max rel error {result['logits']:.3e}  (tol {args.fp64_rtol:g})")
@@ -88,8 +105,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from verl_ds4.cpu.verify import format_table, rows_passed
-    from verl_ds4.cpu.verify_ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
+    from verl_ds4.verify.parity import format_table, rows_passed
+    from verl_ds4.verify.ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
 
     cp = args.cp or 1
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks,
@@ -127,8 +144,35 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.cpu.verify_ds41_hf
-        from verl_ds4.cpu.verify_ds41_hf import run_cli
+    if args.device == "cuda" or (args.dtype and "bf16" in args.dtype):  # refused before any model is built
+        problems = []
+        if args.device != "cuda":
+            problems.append("--dtype bf16 runs on --device cuda only (CPU bf16 is neither fast nor what training uses); drop bf16")
+        elif args.model == "ds41" or args.hf_checkpoint is not None:
+            problems.append("--device cuda runs the CP parity of --model ds4 / ds4_proxy against the fp64 CPU reference; V4.1 "
+                            "on a GPU: python benchmarks/gpu/device_checks.py --checks ds41 (drop --device or the model / folder)")  # fmt: skip
+        elif args.cp is None or args.cp < 1:
+            problems.append("--device cuda needs --cp N >= 1 (N GPUs, one CP rank each)")
+        else:
+            import torch
+
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            if not torch.cuda.is_available():
+                problems.append(f"--device cuda: no CUDA GPU is visible (torch {torch.__version__}, {build}: "
+                                "torch.cuda.is_available() is False). Run on a GPU machine, or use --device cpu.")  # fmt: skip
+            elif args.cp > torch.cuda.device_count():
+                problems.append(f"--device cuda --cp {args.cp}: {torch.cuda.device_count()} CUDA GPU(s) visible, and each CP "
+                                f"rank needs its own GPU. Give --cp {torch.cuda.device_count()} or less, or make more GPUs "
+                                "visible (CUDA_VISIBLE_DEVICES).")  # fmt: skip
+        if problems:
+            print("verify (--device, --dtype): " + "; ".join(problems), file=sys.stderr)
+            return 2
+        from verl_ds4.verify.device_run import run_cli
+
+        return run_cli(args)
+    args.dtype = args.dtype or ["fp64"]
+    if args.model == "ds41" and args.hf_checkpoint is not None:  # a DeepSeek-V4.1 folder: verl_ds4.verify.ds41_hf
+        from verl_ds4.verify.ds41_hf import run_cli
 
         return run_cli(args)
 
@@ -161,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Megatron-Core warns at import that TransformerEngine / Apex are absent: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from verl_ds4.cpu.verify import compare, format_table, rows_passed, run_parity
+    from verl_ds4.verify.parity import compare, format_table, rows_passed, run_parity
 
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model)

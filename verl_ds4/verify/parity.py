@@ -57,12 +57,19 @@ SHORT = (3, 50, 17)
 # MTP label of every sequence's last row; compared with the correct roll at the same CP size).
 MTP_CONTROL = (3,) * 20 + (5,) * 4
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+#: Config changes per precision, applied to a run and to its fp64 reference alike: in bf16 the indexer
+#: keeps every compressed block (a bf16 near-tie would pick another block: a different function).
+PRECISION_OVERRIDES = {"bf16": {"dsa_indexer_topk": 1 << 20}}
 
 #: What the harness switches on in the CPU jobs' tiny DS4 (whose defaults are MTP off and the
 #: indexer loss at 0, as the recipes): one MTP depth and a non-zero indexer-loss coefficient.
 MTP_DEPTHS = 1
 INDEXER_LOSS_COEFF = 1e-2
+#: The CPU jobs' tiny DS4 vocabulary: ``sft_data.padded_vocab_size(sft_data.tokenizer_size())``, recorded
+#: because that tokenizer takes DS4's control tokens from verl, which a GPU machine running verify may
+#: lack (tests/test_verify_device_on_cpu.py checks the record against the tokenizer).
+TINY_VOCAB_SIZE = 104
 
 
 @dataclass
@@ -97,14 +104,33 @@ class ParityResult:
     cp_size: int
     results: dict[str, Any] = field(default_factory=dict)  # (dtype, batch) -> quantities
     checks: dict[str, Any] = field(default_factory=dict)  # layout-guard demonstrations
+    routes: dict[str, Any] = field(default_factory=dict)  # (dtype, batch) -> role -> router -> routes (routes.collect)
 
 
-def _batch(lengths, vocab: int, seed: int):
+@dataclass(frozen=True)
+class RunOptions:
+    """Where and how a parity run computes (``verify --device``; the defaults are the CPU run)."""
+
+    device: str = "cpu"  # "cpu" (gloo ranks) or "cuda" (nccl ranks, one GPU each)
+    reference: bool = False  # every precision name computed in fp64 (with that name's config): a device run's reference
+    record_routes: bool = False  # keep every router's choice per (dtype, batch) (:mod:`.routes`)
+    replay: dict | None = None  # (dtype, batch) -> role -> router -> [T, k]: routes the routers must use
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A result on the host (bf16 as fp64: NumPy has no bf16)."""
+    t = t.detach()
+    return (t.double() if t.dtype == torch.bfloat16 else t).cpu().numpy()
+
+
+def _batch(lengths, vocab: int, seed: int, device=None):
+    """Seeded ids (jagged) and value targets, drawn on the CPU (the same on every device), placed on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     ids = torch.randint(0, vocab, (total,), generator=gen)
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     targets = torch.randn(total, generator=gen, dtype=torch.float64)
+    ids, offsets, targets = (t.to(device or "cpu") for t in (ids, offsets, targets))
     return torch.nested.nested_tensor_from_jagged(ids, offsets=offsets), targets
 
 
@@ -142,7 +168,7 @@ def _forward(model, input_ids, layout: str, cp_rank: int, min_local_rows: int, c
         kwargs["hash_token_ids"] = torch.roll(ids, hash_ids_shift, dims=1)
     if getattr(model, "mtp_block", None) is not None:
         # The real-token mask packed by the plan (0 on padding rows), as verl's engine passes it.
-        real = torch.ones(input_ids.values().shape[0], dtype=torch.bool)
+        real = torch.ones(input_ids.values().shape[0], dtype=torch.bool, device=ids.device)
         kwargs["loss_mask"] = plan.pack(real, cp_rank).unsqueeze(0)
     out = model(ids, positions, None, packed_seq_params=params, **kwargs)
     return out, plan, params
@@ -160,7 +186,7 @@ def _actor_step(model, input_ids, layout, cp_rank, min_rows, cp_size, group, has
     jagged = postprocess_thd_engine(both, params, input_ids, input_ids.shape[0], cp_layout=layout)
     flat = jagged.values()  # [T, 2], original token order
     last = input_ids.offsets()[1:] - 1
-    mask = torch.ones(flat.shape[0], dtype=torch.bool)
+    mask = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
     mask[last] = False
     loss = -(flat[:, 0] * mask).sum() / mask.sum()
     return flat, loss
@@ -182,7 +208,8 @@ def _grads(model, group) -> dict[str, np.ndarray | None]:
     A rank whose rows never reach an expert has no gradient for it while another rank has one, so
     the ranks first agree (one all-reduce of has-grad flags) on which gradients to sum."""
     params = list(model.named_parameters())
-    has = torch.tensor([p.grad is not None for _, p in params], dtype=torch.int64)
+    device = params[0][1].device
+    has = torch.tensor([p.grad is not None for _, p in params], dtype=torch.int64, device=device)
     if group is not None:
         torch.distributed.all_reduce(has, group=group)
     out = {}
@@ -193,7 +220,7 @@ def _grads(model, group) -> dict[str, np.ndarray | None]:
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         if group is not None:
             torch.distributed.all_reduce(g, group=group)
-        out[name] = g.numpy()
+        out[name] = g.to(torch.float64 if g.dtype == torch.bfloat16 else g.dtype).cpu().numpy()
     return out
 
 
@@ -214,26 +241,27 @@ class _Models:
             self.vocab = self.cfg["vocab_size"]
         self.indexer_loss_coeff = INDEXER_LOSS_COEFF
 
-    def build(self, dtype, value_head: bool = False):
+    def build(self, dtype, value_head: bool = False, device=None, overrides: dict | None = None):
+        """The actor (or critic) in ``dtype`` on ``device`` (default: the CPU); ``overrides``: config fields."""
         seed = self.seed + (1 if value_head else 0)
         if self.model == "ds4_proxy":
             from verl_ds4.models.ds4.proxy import build_proxy_model
 
-            return build_proxy_model(self.cfg, dtype=dtype, value_head=value_head, seed=seed)
+            return build_proxy_model(self.cfg, dtype=dtype, value_head=value_head, seed=seed).to(device or "cpu")
         from verl_ds4.cpu.ds4_model_dir import hash_table
         from verl_ds4.models.ds4.model import build_ds4_model
 
-        overrides = None if value_head else {"dsa_indexer_loss_coeff": self.indexer_loss_coeff}
+        overrides = {**(overrides or {}), **({} if value_head else {"dsa_indexer_loss_coeff": self.indexer_loss_coeff})}
         # A critic has no next-token head: it is built without the MTP block (as verl's critic).
         model = build_ds4_model(self.cfg, dtype=dtype, value_head=value_head, seed=seed, allow_mtp_skip=value_head,
-                                config_overrides=overrides)
+                                config_overrides=overrides, device=device)
         table = hash_table(self.vocab, self.cfg["n_routed_experts"], self.cfg["num_experts_per_tok"], seed + 7)
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 if name.endswith("tid2eid"):
                     buf.copy_(table)
                 elif name.endswith("expert_bias"):  # a bias that moves the choice, so the bias path is checked
-                    buf.copy_(0.05 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed + 8), dtype=torch.float64))
+                    buf.copy_(0.05 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed + 8), dtype=torch.float64).to(buf.dtype))
         return model
 
     def min_local_rows(self, model) -> int:
@@ -250,10 +278,9 @@ def _ds4_config(cfg) -> dict:
     from pathlib import Path
 
     from verl_ds4.cpu.ds4_model_dir import ds4_tiny_hf_config
-    from verl_ds4.cpu.sft_data import padded_vocab_size, tokenizer_size
 
     if cfg is None:
-        return ds4_tiny_hf_config(vocab_size=padded_vocab_size(tokenizer_size()), num_nextn_predict_layers=MTP_DEPTHS).to_dict()
+        return ds4_tiny_hf_config(vocab_size=TINY_VOCAB_SIZE, num_nextn_predict_layers=MTP_DEPTHS).to_dict()
     if isinstance(cfg, dict):
         return dict(cfg)
     text = str(cfg)
@@ -306,7 +333,8 @@ def param_group(name: str) -> str:
 GRAD_GROUPS = ("embeddings", "attention", "hc", "router", "experts", "shared_experts", "mlp", "norms", "output_layer", "mtp")
 
 
-def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: int, layout_checks: bool, hash_ids_shift: int):
+def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: int, layout_checks: bool, hash_ids_shift: int,
+            opts: RunOptions = RunOptions()):  # fmt: skip
     import logging
 
     from megatron.core import parallel_state
@@ -321,13 +349,16 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
         models = _Models(model_name, cfg, seed)
         result = ParityResult(cp_size=world)
         result.checks["model"] = model_name
+        device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
         for dtype_name in dtypes:
-            dtype = DTYPES[dtype_name]
-            actor = models.build(dtype)
-            critic = models.build(dtype, value_head=True)
+            dtype = torch.float64 if opts.reference else DTYPES[dtype_name]
+            overrides = PRECISION_OVERRIDES.get(dtype_name)
+            actor = models.build(dtype, device=device, overrides=overrides)
+            critic = models.build(dtype, value_head=True, device=device, overrides=overrides)
             min_rows = models.min_local_rows(actor)
             for batch_name, lengths in batches.items():
-                input_ids, targets = _batch(lengths, models.vocab, seed + 2)
+                input_ids, targets = _batch(lengths, models.vocab, seed + 2, device)
+                taped = _attach_tapes(opts, (dtype_name, batch_name), actor, critic, input_ids, min_rows, world, cp_rank)
                 actor.zero_grad(set_to_none=True)
                 critic.zero_grad(set_to_none=True)
                 per_token, loss = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group, hash_ids_shift)
@@ -337,19 +368,25 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 aux = _aux_losses(actor)
                 result.results[(dtype_name, batch_name)] = {
                     **aux,
-                    "log_probs": per_token[:, 0].detach().numpy(),
-                    "entropy": per_token[:, 1].detach().numpy(),
+                    "log_probs": _np(per_token[:, 0]),
+                    "entropy": _np(per_token[:, 1]),
                     "loss": np.array([loss.item()]),
                     "grads": _grads(actor, group),
-                    "values": values.detach().numpy(),
+                    "values": _np(values),
                     "value_loss": np.array([value_loss.item()]),
                     "value_grads": _grads(critic, group),
                 }
+                if taped is not None:
+                    from verl_ds4.verify import routes
+
+                    plan, tapes = taped
+                    result.routes[(dtype_name, batch_name)] = {role: routes.collect(t, plan, group) for role, t in tapes.items()}
+                    routes.detach(actor), routes.detach(critic)
         if layout_checks and world > 1:
-            dtype = DTYPES[dtypes[0]]
-            actor = models.build(dtype)
+            dtype = torch.float64 if opts.reference else DTYPES[dtypes[0]]
+            actor = models.build(dtype, device=device, overrides=PRECISION_OVERRIDES.get(dtypes[0]))
             min_rows = models.min_local_rows(actor)
-            input_ids, _ = _batch(batches[next(iter(batches))], models.vocab, seed + 2)
+            input_ids, _ = _batch(batches[next(iter(batches))], models.vocab, seed + 2, device)
             try:
                 with torch.no_grad():
                     _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
@@ -358,16 +395,16 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 result.checks["zigzag_error"] = str(err)
             with _layout_guard_bypassed(), torch.no_grad():
                 per_token, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
-            result.checks["zigzag_bypassed_log_probs"] = per_token[:, 0].numpy()
+            result.checks["zigzag_bypassed_log_probs"] = _np(per_token[:, 0])
             if models.has_hash_layers:
                 with torch.no_grad():
                     per_token, _ = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group, hash_ids_shift=1)
-                result.checks["hash_shifted_log_probs"] = per_token[:, 0].numpy()
+                result.checks["hash_shifted_log_probs"] = _np(per_token[:, 0])
             if getattr(actor, "mtp_block", None) is not None:
                 from verl_ds4.models.ds4 import mtp
 
                 # Many short sequences: each sequence end is a row the bad roll gives the next one's token.
-                mtp_ids, _ = _batch(MTP_CONTROL, models.vocab, seed + 3)
+                mtp_ids, _ = _batch(MTP_CONTROL, models.vocab, seed + 3, device)
                 # A random model's CE hardly depends on which label a row gets, so the control reads
                 # the MTP gradients (softmax - onehot(label): a changed label changes them by O(1)).
                 grads = []
@@ -386,6 +423,20 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
         parallel_state.destroy_model_parallel()
 
 
+def _attach_tapes(opts: RunOptions, key, actor, critic, input_ids, min_rows: int, world: int, cp_rank: int):
+    """``(plan, {"actor": tapes, "critic": tapes})`` when this run records or replays routes, else ``None``."""
+    replay = (opts.replay or {}).get(key)
+    if not (opts.record_routes or replay):
+        return None
+    from verl_ds4.layout import PlanOptions
+    from verl_ds4.mcore.thd import make_plan
+    from verl_ds4.verify import routes
+
+    plan = make_plan(input_ids, PlanOptions(layout="contiguous", cp_size=world, min_local_rows=min_rows))
+    tapes = {role: routes.attach(m, plan, cp_rank, (replay or {}).get(role)) for role, m in (("actor", actor), ("critic", critic))}
+    return plan, tapes
+
+
 def run_parity(
     cp_size: int,
     dtypes=("fp64",),
@@ -396,11 +447,14 @@ def run_parity(
     timeout: float = 600.0,
     model: str = "ds4",
     hash_ids_shift: int = 0,
+    options: RunOptions | None = None,
 ) -> ParityResult:
-    """Run ``model`` at ``cp_size`` on that many gloo processes; returns rank 0's gathered results.
+    """Run ``model`` at ``cp_size`` on that many gloo processes (``options.device="cuda"``: nccl processes,
+    one GPU each); returns rank 0's gathered results.
 
     ``hash_ids_shift`` (a test hook) hands every hash layer this rank's ids rolled by that many rows.
     """
+    options = options or RunOptions()
     from verl_ds4.mcore.distributed import run_distributed
 
     from verl_ds4.models.ds4 import model as _ds4_model  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
@@ -413,11 +467,14 @@ def run_parity(
     if unknown:
         raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}.")
     batches = dict(batches or {"ragged": RAGGED, "short": SHORT})
+    cuda = options.device == "cuda"
     results = run_distributed(
         _worker,
         world_size=cp_size,
-        args=(model, cfg, tuple(dtypes), batches, seed, layout_checks, hash_ids_shift),
+        args=(model, cfg, tuple(dtypes), batches, seed, layout_checks, hash_ids_shift, options),
         timeout=timeout,
+        # CUDA ranks start in a clean interpreter (a forked CUDA context is unusable) and talk over nccl.
+        **({"backend": "nccl", "start_method": "spawn"} if cuda else {}),
     )
     return results[0]
 
