@@ -68,6 +68,10 @@ case "$DS4_RL_RECIPE" in
     grpo) RECIPE_NAME=ds4_proxy_grpo_cpu; JOB="GRPO (group-relative advantages, no critic)"; ROLES="actor, reference" ;;
     *) echo "DS4_RL_RECIPE=$DS4_RL_RECIPE: expected ppo or grpo" >&2; exit 2 ;;
 esac
+case "$MODEL" in
+    ds4|ds4_proxy|ds41) ;;
+    *) echo "MODEL=$MODEL: expected one of the known models ds4 (the full tiny DS4, default), ds4_proxy (attention-only) or ds41 (DeepSeek-V4.1), e.g. MODEL=ds4" >&2; exit 2 ;;
+esac
 if [ -n "$MODEL_PATH" ] && [ ! -f "$MODEL_PATH/config.json" ]; then
     echo "MODEL_PATH=$MODEL_PATH: expected an HF DS4 folder (config.json + *.safetensors + tokenizer), e.g. one written by" \
          "python -m verl_ds4.cpu.sft_to_hf --checkpoint SFT_WORK_DIR/checkpoints --model-dir SFT_WORK_DIR/assets/model --out DIR" >&2
@@ -116,13 +120,6 @@ ASSETS="$WORK_DIR/assets"
 # script: importing it as verl_ds4.rollout.demo_task would import verl first (~10 s). An assets folder
 # written before with the same arguments is reused (a resumed run, a retry).
 REWARD_FILE=$("$PYTHON" -c 'import importlib.util, os; s = importlib.util.find_spec("verl_ds4"); print(os.path.join(s.submodule_search_locations[0], "rollout", "demo_task.py"))')
-if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
-elif ! assets_out=$("$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
-    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
-    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
-    exit 1
-fi
 START_MODEL=${MODEL_PATH:-$ASSETS/model}
 
 # Read by the driver at `import verl`; configs/cpu/laptop.yaml passes them on to the Ray workers.
@@ -171,6 +168,21 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
     TRAINER+=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null ray_kwargs.ray_init.include_dashboard=null)
     export RAY_OVERRIDE_JOB_RUNTIME_ENV=1
     CLUSTER_FACT="; Ray cluster $RAY_ADDRESS"
+fi
+
+# The overrides compose with the recipe on verl's PPO config and add no key that nothing reads (a typo),
+# checked in seconds before Ray starts: Hydra's error first, the closest known key, no third-party warnings.
+if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys ppo_trainer --before "Ray started" -- "${RECIPE[@]}" \
+        "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}; then
+    exit 2
+fi
+# The assets (data, the seeded model folder), written once the overrides passed.
+if [ "$VERBOSE" = 1 ]; then
+    "$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
+elif ! assets_out=$("$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
+    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
+    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
+    exit 1
 fi
 
 # Resuming: refuse at start-up, before Ray starts, a checkpoint another run wrote (a changed CP size,

@@ -89,18 +89,11 @@ if [ "$NNODES" -gt 1 ]; then
     ASSETS="$WORK_DIR/assets/node$NODE_RANK"   # every node writes the same files; none reads another's half-written
     NODE_SUFFIX="-node$NODE_RANK"
 fi
-if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"
-elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN" 2>&1); then
-    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
-    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
-    exit 1
-fi
 case "$MODEL" in
     ds4|ds4_proxy) MODEL_LIB=verl_ds4.cpu.ds4_builder ;;   # registers the deepseek_v4 CPU builder
     tiny_dense) MODEL_LIB=verl_ds4.cpu.tiny_dense ;;          # registers the llama CPU builder
     ds41) MODEL_LIB=verl_ds4.cpu.ds41_builder ;;              # registers the deepseek_v41 CPU builder
-    *) echo "MODEL=$MODEL: expected ds4, ds4_proxy, tiny_dense or ds41" >&2; exit 2 ;;
+    *) echo "MODEL=$MODEL: expected one of the known models ds4 (the full tiny DS4, default), ds4_proxy (attention-only), tiny_dense or ds41 (DeepSeek-V4.1), e.g. MODEL=ds4" >&2; exit 2 ;;
 esac
 case "$DTYPE" in
     # verl's McoreEngineConfig admits only half precision; the CPU engine's config subclass adds fp32.
@@ -166,12 +159,36 @@ CONSOLE=(
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
+# A rerun of a finished run: verl's sft_trainer would resume at the last step and train one step past it;
+# the console says the run is complete instead (unless the overrides move the run's folder or resume mode).
+case " ${OVERRIDES[*]-} " in
+    *" trainer.default_local_dir="*|*" trainer.resume_mode="*|*" trainer.total_training_steps="*) ;;
+    *) [ "$RESUME_MODE" = auto ] && [ "$NNODES" = 1 ] && CONSOLE+=(--finished-check "$WORK_DIR/checkpoints") ;;
+esac
+HYDRA_ARGS=(
+    engine=megatron optim=megatron
+    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+)
 TORCHRUN=(
     "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" --node_rank="$NODE_RANK"
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
-    -m verl.trainer.sft_trainer engine=megatron optim=megatron
-    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+    -m verl.trainer.sft_trainer "${HYDRA_ARGS[@]}"
 )
+
+# The overrides compose with verl's SFT config and add no key that nothing reads (a typo), checked in
+# seconds before torchrun starts: Hydra's error first, the closest known key, no third-party warnings.
+if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys sft_trainer_engine --before "torchrun started" -- "${HYDRA_ARGS[@]}"; then
+    exit 2
+fi
+
+# The assets (data, the seeded model folder), written once the overrides passed.
+if [ "$VERBOSE" = 1 ]; then
+    "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"
+elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN" 2>&1); then
+    printf '%s\n' "$assets_out" >&2   # quiet unless it fails
+    echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
+    exit 1
+fi
 
 if [ "$NNODES" -gt 1 ]; then
     NODE_LOG="$WORK_DIR/logs/$(date +%Y%m%d-%H%M%S)$NODE_SUFFIX.log"

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Sequence
 
 from verl_ds4.cpu.console_run import ConsoleView, PREFIX, format_duration, log_tail, new_log_path, run_quiet, say
-from verl_ds4.cpu.console_sft import SFTConsole, SFTSummary, parse_progress, plot_losses, sft_summary_lines, summarize_sft
+from verl_ds4.cpu.console_sft import (SFTConsole, SFTSummary, finished_run_lines, parse_progress, plot_losses,
+                                      sft_summary_lines, summarize_sft)
 from verl_ds4.cpu.console_ppo import PPOConsole, SUMMARY_COLUMNS, parse_step_metrics, ppo_summary_lines, summary_table
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "PPOConsole",
     "SFTConsole",
     "SFTSummary",
+    "finished_run_lines",
     "format_duration",
     "link_latest",
     "log_tail",
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algo", choices=["ppo", "grpo"], default="ppo", help="ppo job: the RL algorithm (ppo or grpo)")
     parser.add_argument("--from-checkpoint", action="store_true",
                         help="ppo job: the run started from a given checkpoint (MODEL_PATH), not the random model")
+    parser.add_argument("--finished-check", metavar="CHECKPOINTS",
+                        help="sft job: if the latest checkpoint in CHECKPOINTS reached --steps, say so and exit 0 "
+                             "without running (verl would train one step past the end)")
     parser.add_argument("--reward-rise", type=float, metavar="X",
                         help="ppo job: the verdict says whether the last-5 mean reward beat the first-5 mean by X")
     args = parser.parse_args(argv)
@@ -107,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if summary.worked else 1
     if not cmd or not args.job:
         parser.error("expected a job and a command after `--` (or --summarize LOG)")
+    if args.job == "sft" and args.finished_check and args.steps:
+        done = finished_run_lines(args.finished_check, args.steps, Path(args.work_dir) / "logs")
+        if done is not None:
+            print("\n".join([say(f"{key:<11} {value}") for key, value in _facts(args.fact)] + done))
+            return 0
     log_path = Path(args.log) if args.log else new_log_path(Path(args.work_dir) / "logs")
     if not args.log:
         link_latest(log_path)

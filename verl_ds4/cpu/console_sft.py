@@ -279,3 +279,32 @@ class SFTConsole(ConsoleView):
             note = plot_losses(summary.curve_steps, summary.curve_losses, self.work_dir / "loss.png",
                                resumed_from=summary.resumed_from, title=f"{self.work_dir.name}: loss per step")
         return sft_summary_lines(summary, wall_s=wall_s, log_path=log_path, plot_note=note)
+
+
+def finished_run_lines(checkpoints: str | Path, total_steps: int, log_dir: str | Path | None = None) -> list[str] | None:
+    """The console lines for a run whose latest checkpoint already reached ``total_steps``; None otherwise.
+
+    verl's sft_trainer, resumed at its last step, trains one step past it (``step 81/80``); the launcher
+    asks first and, for a finished run, says so (and shows the summary of its last log) instead.
+    """
+    checkpoints = Path(checkpoints)
+    tracker = checkpoints / "latest_checkpointed_iteration.txt"
+    try:
+        step = int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    folder = checkpoints / f"global_step_{step}"
+    if step < total_steps or not folder.is_dir():
+        return None
+    lines = [
+        say(f"{'resume':<11} from step {step} ({folder}): the run is complete ({step} of {total_steps} steps); "
+            "nothing to train"),
+        say(f"{'':<11} raise STEPS to train on (e.g. STEPS={2 * total_steps}), or start over with "
+            "RESUME_MODE=disable or another WORK_DIR"),
+    ]
+    latest = Path(log_dir) / "latest.log" if log_dir is not None else None
+    if latest is not None and latest.exists():
+        last = latest.parent / latest.readlink() if latest.is_symlink() else latest
+        summary = summarize_sft(last.read_text(errors="replace"), total_steps)
+        lines += [say("(the last run's summary, from its log)")] + sft_summary_lines(summary, log_path=last)
+    return lines

@@ -87,6 +87,35 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+CPU_ENGINES_HOW = ("verl-ds4's CPU engines register with VERL_PLATFORM=cpu "
+                   "VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine (the CPU launchers set them)")
+
+
+def _has_accelerator() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def this_machine(get_device_name, get_vendor) -> tuple[str, str, str]:
+    """``(device, vendor, label)`` of the engines verl would pick here.
+
+    verl falls back to its CUDA platform when no platform is selected, also on a machine without an
+    accelerator; such a machine is labelled ``cpu`` and looked up as verl-ds4's CPU platform (``VERL_PLATFORM=cpu``)
+    would be. ``VERL_ENGINE_DEVICE`` / ``VERL_ENGINE_VENDOR`` are taken as they are.
+    """
+    device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()
+    vendor = os.getenv("VERL_ENGINE_VENDOR") or get_vendor()
+    if device == "cuda" and not os.getenv("VERL_ENGINE_DEVICE") and not _has_accelerator():
+        return "cpu", "cpu", "this machine (cpu, no accelerator)"
+    return device, vendor, f"this machine ({device}/{vendor})"
+
+
 def engine_resolution() -> tuple[dict[str, str], str | None]:
     """``({label: class path}, error)`` of verl's registry for megatron, NVIDIA GPUs and this platform."""
     rows: dict[str, str] = {}
@@ -102,8 +131,7 @@ def engine_resolution() -> tuple[dict[str, str], str | None]:
         from verl.workers.engine import EngineRegistry
     except Exception as exc:  # noqa: BLE001
         return rows, error or f"{type(exc).__name__}: {exc}"
-    here = (os.getenv("VERL_ENGINE_DEVICE") or get_device_name(), os.getenv("VERL_ENGINE_VENDOR") or get_vendor())
-    for device, vendor, where in (("cuda", "nvidia", "NVIDIA GPU"), (*here, f"this machine ({here[0]}/{here[1]})")):
+    for device, vendor, where in (("cuda", "nvidia", "NVIDIA GPU"), this_machine(get_device_name, get_vendor)):
         for model_type in ("language_model", "value_model"):
             saved = {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VERL_ENGINE_VENDOR")}
             os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = device, vendor
@@ -112,6 +140,8 @@ def engine_resolution() -> tuple[dict[str, str], str | None]:
                 rows[f"{where}: {model_type}"] = f"{cls.__module__}.{cls.__qualname__}"
             except Exception as exc:  # noqa: BLE001
                 rows[f"{where}: {model_type}"] = f"none ({type(exc).__name__}: {exc})"
+                if device == "cpu" and not os.getenv("VERL_USE_EXTERNAL_MODULES"):
+                    rows[f"{where}: {model_type}"] = f"none yet: {CPU_ENGINES_HOW}"
             finally:
                 for key, value in saved.items():
                     if value is None:
@@ -237,9 +267,10 @@ def run(args: argparse.Namespace) -> int:
     print("\nverl engine registry, strategy=megatron:")
     rows, error = engine_resolution()
     ours = True
+    width = max((len(label) for label in rows), default=0)
     for label, cls in rows.items():
         mark = "ok " if cls.startswith("verl_ds4.") else "-- "
-        print(f"  {mark}{label:42s} -> {cls}")
+        print(f"  {mark}{label:{width}s} -> {cls}")
         if label.startswith("NVIDIA GPU") and not cls.startswith("verl_ds4."):
             ours = False
     if error:

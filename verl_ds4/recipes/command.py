@@ -83,16 +83,26 @@ def run(args: argparse.Namespace) -> int:
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
     trainer = TRAINERS[args.kind]
+    from verl_ds4.recipes.override_keys import check_added_keys, compose_without_added, explain_compose_error
+
+    def compose(ovs: list[str]):
+        return compose_recipe(args.kind, ovs)
+
     try:
-        cfg = compose_recipe(args.kind, overrides)
-    except Exception as e:  # Hydra composition errors name the bad override themselves.
-        print(f"verl-ds4 recipe {args.kind}: cannot compose the config: {e}", file=sys.stderr)
+        cfg = compose(overrides)
+    except Exception as e:  # Hydra composition errors name the bad override themselves; a hint follows an unknown key.
+        hint = explain_compose_error(e, compose, overrides)
+        hint = f"\nverl-ds4 recipe {args.kind}: {hint}" if hint else ""
+        print(f"verl-ds4 recipe {args.kind}: cannot compose the config: {e}{hint}", file=sys.stderr)
         return 1
     try:
         report = validate_recipe(cfg, trainer.kind, dry_run=args.dry_run, raise_on_error=False)
     except RecipeValidationError as e:
         print(str(e), file=sys.stderr)
         return 1
+    unread, on_purpose = check_added_keys(compose_without_added(compose, overrides, cfg), cfg, overrides)
+    report.errors[:0] = unread
+    report.notes += on_purpose
     if getattr(args, "json", False):
         print(json.dumps(plan_json(args.kind, report), indent=1))
         return 1 if report.errors else 0

@@ -61,6 +61,7 @@ SCOPE = (
     "verl_ds4/recipes/compose.py",
     "verl_ds4/recipes/resume_check.py",
     "verl_ds4/recipes/command.py",
+    "verl_ds4/recipes/override_keys.py",
     "verl_ds4/recipes/plan_command.py",
     "verl_ds4/recipes/fit.py",
     "verl_ds4/ds4_facts.py",
