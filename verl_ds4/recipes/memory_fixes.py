@@ -45,7 +45,7 @@ def _budget_fix(rm, sizes, limit: float, pass_name: str) -> str | None:
             cp *= 2
         mesh = dataclasses.replace(rm.mesh, cp=cp)
         if _fits(rm, sizes, limit, mesh=mesh, **{key: tokens}):
-            where = BUDGET_KEYS["forward" if key == "infer_tokens" else "update"]
+            where = BUDGET_KEYS[pass_name]  # the reference's budget is the forward one, like the actor's log-probs
             more = f" with ds4.mesh.cp={cp} (the longest sequence, {seq} tokens, needs budget x CP >= {seq})" if cp != rm.mesh.cp else ""
             return f"{where}={tokens}{more}"
     return None
