@@ -175,8 +175,9 @@ run_tests() {
         echo "[dev.sh] lane 1: $(versions "$VENV"): pytest $*"
         t=$SECONDS
         status1=0
-        # pytest exits 5 when it collects no test: that fails here as any non-zero exit does.
-        "$VENV/bin/python" -m pytest \
+        # pytest exits 5 when it collects no test: that fails here as any non-zero exit does. The 20
+        # slowest tests are listed at the end (CI's time budget: the whole suite under 40 minutes).
+        "$VENV/bin/python" -m pytest --durations=20 \
             --deselect tests/test_image_pins_resolve_on_cpu.py::test_image_pins_resolve_on_python_312 "$@" \
             2>&1 | tee "$logs/lane1.log" || status1=${PIPESTATUS[0]}
         tests1_s=$((SECONDS - t))

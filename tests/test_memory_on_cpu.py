@@ -377,7 +377,8 @@ def test_plan_fit_table_json_and_a_config_folder(tmp_path):
     block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / "pro.yaml").read_text())
     config = {k: block[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank",
                                     "o_groups", "o_lora_rank", "n_routed_experts", "n_shared_experts",
-                                    "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim", "hc_mult")}
+                                    "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim", "hc_mult",
+                                    "index_topk")}  # the peak model reads the top-k (the sparse attention's gathered rows)
     kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
     config.update(model_type="deepseek_v4", num_hidden_layers=61, num_nextn_predict_layers=1,
                   layer_types=[kinds[r] for r in block["compress_ratios"]])

@@ -68,6 +68,14 @@ def test_a_cpu_tensor_in_a_meta_model_is_found():
     assert off_device(model, "meta") == ["decoder.stray on cpu"]
 
 
+def test_a_cpu_config_built_inside_a_meta_context_stays_on_meta():
+    """PyTorch's ``with torch.device("meta")`` wins over a config's CPU initialisation (the full-size
+    count test builds Flash and Pro this way: on the CPU they would need ~570 GB / ~3 TB)."""
+    with torch.device("meta"):
+        model = _ds4(None)
+    assert model.config.use_cpu_initialization is True and off_device(model, "meta") == []
+
+
 def test_ds4_default_stays_on_the_cpu():
     model = _ds4(None)
     assert model.config.use_cpu_initialization is True

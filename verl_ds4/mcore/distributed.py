@@ -8,7 +8,8 @@ Each rank runs ``fn`` after ``init_process_group("gloo")``; the return values co
 order (return plain Python objects: lists, numbers; a tensor sent back from a finished child
 process may point at freed shared memory). A failing rank raises :class:`DistributedRunError` in the caller with that rank's traceback;
 a hang is killed after ``timeout`` seconds. Processes are forked by default (cheap: verl and
-megatron stay imported), each limited to one intra-op thread; pass ``start_method="spawn"`` for a
+megatron stay imported; each first holds on to the parent's Megatron groups, see
+:func:`keep_inherited_groups`), each limited to one intra-op thread; pass ``start_method="spawn"`` for a
 clean interpreter (then ``fn`` must be importable by name).
 """
 
@@ -32,9 +33,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Process groups a forked rank inherited from its parent, held for the rank's lifetime (see below).
+_INHERITED_GROUPS: list[Any] = []
+
+
+def keep_inherited_groups() -> int:
+    """In a forked rank: hold a reference to every process group it inherited through Megatron's parallel
+    state; returns how many.
+
+    ``initialize_model_parallel`` reassigns those globals. Dropping the parent's last reference in the child
+    runs ``ProcessGroupGloo``'s destructor there, which joins the parent's gloo threads, which a forked
+    child does not have: the rank hangs in silence. Any in-process Megatron use in the parent leaves such
+    groups behind (megatron-core 0.16.1's ``destroy_model_parallel`` keeps
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin), so every forked rank calls this first.
+    """
+    import sys
+
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None:  # a spawned rank, or a parent that never imported Megatron
+        return 0
+    from torch.distributed import ProcessGroup
+
+    before = len(_INHERITED_GROUPS)
+    for value in list(vars(state).values()):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        _INHERITED_GROUPS.extend(item for item in items if isinstance(item, ProcessGroup))
+    return len(_INHERITED_GROUPS) - before
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
+
+    keep_inherited_groups()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("LOCAL_RANK", str(rank))

@@ -1,7 +1,7 @@
 """Where a DS4 / V4.1 model creates its tensors: the device its Megatron config names.
 
-Megatron-Core's rule, read from the ``TransformerConfig``: ``init_model_with_meta_device=True`` ->
-``meta``; else ``use_cpu_initialization=True`` -> the CPU; else the current CUDA device
+Megatron-Core's rule, read from the ``TransformerConfig``: ``init_model_with_meta_device=True`` (or an
+enclosing ``with torch.device("meta")``) -> ``meta``; else ``use_cpu_initialization=True`` -> the CPU; else the current CUDA device
 (``torch.cuda.current_device()``, set per rank with ``torch.cuda.set_device``). :func:`config_device`
 reads it; :func:`building_on` is the context every model constructor of this package builds under, so
 that every parameter and buffer (mHC, norms, MTP, the drafter's modules, which create their tensors
@@ -36,8 +36,11 @@ def resolve_device(device) -> torch.device:
 
 
 def config_device(config) -> torch.device:
-    """The device a model built from ``config`` (a Megatron ``TransformerConfig``) creates its tensors on."""
-    if getattr(config, "init_model_with_meta_device", False):
+    """The device a model built from ``config`` (a Megatron ``TransformerConfig``) creates its tensors on.
+
+    A build inside ``with torch.device("meta")`` (PyTorch's idiom for counting a model without memory)
+    stays on ``meta`` whatever the config says: a full-size model is never allocated by surprise."""
+    if getattr(config, "init_model_with_meta_device", False) or torch.get_default_device().type == "meta":
         return torch.device("meta")
     if getattr(config, "use_cpu_initialization", True):
         return torch.device("cpu")
