@@ -8,6 +8,9 @@ sequences of ``--prompt`` tokens):
   (``next_token_logits_batch``) and with it (``next_token_logits_and_choices``, earlier rows replayed);
 * actor: one forward + backward of the batch through the engine forward, native vs replaying the choices.
 
+Each case starts from the same model state: no replay target, not recording (checked before every case; a
+target left by the case before would make a "native" case replay it).
+
 Usage: ``python benchmarks/bench_indexer_replay_cpu.py [--model ds41] [--seqs 128] [--prompt 75] [--repeats 5]``
 """
 
@@ -53,12 +56,15 @@ def main() -> None:
     resolved = resolver.resolved_for(model)
     offsets = torch.tensor([0, *[len(s) for s in seqs]]).cumsum(0)
     ids = torch.nested.nested_tensor_from_jagged(torch.tensor([t for s in seqs for t in s]), offsets=offsets)
-    rows = []
-    for seq, choice in zip(seqs, known):
-        full = torch.full((len(seq), *choice.shape[1:]), indexer_replay.NOT_RECORDED, dtype=torch.int32)
-        full[: choice.shape[0]] = choice
-        rows.append(full)
+    rows = [indexer_replay.fill_rows(choice, len(seq)) for seq, choice in zip(seqs, known)]
     field = torch.nested.nested_tensor_from_jagged(torch.cat(rows), offsets=offsets)
+    replays = [module.indexer_replay for _, module in indexer_replay.selecting_layers(model)]
+
+    def reset() -> None:
+        """Every case starts native and not recording (the recording case turns recording on itself)."""
+        indexer_replay.clear(model)
+        if any(r.target is not None or r.record for r in replays):
+            raise RuntimeError("indexer replay state left after clear(): the A/B would be contaminated")
 
     def train_step(replay: bool) -> None:
         with batch_plans.micro_batch_plans(), indexer_replay.micro_batch_scope() if replay else _null():
@@ -77,9 +83,12 @@ def main() -> None:
     times = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, fn in cases.items():
+            reset()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if name.endswith("native") and any(r.target is not None or r.record for r in replays):
+                raise RuntimeError(f"{name}: a replay target or recording was active: not a native forward")
     bytes_per_token = known[0].shape[1] * known[0].shape[2] * 4
     tokens = sum(len(s) for s in seqs)
     print(f"{args.model}: {args.seqs} sequences x {args.prompt + 1} tokens, {known[0].shape[1]} selecting layers x "

@@ -318,6 +318,11 @@ case "$command_name" in
         done
         "$PYTHON" scripts/ray_wait_nodes.py "${wait_args[@]}" &
         waiter=$!
+        # A background job of a script ignores Ctrl-C, so stopping this script (Ctrl-C, SIGTERM, an
+        # error) stops the waiter too, instead of leaving it polling for up to RAY_WAIT_TIMEOUT.
+        trap 'kill "$waiter" 2>/dev/null || true' EXIT
+        trap 'kill "$waiter" 2>/dev/null || true; exit 130' INT
+        trap 'kill "$waiter" 2>/dev/null || true; exit 143' TERM
         while kill -0 "$waiter" 2>/dev/null; do
             for dir in "${watched[@]+"${watched[@]}"}"; do
                 node_owner_pid "$dir" >/dev/null && continue

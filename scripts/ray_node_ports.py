@@ -88,10 +88,19 @@ def pick(count: int, width: int, avoid: Iterable[int] = (), *, low: int | None =
     low = ephemeral_low() if low is None else low
     taken = raylet_worker_ranges() if taken is None else taken
     rng = rng or random.SystemRandom()
-    top = min(65536, max(low, LOWEST + 2 * width + 1000))
-    if top - width <= LOWEST + count:
-        raise RuntimeError(f"RAY_WORKER_PORTS={width} does not fit in {LOWEST}-{top - 1} beside {count} ports: "
-                           "lower it")
+    # Never into the ephemeral range: a port there can be handed to any process's outgoing connection.
+    top = min(65536, low)
+    most = top - LOWEST - count - 1  # the window's first port is drawn from LOWEST to top - width (exclusive)
+    if width > most:
+        if most < 1:
+            raise RuntimeError(f"RAY_WORKER_PORTS={width}: no worker window fits between {LOWEST} and the ephemeral "
+                               f"range (starts at {low}) beside the node's {count} other ports. Fix: move the "
+                               "ephemeral range up (sysctl net.ipv4.ip_local_port_range, e.g. '32768 "
+                               "60999') or leave RAY_NODE_PORTS empty (Ray's default ports, one node per host)")
+        raise RuntimeError(f"RAY_WORKER_PORTS={width}: at most {most} fit between {LOWEST} and the ephemeral range "
+                           f"(starts at {low}) beside the node's {count} other ports. Fix: set RAY_WORKER_PORTS={most} "
+                           "or lower (200, the default, is enough for most nodes), or move the ephemeral range up "
+                           "(sysctl net.ipv4.ip_local_port_range)")
 
     def usable(port: int) -> bool:
         return port not in avoid and not is_ray_default(port) and not any(a <= port <= b for a, b in taken)

@@ -104,7 +104,7 @@ done
 
 if [ "$DS4_RL_RECIPE" = grpo ]; then
     for arg in ${OVERRIDES[@]+"${OVERRIDES[@]}"}; do
-        case "$arg" in
+        case "${arg#"${arg%%[!+]*}"}" in   # the key without leading + signs (++key=value sets it too)
             actor_rollout_ref.rollout.n=*)
                 if [ "${arg#*=}" -le 1 ] 2>/dev/null; then
                     echo "$arg: GRPO needs actor_rollout_ref.rollout.n > 1 (a group of one response has zero" \

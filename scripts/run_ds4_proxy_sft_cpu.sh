@@ -160,11 +160,17 @@ CONSOLE=(
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 # A rerun of a finished run: verl's sft_trainer would resume at the last step and train one step past it;
-# the console says the run is complete instead (unless the overrides move the run's folder or resume mode).
-case " ${OVERRIDES[*]-} " in
-    *" trainer.default_local_dir="*|*" trainer.resume_mode="*|*" trainer.total_training_steps="*) ;;
-    *) [ "$RESUME_MODE" = auto ] && [ "$NNODES" = 1 ] && CONSOLE+=(--finished-check "$WORK_DIR/checkpoints") ;;
-esac
+# the console says the run is complete instead (unless the overrides move the run's folder, its resume
+# mode or its length: written as key=, +key=, ++key= or ~key).
+finished_check=1
+for arg in ${OVERRIDES[@]+"${OVERRIDES[@]}"}; do
+    key=${arg#"${arg%%[!+~]*}"}   # without the leading + / ~ signs
+    case "${key%%=*}" in
+        trainer.default_local_dir | trainer.resume_mode | trainer.total_training_steps) finished_check=0 ;;
+    esac
+done
+[ "$finished_check" = 1 ] && [ "$RESUME_MODE" = auto ] && [ "$NNODES" = 1 ] &&
+    CONSOLE+=(--finished-check "$WORK_DIR/checkpoints")
 HYDRA_ARGS=(
     engine=megatron optim=megatron
     "${DATA[@]}" "${MODEL_ARGS[@]}" "${ENGINE[@]}" "${OPTIM[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}

@@ -7,8 +7,10 @@
   the shown loss means, and the rerun lines equal :func:`finished_run_lines`. Negative control: the
   README's former block (``step 8/8``, ``runs/readme``) fails the same check.
 * The first-steps pages say how to reach ``verl-ds4`` (``source .venv/bin/activate`` or ``.venv/bin/``).
-* ``doctor`` labels a machine without an accelerator ``cpu``.
-* A rerun of a finished run says it is complete and runs nothing (no ``step 81/80``).
+* ``doctor`` labels a machine without an accelerator ``cpu`` (keeping an explicit ``VERL_ENGINE_VENDOR``).
+* A rerun of a finished run says it is complete and runs nothing (no ``step 81/80``); an override of the run's
+  folder, resume mode or length (``key=``, ``+key=``, ``++key=``, ``~key``) turns that check off.
+* The GRPO CPU launcher reads ``actor_rollout_ref.rollout.n`` also when written ``+key=`` / ``++key=``.
 """
 
 from __future__ import annotations
@@ -61,10 +63,9 @@ def _readme_blocks() -> tuple[list[str], list[str]]:
     return plain[0].splitlines(), plain[1].splitlines()
 
 
-@pytest.fixture(scope="module")
-def console_args(tmp_path_factory) -> dict:
-    """The console's arguments as the demo's launcher passes them (a stand-in Python records them)."""
-    tmp = tmp_path_factory.mktemp("readme")
+def _launcher_console_argv(tmp: Path, *overrides: str) -> list[str]:
+    """The console's arguments as the SFT CPU launcher passes them for ``overrides`` (a stand-in Python records
+    them; nothing trains)."""
     record = tmp / "args.json"
     shim = tmp / "python"
     shim.write_text(
@@ -76,11 +77,17 @@ def console_args(tmp_path_factory) -> dict:
     )
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(shim), "HOME": str(tmp)}
-    out = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_sft_cpu.sh")], env=env, cwd=tmp,
+    out = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_sft_cpu.sh"), *overrides], env=env, cwd=tmp,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     argv = json.loads(record.read_text())[3:]  # after "-m verl_ds4.cpu.console sft"
-    argv = argv[: argv.index("--")]
+    return argv[: argv.index("--")]
+
+
+@pytest.fixture(scope="module")
+def console_args(tmp_path_factory) -> dict:
+    """The console's arguments as the demo's launcher passes them (a stand-in Python records them)."""
+    argv = _launcher_console_argv(tmp_path_factory.mktemp("readme"))
     args = {"facts": [], "finished_check": None}
     it = iter(argv)
     for flag in it:
@@ -179,6 +186,18 @@ def test_doctor_says_cpu_without_an_accelerator(monkeypatch):
     assert doctor_cli.this_machine(lambda: "cuda", lambda: "nvidia") == ("cuda", "nvidia", "this machine (cuda/nvidia)")
 
 
+def test_doctor_keeps_an_explicit_vendor_without_an_accelerator(monkeypatch):
+    monkeypatch.delenv("VERL_ENGINE_DEVICE", raising=False)
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "acme")
+    monkeypatch.setattr(doctor_cli, "_has_accelerator", lambda: False)
+    # the device falls back to cpu; VERL_ENGINE_VENDOR is the user's and is taken as it is
+    assert doctor_cli.this_machine(lambda: "cuda", lambda: "nvidia") == ("cpu", "acme",
+                                                                         "this machine (cpu/acme, no accelerator)")
+    # negative control: without VERL_ENGINE_VENDOR the vendor is cpu, as the check above would not accept
+    monkeypatch.delenv("VERL_ENGINE_VENDOR")
+    assert doctor_cli.this_machine(lambda: "cuda", lambda: "nvidia")[1] == "cpu"
+
+
 def test_this_cpu_machine_has_no_accelerator():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -194,6 +213,24 @@ def _checkpoints(tmp_path: Path, step: int) -> Path:
     (ckpt / f"global_step_{step}").mkdir(parents=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(step))
     return ckpt
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.resume_mode=disable", "+trainer.resume_mode=disable", "++trainer.resume_mode=disable",
+    "++trainer.default_local_dir=/elsewhere", "+trainer.total_training_steps=160", "~trainer.resume_mode",
+])
+def test_an_override_of_the_run_turns_the_finished_check_off(tmp_path, override):
+    """An override that moves the run's folder, its resume mode or its length, in any of Hydra's spellings, leaves
+    the rerun to the trainer: the console's finished check (for the launcher's own folder and STEPS) would
+    otherwise say "complete" for a run the override changed."""
+    argv = _launcher_console_argv(tmp_path, "data.micro_batch_size_per_gpu=1", override)
+    assert "--finished-check" not in argv, f"{override}: the launcher still passes --finished-check"
+
+
+@pytest.mark.parametrize("override", ["+trainer.resume_modes=x", "+trainer.seed=3", "data.resume_mode=x"])
+def test_negative_control_other_overrides_keep_the_finished_check(tmp_path, override):
+    argv = _launcher_console_argv(tmp_path, override)
+    assert "--finished-check" in argv, f"{override}: the launcher dropped --finished-check"
 
 
 def test_rerun_of_a_finished_run_trains_nothing(tmp_path, capsys):
@@ -223,3 +260,21 @@ def test_rerun_of_an_unfinished_run_runs(tmp_path, capsys):
     rc = console.main(["sft", "--work-dir", str(tmp_path), "--steps", "80", "--finished-check", str(ckpt), "--no-plot",
                        "--", sys.executable, "-c", "raise SystemExit(3)"])
     assert rc == 3
+
+
+@pytest.mark.parametrize("override, refused", [
+    ("++actor_rollout_ref.rollout.n=1", True), ("+actor_rollout_ref.rollout.n=1", True),
+    ("++actor_rollout_ref.rollout.n=2", False),  # negative control: a group of two passes the check
+])
+def test_grpo_launcher_reads_rollout_n_in_any_spelling(tmp_path, override, refused):
+    shim = tmp_path / "python"
+    shim.write_text("#!/usr/bin/env bash\nexit 0\n")  # nothing past the launcher's own checks runs
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(shim), "DS4_RL_RECIPE": "grpo", "WORK_DIR": str(tmp_path / "run"),
+           "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(REPO / "scripts" / "run_ds4_proxy_ppo_cpu.sh"), override], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    said = f"{override}: GRPO needs actor_rollout_ref.rollout.n > 1" in out.stderr
+    assert said == refused, out.stderr
+    if refused:
+        assert out.returncode == 2 and not (tmp_path / "run" / "assets").exists()

@@ -187,6 +187,30 @@ def test_v41_rope_rules_on_configs_without_a_folder():
     assert [v.key for v in ds41_facts.config_violations({"model_type": "deepseek_v41", "text_config": both})] == ["rope_scaling"]
 
 
+@pytest.mark.parametrize("where", ["rope_theta", "rope_parameters.rope_theta"])
+def test_v41_a_rope_theta_that_is_not_a_number_is_a_violation(where):
+    """A non-numeric rope_theta (top level or in rope_parameters) is refused naming the field, not a bare
+    ValueError from comparing the two. Negative control: numbers that agree pass, numbers that differ are the
+    disagreement refusal."""
+    from verl_ds4 import ds41_facts
+
+    text = {k: v for k, v in ref.tiny_text_config().items() if k != "rope_scaling"}
+    good = {**text, "rope_theta": 10000.0, "rope_parameters": {**YARN8, "rope_theta": 10000}}
+    bad = {**good, "rope_parameters": dict(good["rope_parameters"])}
+    if where == "rope_theta":
+        bad["rope_theta"] = "ten thousand"
+    else:
+        bad["rope_parameters"]["rope_theta"] = "ten thousand"
+    problems = ds41_facts.config_violations({"model_type": "deepseek_v41", "text_config": bad})
+    assert [str(v) for v in problems] == [
+        f"{where}='ten thousand': expected a number (RoPE's base frequency; the released Flash has 10000.0). Write "
+        f"the checkpoint's {where} into config.json as a number."]
+    assert ds41_facts.config_violations({"model_type": "deepseek_v41", "text_config": good}) == []
+    differ = {**good, "rope_theta": 20000.0}
+    assert [v.key for v in ds41_facts.config_violations({"model_type": "deepseek_v41", "text_config": differ})] == [
+        "rope_theta"]
+
+
 # ------------------------------------------------------------------------------------------------- V4
 
 
@@ -264,6 +288,11 @@ V4_BAD = {
                 "rope_scaling=None: config.json gives the compressed layers no RoPE settings (neither rope_scaling nor "
                 "rope_parameters), and a built-in default would stand in for the checkpoint's. Write the checkpoint's "
                 f"YaRN settings into config.json, e.g. the released ones: rope_parameters: {FLASH}."),
+    # Nested by rope kind with the main layers' entry only: not read as the compressed layers' one.
+    "main_only": (lambda c: {**c, "rope_parameters": {"main": c["rope_parameters"]["main"]}},
+                  "rope_scaling=None: config.json gives the compressed layers no RoPE settings (neither rope_scaling "
+                  "nor rope_parameters), and a built-in default would stand in for the checkpoint's. Write the "
+                  f"checkpoint's YaRN settings into config.json, e.g. the released ones: rope_parameters: {FLASH}."),
     "both": (lambda c: {**c, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
              "rope_scaling={'type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 256}: config.json also has "
              "rope_parameters {'attention_factor': 1.0, 'beta_fast': 32, 'beta_slow': 1, 'factor': 8.0, "
@@ -287,6 +316,27 @@ def test_v4_folders_the_reader_cannot_read_are_refused(v4, tmp_path, capsys, cas
     assert str(err.value) == f"{bad / 'config.json'}: {message}"
     assert verify(["--hf-checkpoint", str(bad)]) == 2
     assert capsys.readouterr().err.strip() == f"verify --hf-checkpoint: {err.value}"
+
+
+def test_v4_rope_parameters_nested_by_kind_are_read_at_compress():
+    """``rope_parameters`` nested by rope kind gives the compressed layers its ``compress`` entry only; with
+    ``main`` alone they have none, and the "neither given" refusal fires (it never did: ``main`` was taken)."""
+    from verl_ds4 import ds4_facts
+
+    main = {"rope_type": "default", "rope_theta": 10000.0}
+    compress = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256}
+    assert ds4_facts.yarn_settings({"rope_parameters": {"main": main}}) is None
+    problems = ds4_facts.check_rope({"rope_parameters": {"main": main}}, compressed=True, yarn_only=False,
+                                    released=ds4_facts.FLASH_YARN)
+    assert [(v.key, v.value) for v in problems] == [("rope_scaling", None)], problems
+    assert "gives the compressed layers no RoPE settings" in str(problems[0])
+    # rope_scaling still stands in for a missing compress entry, as for a missing rope_parameters.
+    assert ds4_facts.yarn_settings({"rope_parameters": {"main": main}, "rope_scaling": compress}) == compress
+    # Negative controls: with compress given, or flat, that entry is read and nothing is refused.
+    assert ds4_facts.yarn_settings({"rope_parameters": {"main": main, "compress": compress}}) == compress
+    assert ds4_facts.yarn_settings({"rope_parameters": compress}) == compress
+    assert not ds4_facts.check_rope({"rope_parameters": {"main": main, "compress": compress}}, compressed=True,
+                                    yarn_only=False, released=ds4_facts.FLASH_YARN)
 
 
 def test_v4_builder_refuses_what_the_folder_reader_refuses(v4, tmp_path):

@@ -14,7 +14,11 @@ packed with the micro-batch's one THD plan; each CP rank gets its own query rows
   each CP size give the same log-prob on every token (1e-12); the choices recorded at CP 2 and 4 equal CP 1's;
 * controls: recording leaves the forward unchanged (bit-equal); a replayed choice moved to another
   reachable block changes the log-probs; bad inputs (a layer too few, an id past the row's compressed
-  length, no field at all) are refused naming the field, the expected and the found shape.
+  length, no field at all) are refused naming the field, the expected and the found shape (an id past the
+  row's length by every CP rank, before the forward: one rank alone would leave the others waiting);
+* no replay target outlives its forward: a native forward after a replaying one equals the native forward
+  (fp64, bit-equal; control: the target left in place makes it the replayed forward), and verl's BSHD forward
+  (which packs no field) refuses a replaying micro-batch (control: a native one runs).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from verl_ds4.mcore.distributed import run_distributed
 
 LENGTHS = (61, 9, 47, 38)
 TOL = 1e-12
+DS4_CSA_LAYERS = 2  # the tiny DS4's selecting (CSA, ratio 4) layers
 
 
 def _build(folder: str, kind: str):
@@ -175,6 +180,7 @@ def _rollout_worker(rank: int, world: int, folder: str, kind: str, nudge):
 def _recompute_worker(rank: int, world: int, folder: str, kind: str, field):
     from megatron.core import parallel_state
 
+    from verl_ds4.mcore import indexer_replay
     from verl_ds4.mcore.indexer_replay import IndexerReplayError
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
@@ -186,12 +192,20 @@ def _recompute_worker(rank: int, world: int, folder: str, kind: str, field):
         moved = np.array(field, copy=True)
         out["moved_at"] = _move_one_choice(moved)
         out["moved_logp"], _ = runner.forward(moved, replay=True)
+        # no target outlives its forward: a native forward right after the (moved) replay is the native one
+        out["after_replay_logp"], _ = runner.forward(record=False)
+        runner.forward(moved, replay=True)
+        forget = indexer_replay.forget_targets
+        indexer_replay.forget_targets = lambda model: None  # control: leave the replay's target in place
+        try:
+            out["stale_logp"], _ = runner.forward(record=False)
+        finally:
+            indexer_replay.forget_targets = forget
         errors = {}
         beyond = np.array(field, copy=True)
         beyond[LENGTHS[0] - 2, 0, 0] = 10_000
-        cases = [("layers", np.asarray(field)[:, :-1]), ("missing", None)]
-        if world == 1:  # the row is on one rank: only that rank raises (the others would wait in the halo exchange)
-            cases.append(("beyond", beyond))
+        # every case at every CP size: the row of "beyond" is on one rank, yet all ranks refuse (no hang)
+        cases = [("layers", np.asarray(field)[:, :-1]), ("missing", None), ("beyond", beyond)]
         for name, bad in cases:
             try:
                 runner.forward(bad, replay=True)
@@ -229,17 +243,21 @@ def rollout(request, tmp_path_factory):
 def test_replayed_recompute_equals_the_rollout_at_every_cp_size(rollout, world):
     kind, folder, run = rollout
     field = run["field"]
-    assert field.shape == (sum(LENGTHS), len(run["layers"]), 8) and len(run["layers"]) == 4 if kind == "ds41" else True
+    assert field.shape == (sum(LENGTHS), len(run["layers"]), 8)  # index_topk 8 in both tiny models
+    assert len(run["layers"]) == (4 if kind == "ds41" else DS4_CSA_LAYERS), run["layers"]
     out = run_distributed(_recompute_worker, world_size=world, args=(folder, kind, field), timeout=600)[0]
     np.testing.assert_array_equal(out["native_field"], field)  # the split does not change the choice
     np.testing.assert_array_equal(out["replayed_field"], field)
     np.testing.assert_allclose(out["logp"], run["logp"], rtol=0, atol=TOL)
     # control: one moved choice is another function
     assert np.max(np.abs(out["moved_logp"] - run["logp"])) > 1e-6, out["moved_at"]
+    np.testing.assert_array_equal(out["after_replay_logp"], out["native_logp"])  # the replay's target is gone
+    np.testing.assert_array_equal(out["stale_logp"], out["moved_logp"])  # control: a target left in place replays
     errors = out["errors"]
     assert "expected [tokens, " in errors["layers"] and "found [" in errors["layers"] and "indexer_topk" in errors["layers"]
-    if world == 1:
-        assert "compressed blocks" in errors["beyond"] and "10000" in errors["beyond"]
+    # refused before the forward on every rank (rank 0's message; the bad row is in sequence 0)
+    assert f"sequence 0 row {LENGTHS[0] - 2} reaches" in errors["beyond"], errors["beyond"]
+    assert "compressed blocks (ids 0.." in errors["beyond"] and "10000" in errors["beyond"]
     assert "has no 'indexer_topk' field" in errors["missing"] and "indexer_replay=false" in errors["missing"]
 
 
@@ -297,7 +315,19 @@ def _decode_worker(rank: int, world: int, folder: str):
             token = int(row.argmax())
             seqs[i].append(token)
             logps[i].append(float(row[token]))
-    return {"seqs": seqs, "logps": logps, "choices": [c.numpy() for c in known]}
+    from verl_ds4.mcore import indexer_replay
+
+    replays = [module.indexer_replay for _, module in indexer_replay.selecting_layers(policy.model)]
+    left = [(r.target is not None, r.record, r.last is not None) for r in replays]
+    wrong = [torch.zeros(3, len(replays), 7, dtype=torch.int32)] * len(seqs)  # a width that is not index_topk
+    try:
+        policy.next_token_logits_and_choices(seqs, wrong)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    left_after_refusal = [(r.target is not None, r.record, r.last is not None) for r in replays]
+    return {"seqs": seqs, "logps": logps, "choices": [c.numpy() for c in known], "left": left,
+            "refused": refused, "left_after_refusal": left_after_refusal}  # fmt: skip
 
 
 def _replay_decoded_worker(rank: int, world: int, folder: str, decoded, replay: bool):
@@ -335,6 +365,60 @@ def test_the_rollout_records_one_choice_per_row_as_it_decodes(decoded):
     for seq, choice in zip(out["seqs"], out["choices"]):
         assert choice.shape == (len(seq) - 1, 4, 8) and choice.dtype == np.int32  # every row it ran; not the last token
         assert (choice[:, :, 0] != -2).all()
+
+
+def test_the_rollout_leaves_no_target_nor_recording_behind_even_when_refused(decoded):
+    _, out = decoded
+    assert out["left"] == [(False, False, False)] * 4  # (target, recording, record) after each decode step
+    assert "indexer_topk rows: expected [rows, 4, 8], found [3, 4, 7]" in out["refused"]  # the bad known rows
+    assert out["left_after_refusal"] == [(False, False, False)] * 4
+
+
+def test_fill_rows_pads_with_not_recorded_and_refuses_other_layers():
+    from verl_ds4.mcore.indexer_replay import NOT_RECORDED, fill_rows
+
+    rows = torch.arange(2 * 3 * 4, dtype=torch.int64).view(2, 3, 4)
+    out = fill_rows(rows, 5, (3, 4))
+    assert out.dtype == torch.int32 and out.shape == (5, 3, 4)
+    assert torch.equal(out[:2], rows.int()) and (out[2:] == NOT_RECORDED).all()
+    assert torch.equal(fill_rows(rows, 1), rows[:1].int())  # rows past the sequence are dropped
+    assert (fill_rows(None, 3, (3, 4)) == NOT_RECORDED).all()
+    with pytest.raises(ValueError, match=r"expected \[rows, 3, 5\], found \[2, 3, 4\]"):
+        fill_rows(rows, 5, (3, 5))  # control: other layers / width
+
+
+def test_verls_bshd_forward_refuses_a_replaying_micro_batch(monkeypatch):
+    """verl's BSHD forward packs no indexer field: a replaying micro-batch there would choose natively in
+    silence. Refused naming the switch and use_remove_padding; a native micro-batch (control) runs, and drops a
+    target a replaying forward left."""
+    from types import SimpleNamespace
+
+    import verl.models.mcore.model_forward as verl_forward
+
+    from verl_ds4.mcore import indexer_replay
+    from verl_ds4.mcore.model_forward import gptmodel_forward_model_engine
+
+    class Selecting(torch.nn.Module):
+        indexer_replay_width = 2
+
+    model = torch.nn.Sequential(Selecting())
+    indexer_replay.enable(model)
+    calls = []
+    stub = lambda *a, **k: calls.append(k["data_format"]) or "ran"  # noqa: E731  (verl's forward, not run here)
+    monkeypatch.setattr(verl_forward, "gptmodel_forward_model_engine", stub)
+    resolved = SimpleNamespace(cp_size=1, dynamic_cp=False, layout="contiguous", min_local_rows=0,
+                               pad_to_length_bucket=None)  # fmt: skip
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with indexer_replay.micro_batch_scope():
+        indexer_replay.set_pending(torch.zeros(2, 5, 1, 2, dtype=torch.int32))
+        with pytest.raises(indexer_replay.IndexerReplayError,
+                           match=r"indexer_replay=true\), but this micro-batch runs verl's BSHD forward.*"
+                                 r"use_remove_padding=true, or actor_rollout_ref.actor.megatron.indexer_replay=false"):  # fmt: skip
+            gptmodel_forward_model_engine(model, ids, {}, data_format="bshd", resolved=resolved)
+    assert calls == []
+    model[0].indexer_replay.target = torch.zeros(10, 2, dtype=torch.int32)  # left by a replaying forward
+    assert gptmodel_forward_model_engine(model, ids, {}, data_format="bshd", resolved=resolved) == "ran"
+    assert calls == ["bshd"] and model[0].indexer_replay.target is None
 
 
 def test_replaying_the_rollouts_choices_at_cp2_gives_its_log_probs(decoded):

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 import memory_calibration as mc  # noqa: E402
 
-from verl_ds4.recipes.peak import StepShape, Term, layer_kept, step_peak  # noqa: E402
+from verl_ds4.recipes.peak import StepShape, layer_kept, step_peak  # noqa: E402
 
 TINY = dataclasses.replace(
     mc.Shape(), vocab_size=50, hidden_size=40, num_attention_heads=5, head_dim=24, qk_rope_head_dim=8, q_lora_rank=11,
@@ -114,7 +114,8 @@ def test_recompute_and_passes():
     assert full.dynamic_gib < selective.dynamic_gib < none.dynamic_gib
     forward = step_peak(s, ratios, path="unfused", shape=StepShape(2048), training=False, logits="ref")
     assert forward.activations_gib == 0 and forward.logits_gib > 0
-    assert isinstance(layer_kept(s, 4, "fused", StepShape(2048))[0], Term)
+    fused, unfused = (sum(t.bytes_per_token for t in layer_kept(s, 4, path, StepShape(2048))) for path in ("fused", "unfused"))
+    assert 0 < fused < unfused  # the fused kernel keeps no score matrix for backward
     with pytest.raises(ValueError, match="unknown attention path"):
         layer_kept(s, 4, "flash", StepShape(2048))
 
@@ -132,13 +133,15 @@ def test_recipe_dry_run_json_has_the_memory_per_role():
     assert memory["gpu_gib"] == 139.8 and memory["headroom"] == 0.1 and plan["valid"] is True
     sft = memory["roles"]["sft"]
     assert {"states_gib", "activations_gib", "logits_gib", "peak_gib", "fits"} <= set(sft)
-    assert sft["fits"] is True and sft["peak_gib"] <= memory["limit_gib"] and sft["logits_gib"] > 0
+    assert sft["fits"] is True and sft["peak_gib"] <= memory["limit_gib"] and sft["logits_gib_max"] > 0
     assert sft["attention_kernel"] == "unfused" and sft["recompute"] == "full"
     refused = _recipe("sft", "--dry-run", "--json", "ds4_mesh=h200_64gpu_pp4_ep8")
     assert refused.returncode == 1
     bad = json.loads(refused.stdout)
     assert bad["valid"] is False and bad["memory"]["roles"]["sft"]["fits"] is False
     assert any(e.startswith("sft memory: ") for e in bad["errors"])
+    alone = _recipe("sft", "--json")  # --json is the dry-run's plan: refused without --dry-run, before composing
+    assert alone.returncode == 2 and "expected --dry-run with it" in alone.stderr and alone.stdout == ""
 
 
 def test_host_ram_per_node_is_checked_and_the_explicit_figure_wins():
@@ -152,7 +155,7 @@ def test_host_ram_per_node_is_checked_and_the_explicit_figure_wins():
                        r"checkpoint staging 164, processes 64, data loader 16\) but has 1863 GiB \(H200 node"):
         validate()
     assert validate("ds4.mesh.host_memory_gib=2100").memory.host_capacity_gib == 2100
-    with pytest.raises(RecipeValidationError, match="host memory"):  # control: one short of the need is refused
+    with pytest.raises(RecipeValidationError, match="host memory"):  # control: 10 GiB short of the need is refused
         validate("ds4.mesh.host_memory_gib=2030")
 
 

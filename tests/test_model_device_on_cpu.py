@@ -76,6 +76,18 @@ def test_a_cpu_config_built_inside_a_meta_context_stays_on_meta():
     assert model.config.use_cpu_initialization is True and off_device(model, "meta") == []
 
 
+def test_an_override_contradicting_the_device_is_refused():
+    from verl_ds4.models.ds4.model import build_ds4_model
+    from verl_ds4.verify.parity import _ds4_config
+
+    with pytest.raises(ValueError, match=r"config_overrides\['use_cpu_initialization'\]=True contradicts device='meta'"):
+        build_ds4_model(_ds4_config(None), dtype=torch.float32, device="meta", config_overrides={"use_cpu_initialization": True})
+    # control: the same override without a device is the caller's choice, and agreeing values pass
+    assert build_ds4_model(_ds4_config(None), dtype=torch.float32, config_overrides={"use_cpu_initialization": True})
+    assert build_ds4_model(_ds4_config(None), dtype=torch.float32, device="meta",
+                           config_overrides={"init_model_with_meta_device": True}).config.init_model_with_meta_device
+
+
 def test_ds4_default_stays_on_the_cpu():
     model = _ds4(None)
     assert model.config.use_cpu_initialization is True

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -104,6 +105,84 @@ def test_free_form_fields_and_groups_are_not_keys():
     keys = [a.key for a in added_keys(["+recipe=deepseek_v4_sft", "+ds4_mesh=h200_64gpu_pp4_ep8", "+a.b=1",
                                        "++c=2", "hydra.run.dir=x", "+hydra.job.name=y", "d.e=3"])]
     assert keys == ["a.b", "c"]
+
+
+def _defaulted_ds4_reads(sources: dict[str, str]) -> dict[str, list[str]]:
+    """``ds4`` knob -> where it is read as ``_get(cfg, "ds4.X", <default>)`` (a read with a default: a config may
+    leave the knob out, so ``+ds4.X=...`` must pass the typo check)."""
+    import ast
+
+    reads: dict[str, list[str]] = {}
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text, name)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            has_default = len(node.args) >= 3 or any(k.arg == "default" for k in node.keywords)
+            if func != "_get" or len(node.args) < 2 or not has_default:
+                continue
+            key = node.args[1]
+            if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("ds4."):
+                reads.setdefault(key.value.split(".")[1], []).append(f"{name}:{node.lineno}")
+    return reads
+
+
+def _missing_from(known: Sequence[str], reads: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {k: where for k, where in reads.items() if k not in known}
+
+
+def test_every_ds4_knob_read_with_a_default_is_a_known_key():
+    from verl_ds4.recipes.override_keys import DS4_DEFAULTED_KEYS
+
+    sources = {str(f.relative_to(REPO)): f.read_text() for f in sorted((REPO / "verl_ds4").rglob("*.py"))}
+    reads = _defaulted_ds4_reads(sources)
+    # What the collector must find (a collector that finds nothing would pass vacuously).
+    assert {"memory_check", "memory_headroom", "check_paths", "recipe"} <= set(reads), reads
+    missing = _missing_from(DS4_DEFAULTED_KEYS, reads)
+    assert not missing, (f"ds4 knobs read with a default but missing from override_keys.DS4_DEFAULTED_KEYS "
+                         f"(+ds4.<knob>=... would be refused as a typo): {missing}")
+    # Negative controls: the tuple before ds4.memory_headroom and ds4.recipe were added is caught, and so is a
+    # new read (positional or keyword default); a read without a default is not one.
+    assert set(_missing_from(("memory_check", "check_paths", "allow_unknown_keys"), reads)) == {"memory_headroom",
+                                                                                                 "recipe"}
+    extra = _defaulted_ds4_reads({"x.py": 'a = _get(cfg, "ds4.new_knob", 1)\nb = roles._get(cfg, "ds4.other", default=2)\n'
+                                          'c = _get(cfg, "ds4.model")\n'})
+    assert _missing_from(DS4_DEFAULTED_KEYS, extra) == {"new_knob": ["x.py:1"], "other": ["x.py:2"]}
+
+
+def test_a_defaulted_ds4_knob_may_be_added_where_the_config_leaves_it_out():
+    from omegaconf import OmegaConf
+
+    from verl_ds4.recipes.override_keys import check_added_keys
+
+    base = OmegaConf.create({"ds4": {"model": {"name": "x"}}})  # a hand-written config's ds4 block
+    for knob in ("memory_headroom", "recipe"):
+        full = OmegaConf.merge(base, {"ds4": {knob: "v"}})
+        problems, _ = check_added_keys(base, full, [f"+ds4.{knob}=v"], group_roots=[])
+        assert not problems, problems
+    # Negative control: a misspelt one is refused, naming the knob.
+    full = OmegaConf.merge(base, {"ds4": {"memory_headrom": 0.2}})
+    problems, _ = check_added_keys(base, full, ["+ds4.memory_headrom=0.2"], group_roots=[])
+    assert len(problems) == 1 and "did you mean ds4.memory_headroom?" in str(problems[0]), problems
+
+
+def test_precheck_leaves_logging_as_it_found_it():
+    import logging
+
+    before = logging.root.manager.disable
+    try:
+        for level in (logging.NOTSET, logging.INFO):
+            logging.disable(level)
+            status, _ = precheck("sft_trainer_engine", ["engine=megatron", "optim=megatron", "+engine.cp_mode=x"])
+            assert status == 2
+            assert logging.root.manager.disable == level, "precheck left logging disabled"
+            status, _ = precheck("sft_trainer_engine", ["no_such_group=x"])  # the Hydra-error return path
+            assert status == 2 and logging.root.manager.disable == level
+        # Negative control: the check above sees logging left disabled.
+        logging.disable(logging.CRITICAL)
+        assert logging.root.manager.disable != logging.NOTSET
+    finally:
+        logging.disable(before)
 
 
 # ------------------------------------------------------------------------------------ the launchers

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -153,10 +154,40 @@ def test_the_real_draw_on_this_host():
         assert out.returncode == 0, out.stderr
         ports = [int(p) for p in out.stdout.split()]
         assert len(ports) == SERVICES + 2
-        _check(ports, 200, {6379, 8265}, taken, max(low, ports_mod.LOWEST + 1400))
+        _check(ports, 200, {6379, 8265}, taken, min(65536, low))
     bad = subprocess.run([sys.executable, "scripts/ray_node_ports.py", "7", "70000"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 1 and "RAY_WORKER_PORTS=70000 does not fit in 20000-65535" in bad.stderr, bad.stderr
+    most = min(65536, low) - ports_mod.LOWEST - 7 - 1
+    assert bad.returncode == 1, bad.stderr
+    assert (f"RAY_WORKER_PORTS=70000: at most {most} fit between 20000 and the ephemeral range (starts at {low})"
+            in bad.stderr or most < 1 and "no worker window fits" in bad.stderr), bad.stderr
+
+
+def test_a_wide_worker_window_never_reaches_into_the_ephemeral_range():
+    """A window wider than the gap between 20000 and the ephemeral range is refused, never drawn into that range
+    (the kernel hands its ports to any outgoing connection, so a worker's port could be taken at any time)."""
+    rng = random.Random(3)
+    # The widest window that fits still stays below the ephemeral range: 32768 - 20000 - 7 - 1 = 12760.
+    for low, most in ((32768, 12760), (21000, 992)):
+        for _ in range(10):
+            ports = ports_mod.pick(SERVICES, most, (), low=low, taken=[], free=lambda p: True, rng=rng)
+            _check(ports, most, set(), [], low)
+        with pytest.raises(RuntimeError) as err:
+            ports_mod.pick(SERVICES, most + 1, (), low=low, taken=[], free=lambda p: True, rng=rng)
+        assert str(err.value).startswith(f"RAY_WORKER_PORTS={most + 1}: at most {most} fit between 20000 and the "
+                                         f"ephemeral range (starts at {low})"), err.value
+        assert f"Fix: set RAY_WORKER_PORTS={most} or lower" in str(err.value)
+    # The case that drew into the ephemeral range before: 6000 ports on a host whose range starts at 25000.
+    with pytest.raises(RuntimeError, match=r"RAY_WORKER_PORTS=6000: at most 4992 fit .* \(starts at 25000\)"):
+        ports_mod.pick(SERVICES, 6000, (), low=25000, taken=[], free=lambda p: True, rng=rng)
+    # An ephemeral range that starts at or below 20000 leaves no room at all.
+    with pytest.raises(RuntimeError, match="no worker window fits between 20000 and the ephemeral range "
+                                           r"\(starts at 10000\).*Fix: move the ephemeral range up"):
+        ports_mod.pick(SERVICES, 1, (), low=10000, taken=[], free=lambda p: True, rng=rng)
+    # Negative control: the check catches a draw that reaches into the ephemeral range (the old bound,
+    # 20000 + 2 x 6000 + 1000 = 33000 on a host whose range starts at 25000, drew windows up to 32999).
+    with pytest.raises(AssertionError):
+        _check([20001, 20002, 20003, 20004, 20005, 20006, 20007, 26000, 31999], 6000, set(), [], 25000)
 
 
 def _wait_nodes_with_a_node_owner(tmp_path: Path, owner_s: float, waiter_s: float) -> tuple[subprocess.CompletedProcess,
@@ -202,3 +233,62 @@ def test_negative_control_wait_nodes_with_its_node_alive_ends_with_the_waiter(tm
     out, wall = _wait_nodes_with_a_node_owner(tmp_path, owner_s=30, waiter_s=1)
     assert out.returncode == 0 and "waited" in out.stdout, out.stdout + out.stderr
     assert "stopped while waiting" not in out.stderr
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a stopped waiter's parent may be gone, leaving it unreaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop_wait_nodes(tmp_path: Path, sig: int) -> tuple[int, int, bool]:
+    """Starts ``ray_cluster.sh wait-nodes`` with a stand-in waiter (PYTHON: writes its pid, sleeps 60 s), sends the
+    script ``sig`` once the waiter runs; returns the script's exit status, the waiter's pid and whether the waiter
+    still runs 5 s later. No Ray runs."""
+    pid_file = tmp_path / "waiter.pid"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!{sys.executable}\nimport os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                           "time.sleep(60)\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHON=str(fake_python), RAY_NODE_DIR=str(tmp_path / "no_node"), NNODES="2",
+               RAY_HEAD_IP="127.0.0.1", RAY_AUTH_MODE="disabled")
+    script = subprocess.Popen(["bash", "scripts/ray_cluster.sh", "wait-nodes"], cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    waiter = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        waiter = int(pid_file.read_text())
+        assert _running(waiter)
+        script.send_signal(sig)
+        status = script.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while _running(waiter) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return status, waiter, _running(waiter)
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.wait()
+        if waiter and _running(waiter):
+            os.kill(waiter, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_stopping_wait_nodes_stops_its_waiter(tmp_path, sig, status):
+    """Ctrl-C (SIGINT) or SIGTERM to ``wait-nodes`` ends its background waiter too (a script's background job
+    ignores SIGINT), instead of leaving it polling the cluster for up to RAY_WAIT_TIMEOUT."""
+    got, waiter, running = _stop_wait_nodes(tmp_path, sig)
+    assert got == status, f"wait-nodes exited {got} on signal {sig}"
+    assert not running, f"the waiter (pid {waiter}) still runs after wait-nodes stopped"
+
+
+def test_negative_control_a_killed_wait_nodes_leaves_its_waiter_running(tmp_path):
+    # SIGKILL runs no trap: the waiter survives, which the check above would report.
+    got, waiter, running = _stop_wait_nodes(tmp_path, signal.SIGKILL)
+    assert got == -signal.SIGKILL and running, (got, waiter, running)

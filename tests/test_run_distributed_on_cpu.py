@@ -48,3 +48,21 @@ def test_negative_control_without_holding_the_groups_the_ranks_hang(megatron_use
     monkeypatch.setattr(rd, "keep_inherited_groups", lambda: 0)  # the forked ranks inherit the patch
     with pytest.raises(rd.DistributedRunError, match="2 of 2 ranks did not finish within 15 s"):
         rd.run_distributed(_init_megatron, world_size=2, timeout=15)
+
+
+def _rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_nccl_ranks_are_refused_a_fork_before_any_process_starts(monkeypatch):
+    started = []
+    monkeypatch.setattr(rd.mp, "get_context", lambda method: started.append(method))  # nothing may start
+    with pytest.raises(ValueError, match=r"backend='nccl' with start_method='fork'.*Expected start_method='spawn'"):
+        rd.run_distributed(_rank, world_size=1, backend="nccl", start_method="fork")
+    assert started == []
+    # control: the check reads the pair, so nccl with spawn gets past it (up to the context, stubbed out here)
+    with pytest.raises(AttributeError):  # the stub returns None: .Queue fails after the check passed
+        rd.run_distributed(_rank, world_size=1, backend="nccl", start_method="spawn")
+    assert started == ["spawn"]
+    monkeypatch.undo()
+    assert rd.run_distributed(_rank, world_size=1, backend="gloo", start_method="fork", timeout=60) == [0]  # gloo forks

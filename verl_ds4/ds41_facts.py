@@ -329,7 +329,13 @@ def _rope_rules(text: Any, compressed: bool, folder: bool) -> list[Violation]:
     problems = check_rope(text, compressed, yarn_only=True, released=TEXT_DEFAULTS["rope_scaling"], required=folder)
     params, theta = _get(text, "rope_parameters"), _get(text, "rope_theta")
     inner = params.get("rope_theta") if isinstance(params, Mapping) else None
-    if theta is not None and inner is not None and float(theta) != float(inner):
+    not_numbers = [(key, value) for key, value in (("rope_theta", theta), ("rope_parameters.rope_theta", inner))
+                   if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool))]
+    for key, value in not_numbers:
+        problems.append(Violation(key, value, "expected a number (RoPE's base frequency; the released Flash has "
+                                  f"{TEXT_DEFAULTS['rope_theta']!r})", f"Write the checkpoint's {key} into config.json "
+                                  "as a number."))
+    if not not_numbers and theta is not None and inner is not None and float(theta) != float(inner):
         problems.append(Violation("rope_theta", theta, f"rope_parameters gives rope_theta {inner} (transformers 5 reads "
                                   "that one, NeMo Automodel rope_theta)", "Give both the same value, the checkpoint's."))
     if folder:

@@ -264,10 +264,11 @@ YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1}
 
 def _rope_entries(text: Any) -> tuple[Any, Any]:
     """``(rope_scaling, rope_parameters)`` as ``config.json`` gives them; V4's ``rope_parameters`` nested by
-    rope kind (``{"main": ..., "compress": ...}``, transformers 5) is read at ``compress``."""
+    rope kind (``{"main": ..., "compress": ...}``, transformers 5) is read at ``compress``, and one nested by kind
+    without a ``compress`` entry gives the compressed layers none (``main`` is the other layers' RoPE)."""
     params = _get(text, "rope_parameters")
-    if isinstance(params, Mapping) and isinstance(params.get("compress"), Mapping):
-        params = params["compress"]
+    if isinstance(params, Mapping) and ("main" in params or "compress" in params):
+        params = params.get("compress")
     return _get(text, "rope_scaling"), params
 
 

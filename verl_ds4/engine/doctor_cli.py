@@ -112,6 +112,9 @@ def this_machine(get_device_name, get_vendor) -> tuple[str, str, str]:
     device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()
     vendor = os.getenv("VERL_ENGINE_VENDOR") or get_vendor()
     if device == "cuda" and not os.getenv("VERL_ENGINE_DEVICE") and not _has_accelerator():
+        env_vendor = os.getenv("VERL_ENGINE_VENDOR")
+        if env_vendor:  # the user's vendor stands; only the device falls back
+            return "cpu", env_vendor, f"this machine (cpu/{env_vendor}, no accelerator)"
         return "cpu", "cpu", "this machine (cpu, no accelerator)"
     return device, vendor, f"this machine ({device}/{vendor})"
 

@@ -94,12 +94,18 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
-    ``backend="nccl"``: each rank first selects GPU ``rank`` (``torch.cuda.set_device``); use it with
-    ``start_method="spawn"`` (a CUDA context does not survive a fork)."""
+    ``backend="nccl"``: each rank first selects GPU ``rank`` (``torch.cuda.set_device``); pass
+    ``start_method="spawn"`` (a CUDA context does not survive a fork: ``"fork"`` is refused)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: run_distributed runs 'gloo' (CPU) or 'nccl' (one GPU per rank) groups.")
+    if backend == "nccl" and start_method == "fork":
+        raise ValueError(
+            f"backend='nccl' with start_method={start_method!r}: the nccl ranks use CUDA, and a CUDA context does not "
+            "survive a fork (a parent that touched CUDA leaves the ranks unusable). Expected start_method='spawn' "
+            "(then fn must be importable by name): run_distributed(fn, ..., backend='nccl', start_method='spawn')."
+        )
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()

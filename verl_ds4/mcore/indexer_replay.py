@@ -44,8 +44,11 @@ __all__ = [
     "PAD",
     "IndexerReplay",
     "IndexerReplayError",
+    "check_reach",
     "clear",
     "enable",
+    "forget_targets",
+    "fill_rows",
     "ids_to_mask",
     "load",
     "mask_to_ids",
@@ -97,8 +100,9 @@ class IndexerReplay:
     natively), or ``None``; ``record``: keep the layer's final choice in ``last`` (the rollout's record).
     """
 
-    def __init__(self, label: str, width: int):
+    def __init__(self, label: str, width: int, ratio: int | None = None):
         self.label, self.width = label, int(width)
+        self.ratio = None if ratio is None else int(ratio)  # compress ratio m: row t reaches blocks 0..(t + 1) // m - 1
         self.target: torch.Tensor | None = None
         self.record = False
         self.last: torch.Tensor | None = None
@@ -116,18 +120,30 @@ class IndexerReplay:
             replayed = target[:, 0] != NOT_RECORDED
             count = reachable.sum(dim=1)
             beyond = replayed & ((target.long() >= count.unsqueeze(1)).any(dim=1) | (target < NOT_RECORDED).any(dim=1))
-            if bool(beyond.any()):
+            if bool(beyond.any()):  # (load_indexer_replay checked the whole field on every rank already)
                 row = int(beyond.nonzero()[0, 0])
-                raise IndexerReplayError(
-                    f"{FIELD} for {self.label}: local row {row} reaches {int(count[row])} compressed blocks (ids 0.."
-                    f"{int(count[row]) - 1}), found ids {target[row].tolist()}: the choices belong to another sequence "
-                    "or another model (the sequence's compressed length does not match)."
-                )
+                _refuse_beyond(self.label, f"local row {row}", int(count[row]), target[row].tolist())
             mask = ids_to_mask(target, native.shape[1])
             chosen = torch.where(replayed.unsqueeze(1), mask, native)
         if self.record:
             self.last = mask_to_ids(chosen & reachable, self.width)
         return chosen
+
+
+def _refuse_beyond(label: str, where: str, count: int, ids: list[int]) -> None:
+    raise IndexerReplayError(
+        f"{FIELD} for {label}: {where} reaches {count} compressed blocks (ids 0..{count - 1}), found ids {ids}: the "
+        "choices belong to another sequence or another model (the sequence's compressed length does not match)."
+    )
+
+
+def _compress_ratio(module) -> int | None:
+    """A selecting layer's compress ratio (DS4: ``spec.compress_ratio``; V4.1: ``role.ratio``), else ``None``."""
+    for owner, name in (("spec", "compress_ratio"), ("role", "ratio")):
+        value = getattr(getattr(module, owner, None), name, None)
+        if value is not None and int(value) > 0:
+            return int(value)
+    return None
 
 
 def selecting_layers(model) -> list[tuple[str, Any]]:
@@ -156,7 +172,7 @@ def enable(model, record: bool = False) -> list[IndexerReplay]:
     for name, module in layers:
         replay = getattr(module, "indexer_replay", None)
         if replay is None:
-            replay = IndexerReplay(name, module.indexer_replay_width)
+            replay = IndexerReplay(name, module.indexer_replay_width, _compress_ratio(module))
             module.indexer_replay = replay
         replay.record = record
         replays.append(replay)
@@ -168,6 +184,37 @@ def _replays(model) -> list[IndexerReplay]:
     if not replays or any(r is None for r in replays):
         raise IndexerReplayError("indexer replay is not enabled on this model: call indexer_replay.enable(model) first.")  # error-catalogue: internal: the engine enables it at start-up
     return replays
+
+
+def check_reach(ids: torch.Tensor, offsets: torch.Tensor, model) -> None:
+    """Refuse a field ``[tokens, layers, width]`` (all sequences of the micro-batch, ``offsets`` ``[B + 1]``)
+    with an id past its row's compressed length in some layer.
+
+    Run on the whole field, before the forward: every CP rank holds the same field and so refuses together
+    (a refusal raised by one rank's layer, on its own rows only, would leave the other ranks waiting in the
+    halo exchange)."""
+    replays = _replays(model)
+    ids = ids.to(torch.long)
+    lengths = (offsets[1:] - offsets[:-1]).to(device=ids.device, dtype=torch.long)
+    starts = offsets[:-1].to(device=ids.device, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+    position = torch.arange(ids.shape[0], device=ids.device) - starts[seq]
+    bad = torch.zeros(ids.shape[0], len(replays), dtype=torch.bool, device=ids.device)
+    for i, replay in enumerate(replays):
+        if replay.ratio is None:
+            raise IndexerReplayError(  # error-catalogue: internal: the layers verl-ds4 builds all carry their ratio
+                f"{replay.label}: its compress ratio is unknown, so its replayed {FIELD} ids cannot be checked before "
+                "the forward; expected a module with spec.compress_ratio (DS4) or role.ratio (V4.1)."
+            )
+        layer = ids[:, i, : replay.width]
+        count = ((position + 1) // replay.ratio).unsqueeze(1)
+        replayed = layer[:, 0] != NOT_RECORDED
+        bad[:, i] = replayed & ((layer >= count) | (layer < NOT_RECORDED)).any(dim=1)
+    if bool(bad.any()):  # one host read for the whole field
+        row, i = (int(v) for v in bad.nonzero()[0])
+        s, t = int(seq[row]), int(position[row])
+        count = (t + 1) // replays[i].ratio
+        _refuse_beyond(replays[i].label, f"sequence {s} row {t}", count, ids[row, i, : replays[i].width].tolist())
 
 
 def check_shape(ids: torch.Tensor, model, where: str = FIELD) -> None:
@@ -205,9 +252,40 @@ def recorded(model) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(r.last, (0, width - r.width), value=PAD) for r in replays], dim=1)
 
 
+def forget_targets(model) -> None:
+    """Drop every selecting layer's replay target (the next forward chooses natively); a model without
+    replay attached is left as it is. The engine forward calls it for every forward outside a replaying
+    micro-batch, so a target never outlives the micro-batch it was packed for. (Not at the scope's end:
+    an activation recompute in that micro-batch's backward runs the forward again and needs it.)"""
+    for _, module in selecting_layers(model):
+        replay = getattr(module, "indexer_replay", None)
+        if replay is not None:
+            replay.target = None
+
+
 def clear(model) -> None:
+    """Drop the targets and the record, and stop recording (the rollout, after reading its record)."""
     for replay in _replays(model):
-        replay.target, replay.last = None, None
+        replay.target, replay.last, replay.record = None, None, False
+
+
+def fill_rows(rows: torch.Tensor | None, length: int, trailing: tuple[int, int] | None = None) -> torch.Tensor:
+    """One sequence's field ``[length, layers, width]`` int32: the recorded ``rows`` (those past ``length``
+    dropped), then :data:`NOT_RECORDED` for the rows nobody recorded (never run, e.g. the last token; all of
+    them when ``rows`` is ``None``). ``trailing``: the ``(layers, width)`` expected (``None``: ``rows``')."""
+    if rows is None:
+        if trailing is None:
+            raise ValueError("fill_rows: without rows, pass trailing=(layers, width).")  # error-catalogue: internal: a caller's argument
+        return torch.full((length, *trailing), NOT_RECORDED, dtype=torch.int32)
+    kept = torch.as_tensor(rows)[:length].to(torch.int32)
+    if kept.dim() != 3 or (trailing is not None and tuple(kept.shape[1:]) != tuple(trailing)):
+        raise ValueError(  # error-catalogue: internal: the rollout's own record of earlier steps
+            f"{FIELD} rows: expected [rows, {', '.join(map(str, trailing)) if trailing else 'layers, width'}], found "
+            f"{list(kept.shape)}; pass the choices recorded for this sequence by this model."
+        )
+    out = kept.new_full((length, *kept.shape[1:]), NOT_RECORDED)
+    out[: kept.shape[0]] = kept
+    return out
 
 
 @contextlib.contextmanager

@@ -101,16 +101,34 @@ class PackedBatch:
 def load_indexer_replay(batch: PackedBatch, unwrapped) -> None:
     """In a replaying micro-batch (:func:`verl_ds4.mcore.indexer_replay.pending`), hand the model's selecting
     layers the rollout's indexer choices of this rank's query rows, packed with the micro-batch's one plan
-    (CP padding rows: NOT_RECORDED, chosen natively)."""
+    (CP padding rows: NOT_RECORDED, chosen natively). Any other forward drops the targets a replaying one
+    left (it chooses natively)."""
     replaying, replay_ids = indexer_replay.pending()
     if not replaying:
+        indexer_replay.forget_targets(unwrapped)
         return
     if replay_ids is None:
         indexer_replay.refuse_missing_field()
     indexer_replay.check_shape(replay_ids, unwrapped)
     batch._check_same_batch(replay_ids, indexer_replay.FIELD)
+    # the whole field, the same on every CP rank: a bad id is refused by all ranks together, before the forward
+    indexer_replay.check_reach(thd.flat_values(replay_ids), replay_ids.offsets(), unwrapped)
     rows = batch.plan.pack(thd.flat_values(replay_ids), batch.cp_rank, fill=indexer_replay.NOT_RECORDED)
     indexer_replay.load(unwrapped, rows.to(batch.input_ids.device))
+
+
+def untouched_by_indexer_replay(model, what: str) -> None:
+    """A forward that does not pack the micro-batch (verl's ``what`` forward): refuse a replaying micro-batch
+    (its layers would silently choose natively), else drop any target a replaying forward left."""
+    replaying, _ = indexer_replay.pending()
+    if replaying:
+        raise indexer_replay.IndexerReplayError(
+            f"indexer replay is on ({indexer_replay.SWITCH}=true), but this micro-batch runs verl's {what} forward, "
+            f"which does not pack the rollout's {indexer_replay.FIELD!r} rows (its layers would choose natively). "
+            "Replay needs THD text inputs (data_format='thd'): set actor_rollout_ref.model.use_remove_padding=true, "
+            f"or {indexer_replay.SWITCH}=false."
+        )
+    indexer_replay.forget_targets(_unwrap(model))
 
 
 def _resolved_for(model, resolved: ResolvedCPLayout | None, cp_layout: str | None, pad_to_length_bucket) -> ResolvedCPLayout:
@@ -307,6 +325,7 @@ def _delegate_to_verl(model, input_ids, multi_modal_inputs, resolved, data_forma
     """BSHD and vision inputs: verl's own forward, told the resolved layout (it cannot pad to a minimum)."""
     from verl.models.mcore.model_forward import gptmodel_forward_model_engine as verl_forward
 
+    untouched_by_indexer_replay(model, "BSHD" if data_format == "bshd" else "vision-model")
     cp_possible = resolved.cp_size > 1 or resolved.dynamic_cp
     if data_format == "bshd" and cp_possible and resolved.layout != resolver.ZIGZAG:
         raise CPLayoutError(
@@ -338,4 +357,5 @@ __all__ = [
     "pack_thd",
     "refresh_dynamic_cp_padding",
     "unpack_thd",
+    "untouched_by_indexer_replay",
 ]

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from verl_ds4.mcore.model_forward import PackedBatch, _model_kwargs, _resolved_for, _unwrap, load_indexer_replay
+from verl_ds4.mcore.model_forward import (
+    PackedBatch,
+    _model_kwargs,
+    _resolved_for,
+    _unwrap,
+    load_indexer_replay,
+    untouched_by_indexer_replay,
+)
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
 
@@ -98,6 +105,7 @@ def _delegate_vision(
 ):  # fmt: skip
     from verl.models.mcore.model_forward_fused import fused_forward_model_engine as verl_factory
 
+    untouched_by_indexer_replay(model, "vision-model")  # refuses a replaying micro-batch, drops a stale target
     if resolved.min_local_rows and (resolved.cp_size > 1 or resolved.dynamic_cp):
         raise CPLayoutError(
             f"vision-model inputs cannot be padded to {resolved.min_local_rows} rows per CP rank "

@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         setattr(args, overrides.pop(0)[2:].replace("-", "_"), True)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
+    if getattr(args, "json", False) and not args.dry_run:
+        print(f"verl-ds4 recipe {args.kind}: --json prints the dry-run plan; expected --dry-run with it. Fix: add --dry-run "
+              "(a launch validates with the table on stderr).", file=sys.stderr)
+        return 2
     trainer = TRAINERS[args.kind]
     from verl_ds4.recipes.override_keys import check_added_keys, compose_without_added, explain_compose_error
 

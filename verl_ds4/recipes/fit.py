@@ -109,7 +109,7 @@ def _roles(sizes, mesh: Mesh, recipe: str, mtp: bool, optimizer, settings: dict)
         rl = recipe != "sft"
         out[role] = role_memory(
             sizes, role, mesh, trainable=trainable, optimizer=(optimizer or OptimizerSettings()) if trainable else OptimizerSettings(),
-            mtp=mtp and role == "sft", param_offload=rl, optimizer_offload=rl, logits=logits,
+            mtp=mtp and role != "critic", param_offload=rl, optimizer_offload=rl, logits=logits,
             tokens_per_gpu=settings["infer_tokens"] if role == "ref" else settings["tokens"],
             infer_tokens=settings["infer_tokens"] if (trainable and rl) else None,
             recompute=settings["recompute"], path=settings["path"], max_seq_len=settings["max_seq_len"],

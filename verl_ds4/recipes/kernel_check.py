@@ -81,11 +81,21 @@ def _recompute(otc: Any, where: str, out: list[Problem]) -> None:
             out.append(Problem(f"{key}.recompute_granularity", f"is full without {' and '.join(missing)}, which Megatron needs.",
                                "set ds4.recompute_method=uniform ds4.recompute_num_layers=1 (the recipes' full recompute)."))
         return
-    modules = [str(m) for m in (otc.get("recompute_modules") or [])]
-    if not modules:
-        out.append(Problem(f"{key}.recompute_modules", "is empty with recompute_granularity=selective: Megatron then recomputes "
+    per_layer = [k for k in ("recompute_method", "recompute_num_layers") if otc.get(k) is not None]
+    if per_layer:  # the meshes set both for their full recompute; Megatron refuses them with selective
+        out.append(Problem(f"{key}.recompute_granularity", f"is selective with {' and '.join(per_layer)} set, which Megatron "
+                           "refuses at build (they belong to full recompute).",
+                           "also set " + " ".join(f"ds4.{k}=null" for k in per_layer) + "."))
+    raw = otc.get("recompute_modules")
+    modules = [str(m) for m in (raw or [])]
+    if raw is None:
+        out.append(Problem(f"{key}.recompute_modules", "is null with recompute_granularity=selective: Megatron then recomputes "
                            "core_attn, which DeepSeek-V4's attention refuses.",
                            "name the modules, e.g. ds4.recompute_modules=[moe_act,mhc] (Megatron-Bridge's DS4 recipes)."))
+    elif not modules:
+        out.append(Problem(f"{key}.recompute_modules", "is empty with recompute_granularity=selective: Megatron then recomputes "
+                           "nothing, which is no recompute at all under another name.",
+                           "name the modules, e.g. ds4.recompute_modules=[moe_act,mhc], or set ds4.recompute_granularity=null."))
     if "core_attn" in modules:
         out.append(Problem(f"{key}.recompute_modules", "contains core_attn: Megatron-LM dev refuses checkpointing the core attention "
                            "of DeepSeek-V4's hybrid attention.", "drop core_attn; recompute moe_act, mhc or mla_up_proj instead."))

@@ -61,7 +61,7 @@ class RoleMemory:
     optimizer: OptimizerSettings
     mtp: bool = False
     recompute: frozenset[str] | None = frozenset({"moe_act", "mhc"})
-    micro_batches: int | None = None
+    sequences: int | None = None  # sequences one update packs over all DP ranks (None: not bounded)
     path: str = "unfused"
     max_seq_len: int | None = None
     infer_tokens: int | None = None  # the forward pass's budget (None: no forward-only pass)
@@ -75,6 +75,17 @@ class RoleMemory:
         rm = dataclasses.replace(self, **changes)
         rm.stages, rm.forward = _passes(sizes, rm)
         return rm
+
+    @property
+    def micro_batches(self) -> int | None:
+        """An upper bound on one update's micro-batches per DP rank: sequences x longest / packed budget (it
+        follows the mesh and the budget, so a lever that changes them changes it too)."""
+        m = self.mesh
+        dp = m.world // (m.tp * m.pp * m.cp)
+        if self.sequences is None or self.max_seq_len is None or dp < 1 or self.tokens_per_gpu < 1:
+            return None
+        per_rank = -(-self.sequences // dp)
+        return max(1, -(-(per_rank * self.max_seq_len) // (self.tokens_per_gpu * m.cp)))
 
     @property
     def passes(self) -> dict[str, list[StageMemory]]:
@@ -120,7 +131,6 @@ class MemoryReport:
     roles: list[RoleMemory] = field(default_factory=list)
     rollout: dict[str, Any] | None = None
     phases: list[tuple[str, float]] = field(default_factory=list)
-    host_gib_per_node: float = 0.0
     gpus_per_node: int = 1
     skipped: str | None = None
     headroom: float = DEFAULT_HEADROOM
@@ -147,7 +157,8 @@ class MemoryReport:
                 "tokens_per_gpu": rm.tokens_per_gpu, "pass": name, "stage": stage.stage,
                 "states_gib": round(stage.static_gib, 2), "activations_gib": round(stage.activations_gib, 2),
                 "transient_gib": round(stage.transient_gib, 2),
-                "logits_gib": round(max(s.logits_gib for stages in rm.passes.values() for s in stages), 2),
+                "logits_gib": round(stage.logits_gib, 2),  # the peak stage's, like the fields around it
+                "logits_gib_max": round(max(s.logits_gib for stages in rm.passes.values() for s in stages), 2),  # last stage
                 "a2a_gib": round(stage.a2a_gib, 2), "margin_gib": round(stage.margin_gib, 2),
                 "peak_gib": round(stage.peak_gib, 2), "peak_moment": stage.peak_detail,
                 "fits": stage.peak_gib <= self.limit_gib,
@@ -246,7 +257,7 @@ def _role_memory(cfg: DictConfig, role: RoleMesh, sizes, world: int, max_seq_len
     rm = RoleMemory(
         role=role.role, mesh=mesh, stages=[], trainable=trainable, tokens_per_gpu=tokens,
         param_offload=bool(engine.get("param_offload", False)), optimizer_offload=bool(engine.get("optimizer_offload", False)),
-        optimizer=optim, mtp=mtp, recompute=recompute_of(engine), micro_batches=_micro_batches(cfg, role, mesh, tokens, max_seq_len),
+        optimizer=optim, mtp=mtp, recompute=recompute_of(engine), sequences=_update_sequences(cfg, role),
         path=attention_path_of(engine), max_seq_len=max_seq_len, infer_tokens=infer, logits=_logits_kind(cfg, role.role),
         dense_indexer_loss=dense_loss,
     )
@@ -254,8 +265,8 @@ def _role_memory(cfg: DictConfig, role: RoleMesh, sizes, world: int, max_seq_len
     return rm
 
 
-def _micro_batches(cfg: DictConfig, role: RoleMesh, mesh: Mesh, tokens: int, max_seq_len: int) -> int | None:
-    """An upper bound on one update's micro-batches per DP rank: sequences x longest / packed budget."""
+def _update_sequences(cfg: DictConfig, role: RoleMesh) -> int | None:
+    """The sequences one update packs (SFT: the batch; actor / critic: the mini-batch x n), None for others."""
     if role.role == "sft":
         sequences = _get(cfg, "data.train_batch_size")
     elif role.role in ("actor", "critic"):
@@ -264,11 +275,7 @@ def _micro_batches(cfg: DictConfig, role: RoleMesh, mesh: Mesh, tokens: int, max
         sequences = None if sequences is None else int(sequences) * int(_get(cfg, "actor_rollout_ref.rollout.n", 1))
     else:
         return None
-    dp = mesh.world // (mesh.tp * mesh.pp * mesh.cp)
-    if sequences is None or dp < 1 or tokens < 1 or not role.budgets:
-        return None
-    per_rank = -(-int(sequences) // dp)
-    return max(1, -(-(per_rank * max_seq_len) // (tokens * mesh.cp)))
+    return None if sequences is None or not role.budgets else int(sequences)
 
 
 def _passes(sizes, rm: RoleMemory) -> tuple[list[StageMemory], list[StageMemory]]:

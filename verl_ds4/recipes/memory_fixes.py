@@ -59,7 +59,7 @@ def fixes(rm, sizes, limit: float, gpus_per_node: int, arch: str | None = None, 
     if budget:
         out.append(f"fewer tokens per GPU: {budget}")
     if rm.recompute is not None and rm.trainable and _fits(rm, sizes, limit, recompute=None):
-        out.append("full recompute: ds4.recompute_granularity=full")
+        out.append("full recompute: ds4.recompute_granularity=full ds4.recompute_method=uniform ds4.recompute_num_layers=1")
     if rm.path == "unfused" and arch in ("sm90", "sm100") and not dense_loss_on_sm90 and _fits(rm, sizes, limit, path="fused"):
         out.append("the fused attention kernel: ds4.dsa_kernel_backend=cudnn")
     for ep in sorted(d for d in range(m.ep + 1, sizes.n_routed_experts + 1) if sizes.n_routed_experts % d == 0):
@@ -104,11 +104,25 @@ def rollout_fixes(sizes, tp: int, quantization, share: float, gpus_per_node: int
     return out
 
 
-def _plan_fit_hint(report, memory) -> str:
-    model = report.facts.name.split("-")[-1].lower() if report.facts.source.startswith("recipe") else report.facts.source
+#: ``plan --fit --model`` names of the recipes' model blocks (configs/ds4_model).
+_FIT_MODELS = {"DeepSeek-V4-Flash": "flash", "DeepSeek-V4-Pro": "pro", "DeepSeek-V4.1-Flash": "v41_flash"}
+
+
+def _plan_fit_hint(report, memory, rm) -> str:
+    """The ``plan --fit`` command that searches meshes for this role's settings (model, GPU, recipe, budget,
+    longest sequence, kernel path, recompute)."""
+    from verl_ds4.recipes.memory import GPU_MEMORY_GIB
+
+    source = report.facts.source
+    model = _FIT_MODELS.get(report.facts.name, source) if source.startswith("recipe") else source
+    gpu = f"--gpu {memory.hardware}" if memory.hardware in GPU_MEMORY_GIB else f"--gpu-memory-gib {memory.capacity_gib:g}"
+    recipe = report.recipe if report.recipe in ("sft", "ppo", "grpo") else ("sft" if report.trainer == "sft" else "ppo")
+    recompute = "full" if rm.recompute is None else ("selective" if rm.recompute else "none")
+    seq = f" --max-seq-len {rm.max_seq_len}" if rm.max_seq_len else ""
     return (
-        "no single change fits; `verl-ds4 plan --fit --model "
-        f"{model} --gpu {memory.hardware or '<GPU>'} --gpus {report.world_size}-{16 * report.world_size}` lists the meshes that do."
+        f"no single change fits; `verl-ds4 plan --fit --model {model} {gpu} --gpus {report.world_size}-{16 * report.world_size} "
+        f"--recipe {recipe} --tokens-per-gpu {rm.tokens_per_gpu}{seq} --kernel {rm.path} --recompute {recompute}` lists "
+        "the meshes that do."
     )
 
 
@@ -139,7 +153,7 @@ def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_
                 f"{rm.role} memory",
                 f"{describe_peak(rm)} exceeds {limit:.1f} GiB, the {cap:.1f} GiB of one {hw} less the headroom "
                 f"{memory.headroom:g} (ds4.memory_headroom){before}.",
-                ("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory),
+                ("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory, rm),
             ))
     trainers = list(memory.roles)
     if len(trainers) > 1:  # verl colocates the roles on the same GPUs
@@ -160,7 +174,6 @@ def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_
     rollout = _rollout_findings(cfg, sizes, memory, report, problems)
     if rollout is not None:
         memory.phases.append(("rollout", rollout))
-    memory.host_gib_per_node = report.gpus_per_node * sum(rm.offloaded_host_gib for rm in memory.roles)
     problems += host_findings(cfg, report, memory)
     return problems, notes
 

@@ -51,8 +51,9 @@ __all__ = [
 
 ALLOW_KEY = "ds4.allow_unknown_keys"
 _DS4_BLOCK = "the recipe's ds4 block"
-#: ``ds4.*`` knobs the recipe validator reads with a default, so a recipe need not list them.
-DS4_DEFAULTED_KEYS = ("memory_check", "check_paths", "allow_unknown_keys")
+#: ``ds4.*`` knobs the recipe validator reads with a default, so a recipe need not list them
+#: (tests/test_override_keys_on_cpu.py checks that every ``_get(cfg, "ds4.X", default)`` in verl_ds4/ is here).
+DS4_DEFAULTED_KEYS = ("memory_check", "memory_headroom", "check_paths", "recipe", "allow_unknown_keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,20 +328,26 @@ def precheck(config_name: str, overrides: Sequence[str], before: str = "the trai
 
     # Third-party warnings and prints (verl's imports when a dataclass is looked up) stay off the console.
     sink = io.StringIO()
+    # Until the check is done only (it also runs inside other processes, e.g. pytest's): the level before.
+    disabled_before = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        warnings.simplefilter("ignore")
-        try:
-            full = compose(list(overrides))
-        except Exception as e:
-            lines = [f"{PREFIX} FAILED: the overrides do not compose with verl's {config_name} config (Hydra's error; "  # error-catalogue: the head line of a Hydra error, which it quotes
-                     f"checked before {before}):"]
-            lines += ["    " + line for line in str(e).splitlines()]
-            hint = explain_compose_error(e, compose, list(overrides))
-            if hint:
-                lines.append(f"{PREFIX} {hint}")
-            return 2, lines
-        problems, notes = check_added_keys(compose_without_added(compose, list(overrides), full), full, list(overrides))
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            try:
+                full = compose(list(overrides))
+            except Exception as e:
+                lines = [f"{PREFIX} FAILED: the overrides do not compose with verl's {config_name} config (Hydra's error; "  # error-catalogue: the head line of a Hydra error, which it quotes
+                         f"checked before {before}):"]
+                lines += ["    " + line for line in str(e).splitlines()]
+                hint = explain_compose_error(e, compose, list(overrides))
+                if hint:
+                    lines.append(f"{PREFIX} {hint}")
+                return 2, lines
+            problems, notes = check_added_keys(compose_without_added(compose, list(overrides), full), full,
+                                               list(overrides))
+    finally:
+        logging.disable(disabled_before)
     if problems:
         lines = [f"{PREFIX} FAILED: {len(problems)} override(s) add a key that nothing reads (checked before {before}):"]
         return 2, lines + [f"{PREFIX}   {p}" for p in problems]

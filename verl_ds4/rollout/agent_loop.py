@@ -26,7 +26,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping
 
-import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
@@ -46,12 +45,9 @@ class IndexerAgentLoopOutput(AgentLoopOutput):
     def as_dict(self) -> dict[str, Any]:
         output = super().as_dict()
         rows = output.pop(indexer_replay.FIELD, None)
-        if rows is not None:
-            rows = torch.as_tensor(rows, dtype=torch.int32)
-            total = output["prompts"].size(0) + output["responses"].size(0)
-            aligned = rows.new_full((total, *rows.shape[1:]), indexer_replay.NOT_RECORDED)
-            aligned[: min(total, rows.shape[0])] = rows[:total]
-            output[indexer_replay.FIELD] = aligned
+        if rows is not None:  # one row per token of prompt + response (the recorded ones, then NOT_RECORDED)
+            tokens = sum(output[part].size(0) for part in ("prompts", "responses"))
+            output[indexer_replay.FIELD] = indexer_replay.fill_rows(rows, tokens)
         return output
 
 

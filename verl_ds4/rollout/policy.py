@@ -154,23 +154,19 @@ class MegatronCPUPolicy:
         """
         from verl_ds4.mcore import batch_plans, indexer_replay, resolver
 
-        indexer_replay.enable(self.model, record=True)  # idempotent; refuses a model without an indexer
-        layers = len(indexer_replay.selecting_layers(self.model))
-        width = max(m.indexer_replay_width for _, m in indexer_replay.selecting_layers(self.model))
-        field = []
-        for seq, rows in zip(sequences, known):
-            full = torch.full((len(seq), layers, width), indexer_replay.NOT_RECORDED, dtype=torch.int32)
-            if rows is not None:
-                full[: rows.shape[0]] = rows[: len(seq)]
-            field.append(full)
-        with batch_plans.micro_batch_plans(), indexer_replay.micro_batch_scope():
-            offsets = self._offsets(sequences)
-            nested_field = torch.nested.nested_tensor_from_jagged(torch.cat(field), offsets=offsets)
-            indexer_replay.set_pending(nested_field)
-            logits, nested = self._logits(sequences, offsets)
-            plan = batch_plans.plan_for(nested, resolver.resolved_for(self.model).plan_options(None))
-            choices = plan.unpack(indexer_replay.recorded(self.model))
-        indexer_replay.clear(self.model)
+        replays = indexer_replay.enable(self.model, record=True)  # idempotent; refuses a model without an indexer
+        trailing = (len(replays), max(r.width for r in replays))
+        try:
+            field = [indexer_replay.fill_rows(rows, len(seq), trailing) for seq, rows in zip(sequences, known)]
+            with batch_plans.micro_batch_plans(), indexer_replay.micro_batch_scope():
+                offsets = self._offsets(sequences)
+                nested_field = torch.nested.nested_tensor_from_jagged(torch.cat(field), offsets=offsets)
+                indexer_replay.set_pending(nested_field)
+                logits, nested = self._logits(sequences, offsets)
+                plan = batch_plans.plan_for(nested, resolver.resolved_for(self.model).plan_options(None))
+                choices = plan.unpack(indexer_replay.recorded(self.model))
+        finally:  # also after a refusal: no target, record or recording left for the next (native) forward
+            indexer_replay.clear(self.model)
         return logits, [c.clone() for c in choices.unbind()]
 
     @staticmethod

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-__all__ = ["config_device", "building_on", "megatron_layers_on", "device_overrides", "resolve_device"]
+__all__ = ["config_device", "building_on", "megatron_layers_on", "device_overrides", "device_fields", "resolve_device"]
 
 
 def resolve_device(device) -> torch.device:
@@ -51,6 +51,22 @@ def device_overrides(device) -> dict:
     """The ``TransformerConfig`` fields that name ``device`` (see the module doc)."""
     dev = resolve_device(device)
     return {"use_cpu_initialization": dev.type == "cpu", "init_model_with_meta_device": dev.type == "meta"}
+
+
+def device_fields(device, overrides=None) -> dict:
+    """:func:`device_overrides` for an explicit ``device`` merged with ``overrides`` (other config fields). A
+    field both set differently is refused: ``device="cuda"`` with ``use_cpu_initialization=True`` would build
+    on the CPU without a word. ``device=None`` leaves the placement to ``overrides`` (and the config's default)."""
+    overrides = dict(overrides or {})
+    if device is None:
+        return overrides
+    fields = device_overrides(device)
+    for key, value in overrides.items():
+        if key in fields and bool(value) != fields[key]:
+            raise ValueError(f"config_overrides[{key!r}]={value!r} contradicts device={str(device)!r}, which needs "
+                             f"{key}={fields[key]}. Fix: drop {key} from config_overrides (device= names where the model "
+                             "is built).")  # error-catalogue: internal: a Python API argument pair, not a recipe setting
+    return {**fields, **overrides}
 
 
 @contextlib.contextmanager

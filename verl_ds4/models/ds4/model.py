@@ -31,7 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .block import DS4TransformerBlock
-from .device import building_on, device_overrides, megatron_layers_on, resolve_device
+from .device import building_on, device_fields, device_overrides, megatron_layers_on, resolve_device
 from .model_config import DS4TransformerConfig, ds4_transformer_config, hf_config_object
 from .proxy import ValueHead
 
@@ -195,7 +195,8 @@ def build_ds4_model(
     """
     hf = hf_config_object(hf_config)
     dev = resolve_device(device)
-    overrides = {**device_overrides(dev), **(config_overrides or {})}
+    # device=None: the CPU unless config_overrides say otherwise; an explicit device refuses a contradicting override
+    overrides = {**device_overrides(dev), **(config_overrides or {})} if device is None else device_fields(dev, config_overrides)
     config = ds4_transformer_config(hf, dtype=dtype, cp_size=cp_size, allow_mtp_skip=allow_mtp_skip, **overrides)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         model = _build(config, hf, pre_process, post_process, value_head)

@@ -120,8 +120,11 @@ class DS4Sizes:
         else:
             raise MissingSizeField(f"{source} has neither num_hidden_layers nor compress_ratios.")
         mtp = text.get("num_nextn_predict_layers", fallback.get("mtp_layers", fallback.get("num_nextn_predict_layers", 0)))
-        topk = int(text.get("index_topk", fallback.get("index_topk", 512)) or 512)
-        return cls(**values, compress_ratios=tuple(ratios), mtp_layers=int(mtp or 0), index_topk=topk)
+        topk = text.get("index_topk", fallback.get("index_topk"))
+        if topk is None:  # the peak model reads it (the sparse attention's gathered rows): no silent default
+            raise MissingSizeField(f"{source} has no 'index_topk', which the memory model needs; add it (DeepSeek-V4's "
+                                   "config.json has it: 512 for Flash, 1024 for Pro).")
+        return cls(**values, compress_ratios=tuple(ratios), mtp_layers=int(mtp or 0), index_topk=int(topk))
 
     @property
     def num_layers(self) -> int:

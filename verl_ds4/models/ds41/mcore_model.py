@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from verl_ds4 import ds41_facts, ds4_facts
 
 from ..ds4.attention import _RMSNorm
-from ..ds4.device import building_on, device_overrides, megatron_layers_on
+from ..ds4.device import building_on, device_fields, megatron_layers_on
 from ..ds4.mcore_attention import cpu_ds4_settings
 from ..ds4.proxy import ValueHead
 from .engram import EngramHasher
@@ -86,8 +86,8 @@ def ds41_transformer_config(text: dict, dtype: torch.dtype = torch.float32, cp_s
         moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
         ds41_text=text,
     )
-    # ``device`` names where the model's tensors are created (models/ds4/device.py); overrides win.
-    return DS41TransformerConfig(**{**fields, **(device_overrides(device) if device is not None else {}), **overrides})
+    # ``device`` names where the model's tensors are created (models/ds4/device.py); an override contradicting it is refused.
+    return DS41TransformerConfig(**{**fields, **device_fields(device, overrides)})
 
 
 class DS41TransformerBlock(MegatronModule):

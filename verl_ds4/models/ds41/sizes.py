@@ -57,6 +57,13 @@ _ENGRAM = ("engram_n_heads", "engram_head_dim", "engram_max_ngram_size")
 _DSPARK = ("dspark_markov_rank", "dspark_n_routed_experts")
 
 
+def _required(text, key: str, source: str):
+    if text.get(key) is None:
+        raise MissingSizeField(f"{source} has no {key!r}, which the V4.1 memory model needs; add it "
+                               "(configs/ds4_model/v41_flash.yaml shows every field).")
+    return text[key]
+
+
 @dataclass(frozen=True)
 class DS41Sizes(DS4Sizes):
     """V4.1's size numbers; ``compress_ratios`` are the backbone's (DSpark stages excluded)."""
@@ -99,7 +106,7 @@ class DS41Sizes(DS4Sizes):
             **values,
             compress_ratios=facts.compress_ratios,
             mtp_layers=0,
-            index_topk=int(text.get("index_topk") or 512),
+            index_topk=int(_required(text, "index_topk", source)),
             roles=tuple(r.role for r in facts.roles),
             engram_layers=facts.engram_layers,
             engram_table_rows=tuple(rows),
