@@ -13,6 +13,11 @@ own config read the defaults below.
   loaded CP rank's cost (:mod:`verl_ds4.layout.balance`); outputs come back in batch order. Off
   by default until measured on GPUs. A zigzag layout with ``cp_balance`` set is refused when the
   engine resolves its layout (start-up).
+* ``sparse_attention``: ``megatron`` (default: Megatron-LM dev's own unfused DS4 sparse attention,
+  whose backward is quadratic in a GPU's packed tokens) or ``linear`` (verl-ds4's row-chunked core,
+  :mod:`verl_ds4.kernels.sparse_attention`, memory linear in the tokens, the same numbers; installed
+  into Megatron's DS4 layers at start-up by :mod:`verl_ds4.mcore.sparse_attention_patch`, refused with
+  ``dsa_kernel_backend=cudnn``, which does not use it). Recipe knob ``ds4.sparse_attention``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,22 @@ from verl.workers.config import McoreEngineConfig
 from verl_ds4 import ds4_facts
 from verl_ds4.layout.cost import COST_MODELS, DS4CostShape, TokenCostModel, ds4_cost_model
 
-__all__ = ["CP_BALANCE_CHOICES", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
+__all__ = ["CP_BALANCE_CHOICES", "SPARSE_ATTENTION_CHOICES", "sparse_attention_of", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
 
 CP_BALANCE_CHOICES = tuple(COST_MODELS)  # the cost models PlanOptions.balance accepts
+SPARSE_ATTENTION_CHOICES = ("megatron", "linear")  # who computes the unfused DS4 sparse attention
+
+
+def _check_sparse_attention(value) -> str:
+    if value is None:
+        return "megatron"
+    if value not in SPARSE_ATTENTION_CHOICES:
+        raise ValueError(
+            f"engine sparse_attention={value!r}: expected one of {list(SPARSE_ATTENTION_CHOICES)} "
+            "(megatron: Megatron-LM dev's unfused core; linear: verl-ds4's memory-linear core; "
+            "recipe knob ds4.sparse_attention)."
+        )
+    return value
 
 
 def _check_cp_balance(value) -> Optional[str]:
@@ -50,15 +68,24 @@ class DS4McoreEngineConfig(McoreEngineConfig):
     # the rollout's sparse-attention top-k choices (batch field ``indexer_topk``). Off by default; set on the
     # actor only (actor_rollout_ref.actor.megatron.indexer_replay); the reference and critic ignore it.
     indexer_replay: bool = False
+    # The unfused DS4 sparse-attention core: Megatron-LM dev's own ("megatron") or verl-ds4's memory-linear
+    # one ("linear", verl_ds4.kernels.sparse_attention), installed into Megatron's DS4 layers at start-up.
+    sparse_attention: str = "megatron"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_cp_balance(self.cp_balance)
+        _check_sparse_attention(self.sparse_attention)
 
 
 def cp_balance_of(engine_config) -> Optional[str]:
     """The ``cp_balance`` of any engine config (verl's own has none: ``None``), checked."""
     return _check_cp_balance(getattr(engine_config, "cp_balance", None))
+
+
+def sparse_attention_of(engine_config) -> str:
+    """The ``sparse_attention`` of any engine config (verl's own has none: ``"megatron"``), checked."""
+    return _check_sparse_attention(getattr(engine_config, "sparse_attention", None))
 
 
 def ds4_cost_shape(hf_config) -> DS4CostShape:
