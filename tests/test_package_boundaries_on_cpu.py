@@ -28,6 +28,7 @@ FLOORS = {
     "ds4_facts": 0,
     "layout": 1,
     "ds41_facts": 1,
+    "kernels": 1,
     "mcore": 2,
     "engine": 3,
     "models": 4,
@@ -40,7 +41,10 @@ FLOORS = {
 }
 #: Folders that only ship YAML as package data (symlinks to recipes/ and configs/).
 DATA_PACKAGES = {"recipes_data", "configs_data"}
-FORBIDDEN_THIRD_PARTY = {"layout": {"verl", "megatron", "transformer_engine", "vllm"}}
+FORBIDDEN_THIRD_PARTY = {
+    "layout": {"verl", "megatron", "transformer_engine", "vllm"},
+    "kernels": {"verl", "megatron", "transformer_engine", "vllm"},
+}
 
 
 def _modules():

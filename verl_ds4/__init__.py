@@ -4,8 +4,9 @@ Floors: each package imports only packages on lower floors (``tests/test_package
 checks it, imports inside functions included; ``docs/architecture.md`` says what each owns).
 
 0. ``verl_ds4.ds4_facts``  DS4 facts and start-up rules (standard library only)
-1. ``verl_ds4.layout``     context-parallel layouts as data (PyTorch + NumPy); ``verl_ds4.ds41_facts``
-   DeepSeek-V4.1 config facts and start-up rules (standard library + ``ds4_facts``)
+1. ``verl_ds4.layout``, ``verl_ds4.kernels``, ``verl_ds4.ds41_facts``  context-parallel layouts as data
+   (PyTorch + NumPy); the memory-linear DS4 sparse attention and indexer (PyTorch only); DeepSeek-V4.1
+   config facts and start-up rules (standard library + ``ds4_facts``)
 2. ``verl_ds4.mcore``      Megatron-Core glue: THD pre/post-processing, forwards, the layout resolver
 3. ``verl_ds4.engine``     verl engine subclasses and the plugin that registers them
 4. ``verl_ds4.models``     DS4 model pieces (CPU attention, proxy, chat encoding, provider facts)

@@ -1,0 +1,68 @@
+"""verl-ds4's linear sparse attention against Megatron-LM dev's own functions, where the Megatron dev export exists.
+
+Compares (tests/megatron_dev_sparse_attn.py, in a subprocess that imports Megatron-LM ``dev``'s ``megatron/core``
+from the tree ``benchmarks/gpu/prepare_megatron_dev.sh`` exports): ``csa.unfused_compressed_sparse_attn``,
+``csa.fused_qk_topk_naive`` and ``csa._unfused_indexer_sparse_attn_from_topk`` with their replacements, forward
+and backward, and installs / checks / uninstalls the patch (a changed Megatron function is refused). Skipped
+when the export is absent (it is git-ignored, so always in CI); the same cases run in CI against the project's
+dense reference (tests/test_linear_sparse_attn_on_cpu.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXPORT = Path(os.environ.get("MEGATRON_DEV_DIR", REPO / "benchmarks" / "gpu" / "carry" / "megatron_dev"))
+CSA = EXPORT / "megatron" / "core" / "transformer" / "experimental_attention_variant" / "csa.py"
+
+pytestmark = pytest.mark.skipif(
+    not CSA.exists(),
+    reason=f"no Megatron-LM dev export at {EXPORT} (run benchmarks/gpu/prepare_megatron_dev.sh): the comparison "
+    "with csa.unfused_compressed_sparse_attn, csa.fused_qk_topk_naive and csa._unfused_indexer_sparse_attn_from_topk "
+    "needs Megatron-LM dev's source",
+)
+
+
+@pytest.fixture(scope="module")
+def result():
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_dev_sparse_attn.py"), str(EXPORT)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_the_comparison_imports_megatron_dev(result):
+    assert Path(result["megatron_file"]).resolve() == CSA.resolve()
+
+
+def test_unfused_compressed_sparse_attn(result):
+    """float32 as Megatron runs it: <= 1e-5; Megatron's own code in float64 vs the core in float64: <= 1e-12."""
+    errors = result["attention"]
+    assert {k for k in errors if "float64" in k} and {k for k in errors if "float32" in k}
+    assert all(v <= 1e-5 for k, v in errors.items() if "float32" in k), errors
+    assert all(v <= 1e-12 for k, v in errors.items() if "float64" in k), errors
+
+
+def test_fused_qk_topk_naive_ids_are_the_same(result):
+    assert result["topk"] and all(v == 0 for v in result["topk"].values()), result["topk"]
+
+
+def test_unfused_indexer_sparse_attn_from_topk_dense_loss(result):
+    assert len(result["indexer_loss"]) == 8 and all(v <= 1e-5 for v in result["indexer_loss"].values()), result["indexer_loss"]
+
+
+def test_install_check_and_a_changed_function_refused(result):
+    install = result["install"]
+    assert install["check_before_install"] == [] and install["check_while_installed"] == []
+    assert install["installed_names"] == ["_unfused_indexer_sparse_attn_from_topk", "fused_qk_topk_naive", "unfused_compressed_sparse_attn"]
+    assert install["core_is_ours"] == "verl_ds4.kernels.sparse_attention" and install["restored"]
+    # negative control: a Megatron whose core differs (sink + 0.01) is named and refused
+    assert any("csa.unfused_compressed_sparse_attn: output differs" in p for p in install["changed_function_problems"])
+    assert "is not the one the linear sparse attention was proven against" in install["changed_function_refused"]
