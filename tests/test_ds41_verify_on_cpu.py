@@ -122,6 +122,29 @@ def test_a_broken_halo_fails_the_table(case_and_nemo, module_name):
         assert any("grads attn Full" in q for q in failed)
 
 
+def test_the_linear_sparse_core_matches_nemo_at_cp1_and_cp2(case_and_nemo):
+    """verify --model ds41 --sparse-core linear: CSA2's top-k layers (shared and reused KV) through
+    verl_ds4.kernels.linear_sparse_attn equal NeMo Automodel at fp64, at CP 1 and CP 2. Control: the core with
+    a shifted sink fails the NeMo rows."""
+    from verl_ds4.verify import ds41 as v
+
+    case, nemo = case_and_nemo
+    runs = {size: v.ours_on_cp_ranks(case, size, sparse_core="linear") for size in (1, 2)}
+    rows = v.ds41_rows(case, nemo, runs, 2)
+    assert all(r.passed for r in rows), [(r.quantity, r.max_rel) for r in rows if not r.passed]
+    assert any(r.quantity.startswith("CP=2 vs NeMo: log_probs") for r in rows)
+
+    import verl_ds4.models.ds41.csa2 as csa2
+
+    original = csa2.linear_sparse_attn
+    csa2.linear_sparse_attn = lambda q, kv, sink, ids, scale, **kw: original(q, kv, sink + 0.05, ids, scale, **kw)
+    try:
+        broken = v.ds41_rows(case, nemo, {1: v.ours_on_cp_ranks(case, 1, sparse_core="linear"), 2: runs[2]}, 2)
+    finally:
+        csa2.linear_sparse_attn = original
+    assert "CP=1 vs NeMo: log_probs" in {r.quantity for r in broken if not r.passed}
+
+
 def test_the_decoder_refuses_zigzag_rows():
     from verl_ds4.models.ds41.mcore_model import DS41TransformerBlock
 

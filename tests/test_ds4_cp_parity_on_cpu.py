@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verl_ds4.models.ds4 import cp_comm
-from verl_ds4.verify.parity import SHORT, compare, format_table, rows_passed, run_parity
+from verl_ds4.verify.parity import SHORT, RunOptions, compare, format_table, rows_passed, run_parity
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,25 @@ def test_cp_parity(cp, reference):
 @pytest.mark.slow
 def test_cp8_parity(reference):
     _assert_parity(8, reference)
+
+
+def test_the_linear_sparse_core_at_cp4_reproduces_the_dense_cp1(reference, monkeypatch):
+    """verify --sparse-core linear: the whole tiny DS4 (actor with indexer loss, critic) at CP 4 with the
+    memory-linear core against the dense CP=1 reference (fp64 <= 1e-10: loss, log-probs, every gradient).
+    Control: the core with its softmax scale off by 1e-3 fails the same comparison."""
+    linear = RunOptions(sparse_core="linear")
+    rows = compare(run_parity(4, dtypes=("fp64",), layout_checks=False, options=linear), reference)
+    assert rows_passed(rows), format_table(rows, "CP=4 linear core")
+    assert any(r.quantity.startswith("fp64 ragged grads attention") for r in rows)
+
+    from verl_ds4.kernels import linear_sparse_attn
+
+    def off_scale(q, kv, sink, ids, scale, **kw):
+        return linear_sparse_attn(q, kv, sink, ids, scale * 1.001, **kw)
+
+    monkeypatch.setattr("verl_ds4.models.ds4.attention.linear_sparse_attn", off_scale)  # forked ranks inherit it
+    bad = compare(run_parity(2, dtypes=("fp64",), batches={"short": SHORT}, layout_checks=False, options=linear), reference)
+    assert "fp64 short log_probs" in {r.quantity for r in bad if not r.passed}
 
 
 def test_short_batch_is_padded_to_the_row_minimum(reference):

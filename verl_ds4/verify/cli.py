@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ds4: the full tiny DS4 (default); ds4_proxy: the attention-only proxy; ds41: the tiny DeepSeek-V4.1 in "
         "Megatron-Core, one training step at CP=N vs CP=1 and vs NeMo Automodel at fp64, with negative controls",
     )
+    parser.add_argument(
+        "--sparse-core", choices=("dense", "linear"), default="dense",
+        help="the DS4 / V4.1 attention's sparse softmax in the CP=N run (ds41: in every run of ours): dense (every key, "
+        "masked: the reference) or linear (verl_ds4.kernels.linear_sparse_attn, what ds4.sparse_attention=linear runs); "
+        "the CP=1 reference stays dense, so linear is compared with it (default dense)",
+    )  # fmt: skip
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")
     parser.add_argument("--no-layout-checks", action="store_true", help="skip the zigzag rejection / guard-bypass rows (ds41: all negative controls)")
@@ -110,7 +116,7 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
     cp = args.cp or 1
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks,
-                             timeout=args.timeout, progress=print_progress)  # fmt: skip
+                             timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core)  # fmt: skip
     rows = result["rows"]
     ok = rows_passed(rows)
     notes = [
@@ -119,7 +125,7 @@ def _run_ds41(args: argparse.Namespace) -> int:
         f"Batch: {len(result['lengths'])} sequences, {sum(result['lengths'])} tokens {result['lengths']} (ragged: they cross "
         f"every rank boundary); a control differs when rel > {NEGATIVE_MIN_REL:g}.",
     ]
-    title = f"DeepSeek-V4.1 (tiny, every component on) in Megatron-Core: CP={cp} vs CP=1 and vs NeMo Automodel (fp64)"
+    title = f"DeepSeek-V4.1 (tiny, every component on) in Megatron-Core: CP={cp} vs CP=1 and vs NeMo Automodel (fp64, {args.sparse_core} sparse core)"
     print(format_table(rows, title, notes=notes))
     print(f"{'PASSED' if ok else 'FAILED'} in {result['seconds']:.1f} s")
     if args.json:
@@ -128,6 +134,7 @@ def _run_ds41(args: argparse.Namespace) -> int:
                 {
                     "model": "ds41",
                     "cp": cp,
+                    "sparse_core": args.sparse_core,
                     "passed": ok,
                     "seconds": result["seconds"],
                     "stages": result["stages"],
@@ -146,6 +153,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" or (args.dtype and "bf16" in args.dtype):  # refused before any model is built
         problems = []
+        if args.sparse_core != "dense":
+            problems.append(f"--sparse-core {args.sparse_core} runs in the CPU harness (fp64 / fp32 on gloo ranks); drop --device cuda")
         if args.device != "cuda":
             problems.append("--dtype bf16 runs on --device cuda only (CPU bf16 is neither fast nor what training uses); drop bf16")
         elif args.model == "ds41" or args.hf_checkpoint is not None:
@@ -210,12 +219,15 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model)
     reference = run_parity(1, layout_checks=False, **common)
-    result = run_parity(args.cp, layout_checks=not args.no_layout_checks, **common)
+    from verl_ds4.verify.parity import RunOptions
+
+    result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=RunOptions(sparse_core=args.sparse_core), **common)
     rows = compare(result, reference, tolerances={"fp64": args.fp64_rtol, "fp32": args.fp32_rtol})
     elapsed = time.perf_counter() - start
     ok = rows_passed(rows)
     name = {"ds4": "DS4 (full tiny model)", "ds4_proxy": "DS4 proxy (attention only)"}[args.model]
-    print(format_table(rows, f"{name}: CP={args.cp} vs CP=1 ({', '.join(args.dtype)})"))
+    core = "" if args.sparse_core == "dense" else f", {args.sparse_core} sparse core vs the dense CP=1"
+    print(format_table(rows, f"{name}: CP={args.cp} vs CP=1 ({', '.join(args.dtype)}{core})"))
     print(f"{'PASSED' if ok else 'FAILED'} in {elapsed:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
@@ -223,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "cp": args.cp,
                     "model": args.model,
+                    "sparse_core": args.sparse_core,
                     "passed": ok,
                     "seconds": elapsed,
                     "rows": [

@@ -280,7 +280,7 @@ def _zigzag_guard_bypassed():
     return cp_partition_guard_bypassed(DS41TransformerBlock)
 
 
-def _rank(rank: int, world: int, case: Case, controls: bool):
+def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = "dense"):
     import logging
 
     from megatron.core import parallel_state
@@ -293,6 +293,10 @@ def _rank(rank: int, world: int, case: Case, controls: bool):
         group = parallel_state.get_context_parallel_group() if world > 1 else None
         cp_rank = parallel_state.get_context_parallel_rank()
         model = case.build(world)
+        if sparse_core != "dense":
+            from verl_ds4.models.ds4.attention import use_sparse_core
+
+            use_sparse_core(model, sparse_core)
         ids = case.nested_ids()
         model.zero_grad(set_to_none=True)
         flat, loss, logits = _step(model, ids, cp_rank, world, logits_too=True)
@@ -325,15 +329,15 @@ def _rank(rank: int, world: int, case: Case, controls: bool):
         parallel_state.destroy_model_parallel()
 
 
-def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float = 600.0) -> dict[str, Any]:
+def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float = 600.0, sparse_core: str = "dense") -> dict[str, Any]:
     """Rank 0's result of one training step of our Megatron V4.1 on ``cp`` gloo ranks (``controls``:
-    also the negative controls, at ``cp > 1``)."""
+    also the negative controls, at ``cp > 1``; ``sparse_core``: the attention's sparse softmax)."""
     from verl_ds4.mcore.distributed import run_distributed
     from verl_ds4.models.ds41 import mcore_model as _mcore  # noqa: F401  (import Megatron once: forked ranks start fast)
 
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}.")
-    return run_distributed(_rank, world_size=cp, args=(case, controls), timeout=timeout)[0]
+    return run_distributed(_rank, world_size=cp, args=(case, controls, sparse_core), timeout=timeout)[0]
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -435,8 +439,9 @@ def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Calla
 
 def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tuple[int, ...] | None = None,
                     controls: bool = True, timeout: float = 600.0, progress: Callable[[str], None] | None = None,
-                    dspark: bool = True) -> dict[str, Any]:  # fmt: skip
-    """``{"rows": [Row], "seconds": s, "stages": {stage: s}, "lengths": [...]}`` for ``verl-ds4 verify --model ds41 --cp cp``."""
+                    dspark: bool = True, sparse_core: str = "dense") -> dict[str, Any]:  # fmt: skip
+    """``{"rows": [Row], "seconds": s, "stages": {stage: s}, "lengths": [...]}`` for ``verl-ds4 verify --model ds41 --cp cp``
+    (``sparse_core``: the attention's sparse softmax in our runs, CP=1 and CP=cp; NeMo Automodel stays the reference)."""
     from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
 
     if cp < 1:
@@ -468,8 +473,8 @@ def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tup
     runs: dict[int, dict] = {}
     for size in sorted({1, cp}):
         extra = " + negative controls" if controls and size > 1 else ""
-        stage(f"ours, CP={size}: one training step on {size} gloo rank{'s' if size > 1 else ''}{extra}")
-        runs[size] = ours_on_cp_ranks(case, size, controls=controls and size > 1, timeout=timeout)
+        stage(f"ours, CP={size}: one training step on {size} gloo rank{'s' if size > 1 else ''}{extra} ({sparse_core} sparse core)")
+        runs[size] = ours_on_cp_ranks(case, size, controls=controls and size > 1, timeout=timeout, sparse_core=sparse_core)
         done(next(reversed(stages)))
     zigzag_config_error = None
     if cp > 1:

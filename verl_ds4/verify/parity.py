@@ -115,6 +115,7 @@ class RunOptions:
     reference: bool = False  # every precision name computed in fp64 (with that name's config): a device run's reference
     record_routes: bool = False  # keep every router's choice per (dtype, batch) (:mod:`.routes`)
     replay: dict | None = None  # (dtype, batch) -> role -> router -> [T, k]: routes the routers must use
+    sparse_core: str = "dense"  # the attention's sparse softmax: "dense" (reference) or "linear" (verl_ds4.kernels)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -355,6 +356,11 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
             overrides = PRECISION_OVERRIDES.get(dtype_name)
             actor = models.build(dtype, device=device, overrides=overrides)
             critic = models.build(dtype, value_head=True, device=device, overrides=overrides)
+            if opts.sparse_core != "dense":
+                from verl_ds4.models.ds4.attention import use_sparse_core
+
+                for built in (actor, critic):
+                    use_sparse_core(built, opts.sparse_core)
             min_rows = models.min_local_rows(actor)
             for batch_name, lengths in batches.items():
                 input_ids, targets = _batch(lengths, models.vocab, seed + 2, device)

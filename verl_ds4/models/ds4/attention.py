@@ -38,13 +38,41 @@ from torch import nn
 
 from verl_ds4 import ds4_facts
 
+from verl_ds4.kernels import linear_sparse_attn
+
 from .cp_comm import all_gather_rows, exchange_left_halo
 from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 
-__all__ = ["DS4AttentionSpec", "DS4HybridAttention", "layer_kind_for_ratio", "CSA_RATIO"]
+__all__ = ["DS4AttentionSpec", "DS4HybridAttention", "SPARSE_CORES", "block_ids", "layer_kind_for_ratio", "use_sparse_core", "CSA_RATIO"]
 
 CSA_RATIO = ds4_facts.CSA_RATIO
 LayerKind = Literal["sliding", "csa", "hca"]
+
+
+#: How a DS4 / V4.1 CPU attention computes its sparse softmax: ``dense`` (every key of the buffer, masked: the
+#: reference) or ``linear`` (each query's ids through :func:`verl_ds4.kernels.linear_sparse_attn`).
+SPARSE_CORES = ("dense", "linear")
+
+
+def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """``[T, K]`` ids of the true columns of ``chosen [T, NB]`` plus ``offset``, in block order, ``-1`` past each
+    row's count (``K`` = the most true columns of any row)."""
+    count = chosen.sum(dim=1)
+    width = int(count.max()) if chosen.numel() else 0
+    order = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
+    return torch.where(torch.arange(width, device=chosen.device) < count.unsqueeze(1), order + offset, -1)
+
+
+def use_sparse_core(model: nn.Module, core: str) -> int:
+    """Set every DS4 / V4.1 attention of ``model`` to ``core`` (one of :data:`SPARSE_CORES`); returns how many."""
+    if core not in SPARSE_CORES:
+        raise ValueError(f"sparse core {core!r}: expected one of {list(SPARSE_CORES)}.")  # error-catalogue: internal: the engine passes a checked choice
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "sparse_core"):
+            module.sparse_core = core
+            count += 1
+    return count
 
 
 def layer_kind_for_ratio(ratio: int) -> LayerKind:
@@ -250,6 +278,7 @@ class DS4HybridAttention(nn.Module):
         self.linear_proj = nn.Linear(spec.o_groups * spec.o_lora_rank, h, bias=False, dtype=dtype)
         self.core_attention = CoreAttention(spec, dtype=dtype)
         self.last_indexer_loss: torch.Tensor | None = None  # global over CP, detached (indexer_loss_report)
+        self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels; set by use_sparse_core)
         if spec.kind == "sliding":
             inv_freq = default_inv_freq(spec.rope_dim, spec.rope_theta)
         elif spec.yarn_factor is None:
@@ -364,22 +393,13 @@ class DS4HybridAttention(nn.Module):
         back = torch.arange(spec.window_size, device=x.device)
         key_rows = halo + torch.arange(local_rows, device=x.device).unsqueeze(1) - back  # [T, W]
         win_visible = back.unsqueeze(0) <= q_pos.unsqueeze(1)
-        kv_win = kv[key_rows.clamp(min=0)]  # [T, W, d]
-        logits = [torch.einsum("tnd,twd->tnw", q, kv_win).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale]
-        values = [kv_win]
-
-        loss_inputs = None
+        comp = comp_visible = loss_inputs = None
         if self.compressor is not None:
             comp, comp_visible, loss_inputs = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
-            logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
-            values.append(comp)
-
-        sink = self.attn_sink.view(1, n, 1).expand(local_rows, n, 1)
-        probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
-        w = spec.window_size
-        out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv_win)
-        if self.compressor is not None:
-            out = out + torch.einsum("tnb,bd->tnd", probs[..., w:-1], values[1])
+        if self.sparse_core == "linear":
+            out = self._attend_linear(q, kv, key_rows, win_visible, comp, comp_visible, scale)
+        else:
+            out = self._attend_dense(q, kv, key_rows, win_visible, comp, comp_visible, scale)
         out = apply_interleaved_rope(out, cos_q.unsqueeze(1), -sin_q.unsqueeze(1))
 
         # Grouped low-rank output projection.
@@ -403,7 +423,8 @@ class DS4HybridAttention(nn.Module):
                 lengths, queries = real_seqlens
                 real = q_pos < lengths.to(device=q_pos.device, dtype=torch.long)[rows.seq[halo:].clamp(max=lengths.numel() - 1)]
                 all_visible = all_visible & real.unsqueeze(1)
-            kl = indexer_kl_sum(q, values[1], logits[0], self.attn_sink, all_visible, index_scores, scale)
+            win_logits = self._window_logits(q, kv, key_rows, win_visible, scale)
+            kl = indexer_kl_sum(q, comp, win_logits, self.attn_sink, all_visible, index_scores, scale)
             loss = spec.indexer_loss_coeff * kl / max(int(queries), 1)
             report = loss.detach().clone()
             if cp_size > 1:
@@ -411,6 +432,36 @@ class DS4HybridAttention(nn.Module):
             self.last_indexer_loss = report
             result = DSAIndexerLossAutoScaler.apply(result, loss)
         return result
+
+    @staticmethod
+    def _window_logits(q, kv, key_rows, win_visible, scale) -> torch.Tensor:
+        """``[T, n, W]`` scaled logits of each query over its window keys (-inf where not visible)."""
+        return torch.einsum("tnd,twd->tnw", q, kv[key_rows.clamp(min=0)]).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale
+
+    def _attend_dense(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> torch.Tensor:
+        """``[T, n, d]``: softmax over [window keys, every compressed block of the buffer (masked), sink]."""
+        local_rows, n, _ = q.shape
+        logits = [self._window_logits(q, kv, key_rows, win_visible, scale)]
+        if comp is not None:
+            logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
+        sink = self.attn_sink.view(1, n, 1).expand(local_rows, n, 1)
+        probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
+        w = self.spec.window_size
+        out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv[key_rows.clamp(min=0)])
+        if comp is not None:
+            out = out + torch.einsum("tnb,bd->tnd", probs[..., w:-1], comp)
+        return out
+
+    def _attend_linear(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> torch.Tensor:
+        """``[T, n, d]`` from :func:`verl_ds4.kernels.linear_sparse_attn` over ``[kv ; comp]`` with each query's ids:
+        its window rows, then the compressed blocks it attends (``-1`` = none), as Megatron-LM dev lays them out."""
+        ids = torch.where(win_visible, key_rows, -1)
+        kv_full = kv
+        if comp is not None:
+            kv_full = torch.cat([kv, comp])
+            ids = torch.cat([block_ids(comp_visible, offset=kv.shape[0]), ids], dim=1)
+        out = linear_sparse_attn(q, kv_full, self.attn_sink, ids, scale)
+        return out.view(q.shape)
 
     def _replayed_choice(self, chosen, visible, n_blocks, first_block, q_seq) -> torch.Tensor:
         """The indexer replay's choice ``[T, NB]`` over the buffer's blocks: ``chosen`` / ``visible`` seen as

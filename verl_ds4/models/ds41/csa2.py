@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl_ds4 import ds41_facts, ds4_facts
+from verl_ds4.kernels import linear_sparse_attn
 
 from ..ds4.attention import _RMSNorm
 from ..ds4.cp_comm import all_gather_rows, exchange_left_halo
@@ -177,6 +178,7 @@ class DS41Attention(nn.Module):
         self.linear_o_group_proj = nn.Parameter(torch.zeros(self.o_groups * self.o_lora, n * d // self.o_groups, dtype=dtype))
         self.linear_proj = nn.Linear(self.o_groups * self.o_lora, h, bias=False, dtype=dtype)
         self.core_attention = _Core(text, self.role, dtype=dtype, qdq=cache_qdq)
+        self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels; ds4.attention.use_sparse_core)
         rope_dim = int(get("qk_rope_head_dim"))
         if self.role.ratio == 0:
             inv_freq = default_inv_freq(rope_dim, float(get("rope_theta")))
@@ -232,10 +234,21 @@ class DS41Attention(nn.Module):
         kv = _maybe_qdq(apply_interleaved_rope(self.kv_layernorm(self.linear_kv_proj(xe)), cos_e, sin_e), "fp8", self.cache_qdq)
         back = torch.arange(self.window, device=x.device)
         window_rows = (halo + torch.arange(local, device=x.device)).unsqueeze(1) - back  # [T, W]
-        keys, visible = [kv[window_rows.clamp(min=0)]], [back <= q_pos.unsqueeze(1)]
+        window_visible = back <= q_pos.unsqueeze(1)
+        selected = entries = None
         if self.role.ratio:
             state, selected = self._compressed(x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state)
-            keys.append(state.compressed_kv[_own_entries(cu, self.role.ratio, q_seq)])
+            entries = _own_entries(cu, self.role.ratio, q_seq)
+        if self.sparse_core == "linear":  # ids into [kv ; compressed KV], -1 = no key (Megatron-LM dev's layout)
+            ids, kv_full = torch.where(window_visible, window_rows, -1), kv
+            if entries is not None:
+                ids = torch.cat([torch.where(selected, entries + kv.shape[0], -1), ids], dim=1)
+                kv_full = torch.cat([kv, state.compressed_kv])
+            out = linear_sparse_attn(q, kv_full, self.core_attention.attn_sink, ids, d**-0.5).view(local, n, d)
+            return self._project(out, cos, sin), state
+        keys, visible = [kv[window_rows.clamp(min=0)]], [window_visible]
+        if entries is not None:
+            keys.append(state.compressed_kv[entries])
             visible.append(selected)
         return self._attend(q, torch.cat(keys, dim=1), torch.cat(visible, dim=1), cos, sin), state
 
@@ -259,7 +272,12 @@ class DS41Attention(nn.Module):
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = self.core_attention.attn_sink.view(1, n, 1).expand(rows, n, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = apply_interleaved_rope(torch.einsum("tnk,tkd->tnd", probs, keys), cos.unsqueeze(1), -sin.unsqueeze(1))
+        return self._project(torch.einsum("tnk,tkd->tnd", probs, keys), cos, sin)
+
+    def _project(self, out, cos, sin) -> torch.Tensor:
+        """Attention output ``[T, n, d]`` -> inverse RoPE -> the grouped output projection -> ``[T, h]``."""
+        rows = out.shape[0]
+        out = apply_interleaved_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         grouped = out.reshape(rows, self.o_groups, -1)
         weight = self.linear_o_group_proj.view(self.o_groups, self.o_lora, -1)
         return self.linear_proj(torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1))
