@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 from verl_ds4.ckpt_manifest import CheckpointDamagedError, mark_manifests_since, verify_folder, write_manifest
 
@@ -63,6 +64,7 @@ class ManifestCheckpointEngine:
     #: Set by :func:`handler_save_checkpoint`: the trainer writes more files, the manifest and rotates itself.
     _verl_ds4_in_handler: bool = False
     _verl_ds4_pending_rotation = None
+    _verl_ds4_manifest_seconds = 0.0
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         if getattr(getattr(self, "checkpoint_config", None), "async_save", False):
@@ -70,7 +72,9 @@ class ManifestCheckpointEngine:
         result = super().save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)
         _barrier()  # verl's engine has one too; every rank's files are written
         if _rank() == 0:
+            t0 = time.perf_counter()
             write_manifest(local_path, global_step=global_step)
+            self._verl_ds4_manifest_seconds = time.perf_counter() - t0
         _barrier()
         if self._verl_ds4_in_handler:
             self._verl_ds4_pending_rotation = max_ckpt_to_keep
@@ -120,9 +124,12 @@ def handler_save_checkpoint(verl_save):
         finally:
             engine._verl_ds4_in_handler = False
         if _rank() == 0:
-            write_manifest(os.path.join(self.default_local_dir, f"global_step_{step}"), global_step=step)
+            t0 = time.perf_counter()
+            manifest = write_manifest(os.path.join(self.default_local_dir, f"global_step_{step}"), global_step=step)
             tracker = tracker_of(self.default_local_dir)
             os.replace(tracker + PENDING_SUFFIX, tracker)
+            print(f"[verl-ds4] checkpoint manifest {manifest} written in {time.perf_counter() - t0:.3f} s "
+                  f"(engine part {engine._verl_ds4_manifest_seconds:.3f} s); tracker -> step {step}", flush=True)
         _barrier()
         rotate(engine, engine._verl_ds4_pending_rotation)
 
