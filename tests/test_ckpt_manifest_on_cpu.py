@@ -204,3 +204,18 @@ def test_the_launcher_check_cli(two_steps, capsys):
     _shard(two_steps).write_bytes(b"")
     assert cr.main(["--", *args, f"trainer.resume_from_path={two_steps / 'global_step_80'}"]) == 2
     assert "refusing to resume" in capsys.readouterr().err
+
+
+def test_the_full_check_cli_reports_and_changes_nothing(two_steps, capsys):
+    assert cr.main(["--check", str(two_steps)]) == 0  # control: intact
+    shard = _shard(two_steps)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum sees it
+    shard.write_bytes(bytes(data))
+    assert cr.choose_resume(two_steps, "auto", apply=False).step == 80  # the cheap check passes it
+    assert cr.main(["--check", str(two_steps)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and str(shard) in out and "1 damaged" in out
+    assert (two_steps / "global_step_80").is_dir() and (two_steps / TRACKER).read_text() == "80"
+    assert cr.main(["--check", str(two_steps / "global_step_40")]) == 0
+    assert cr.main(["--check", str(two_steps / "nothing")]) == 2
