@@ -187,6 +187,13 @@ if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys sft_trainer_engine --
     exit 2
 fi
 
+# The checkpoint it would resume from, verified against its manifest in seconds before torchrun starts:
+# resume_mode=auto skips a damaged one for the newest intact one (loudly), an explicit resume_from_path to
+# a damaged one is refused with the file and the fix (verl_ds4.recipes.ckpt_resume). Node 0 only.
+if [ "$NODE_RANK" = 0 ] && ! "$PYTHON" -W ignore -m verl_ds4.recipes.ckpt_resume -- "${HYDRA_ARGS[@]}"; then
+    exit 2
+fi
+
 # The assets (data, the seeded model folder), written once the overrides passed.
 if [ "$VERBOSE" = 1 ]; then
     "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"

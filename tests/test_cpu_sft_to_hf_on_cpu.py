@@ -90,6 +90,13 @@ def test_conversion_writes_the_checkpoints_weights_as_an_hf_folder(sft_checkpoin
     eos = GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id
     assert tokenizer.convert_tokens_to_ids(EOS_TOKEN) in eos and tokenizer.eos_token_id in eos
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "deepseek_v4"
+    # Issue 39: the hand-over folder ends with a manifest covering every file (control: a file cut short fails).
+    from verl_ds4 import ckpt_manifest
+
+    assert ckpt_manifest.verify_folder(tmp_path / "hf", full=True, require_manifest=True) == []
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    assert ckpt_manifest.verify_folder(tmp_path / "hf")[0].path == weights
 
 
 def test_conversion_errors_say_what_to_pass(sft_checkpoint, tmp_path, capsys):

@@ -26,6 +26,7 @@ RESOLVER = PACKAGE / "mcore" / "resolver.py"
 #: Every subpackage (or top-level module) of verl_ds4 and its floor: it may import only lower floors.
 FLOORS = {
     "ds4_facts": 0,
+    "ckpt_manifest": 0,
     "layout": 1,
     "ds41_facts": 1,
     "kernels": 1,

@@ -3,7 +3,7 @@
 Floors: each package imports only packages on lower floors (``tests/test_package_boundaries_on_cpu.py``
 checks it, imports inside functions included; ``docs/architecture.md`` says what each owns).
 
-0. ``verl_ds4.ds4_facts``  DS4 facts and start-up rules (standard library only)
+0. ``verl_ds4.ds4_facts``  DS4 facts and start-up rules (standard library only); ``verl_ds4.ckpt_manifest`` checkpoint manifests (standard library only)
 1. ``verl_ds4.layout``, ``verl_ds4.kernels``, ``verl_ds4.ds41_facts``  context-parallel layouts as data
    (PyTorch + NumPy); the memory-linear DS4 sparse attention and indexer (PyTorch only); DeepSeek-V4.1
    config facts and start-up rules (standard library + ``ds4_facts``)

@@ -254,6 +254,9 @@ def _finish(step_dir: Path, model_dir: Path, out: Path, tensors: int, changed: i
     result = {"out": str(out), "step_dir": str(step_dir), "step": step_value, "tensors": tensors,
               "tensors_changed_by_sft": changed, "eos_token_id": eos_ids, "model_type": model_type}
     (out / "verl_ds4_sft_source.json").write_text(json.dumps(result, indent=2) + "\n")
+    from verl_ds4.ckpt_manifest import write_manifest
+
+    write_manifest(out, global_step=step_value, written_by="verl-ds4 sft_to_hf")  # last: the folder is complete
     return result
 
 

@@ -26,6 +26,7 @@
    ``router_replay_utils.preprocess_thd_engine`` / ``postprocess_...``  our packing with the resolved options
    ``transformer_impl.DynamicCPScheduler`` (the DCP block)             scheduler fed the resolved layout / rows
    ``verl.utils.megatron_utils.mapping_string_to_attn_backend``        guards the resolver-owned override keys
+   ``CheckpointHandler.save_checkpoint`` (SFT, method on verl's class)  tracker after the manifest (:mod:`.checkpoint`)
    ==================================================================  ==========================================
 
    Outside an active engine every hook calls verl's original, so verl's stock engines in the same
@@ -48,8 +49,10 @@ import verl.models.mcore as _verl_mcore
 import verl.utils.megatron.router_replay_utils as _router_replay_utils
 import verl.utils.megatron_utils as _verl_megatron_utils
 import verl.workers.engine.megatron.transformer_impl as _transformer_impl
+from verl.utils.checkpoint.checkpoint_handler import CheckpointHandler as _CheckpointHandler
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
+from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
 from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
 from verl_ds4.mcore import batch_plans, indexer_replay, resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
@@ -313,6 +316,7 @@ VERL_HOOKS: tuple[VerlHook, ...] = (
         "mapping_string_to_attn_backend",
         _guarded_mapping_string_to_attn_backend,
     ),
+    VerlHook("CheckpointHandler.save_checkpoint", _CheckpointHandler, "save_checkpoint", handler_save_checkpoint),
 )
 
 
@@ -554,11 +558,11 @@ class _SeedingIterator:
         return batch
 
 
-class DS4MegatronEngineWithLMHead(_ResolvedLayoutEngine, MegatronEngineWithLMHead):
+class DS4MegatronEngineWithLMHead(ManifestCheckpointEngine, _ResolvedLayoutEngine, MegatronEngineWithLMHead):
     """verl's Megatron LM-head engine (actor, reference, SFT) with one resolved CP layout."""
 
 
-class DS4MegatronEngineWithValueHead(_ResolvedLayoutEngine, MegatronEngineWithValueHead):
+class DS4MegatronEngineWithValueHead(ManifestCheckpointEngine, _ResolvedLayoutEngine, MegatronEngineWithValueHead):
     """verl's Megatron value-head engine (critic) with one resolved CP layout.
 
     Dynamic CP is not supported for value models (verl 0.9.1 has no value path through its dynamic

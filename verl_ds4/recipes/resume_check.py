@@ -33,6 +33,8 @@ from typing import Any
 
 from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 
+from verl_ds4.ckpt_manifest import mark_manifests_since, write_manifest
+
 __all__ = [
     "RECORD_NAME",
     "ResumeMismatchError",
@@ -234,9 +236,14 @@ class RunRecordCallback(CheckpointCallback):
         if folder is not None:
             print(f"[verl-ds4] resume check: {folder} was written by this run's config (CP, model, task); resuming")
         write_record(_local_dir(config), self.identity)
+        # Every step saved from here on ends with a manifest (a later one without it is an unfinished save).
+        resumed = folder.name.rsplit("_", 1)[-1] if folder is not None else ""
+        mark_manifests_since(_local_dir(config), int(resumed) + 1 if resumed.isdigit() else 0)
 
     def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
         write_record(checkpoint_dir, self.identity, global_step)
+        if not async_save:  # the step's manifest: data.pt, the record, and actor/ and critic/ (their own manifests)
+            write_manifest(checkpoint_dir, global_step=global_step, written_by="verl-ds4 RunRecordCallback")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="the trainer's Hydra overrides (after --)")
     args = parser.parse_args(argv)
     config = compose_recipe(args.kind, args.overrides)
+    from verl_ds4.recipes.ckpt_resume import CheckpointDamagedError, choose_resume
+
+    try:  # the checkpoint verl would load, against its manifest (auto: the newest intact one)
+        checked = choose_resume(_local_dir(config), _select(config, "trainer.resume_mode") or "auto",
+                                _select(config, "trainer.resume_from_path"))
+    except CheckpointDamagedError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    for message in checked.messages:
+        print(message, file=sys.stderr)
     try:
         folder = check_resume(config)
     except ResumeMismatchError as err:

@@ -60,6 +60,8 @@ SCOPE = (
     "verl_ds4/recipes/checkpoint_check.py",
     "verl_ds4/recipes/compose.py",
     "verl_ds4/recipes/resume_check.py",
+    "verl_ds4/recipes/ckpt_resume.py",
+    "verl_ds4/engine/checkpoint.py",
     "verl_ds4/recipes/command.py",
     "verl_ds4/recipes/override_keys.py",
     "verl_ds4/recipes/plan_command.py",
