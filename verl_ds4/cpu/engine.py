@@ -309,6 +309,8 @@ class _CPUMegatronEngineMixin:
 class CPUMegatronEngineWithLMHead(DS4MegatronEngineWithLMHead, _CPUMegatronEngineMixin, MegatronEngineWithLMHead):
     """verl-ds4's Megatron LM-head engine (actor, reference, SFT) on the CPU."""
 
+    sparse_attention_in_megatron = False  # the CPU models' own attention takes sparse_attention=linear
+
     accepts_fp32_params = True  # engine.dtype=float32 through CPUMcoreEngineConfig
 
 
@@ -316,6 +318,8 @@ class CPUMegatronEngineWithValueHead(
     DS4MegatronEngineWithValueHead, _CPUMegatronEngineMixin, MegatronEngineWithValueHead
 ):
     """verl-ds4's Megatron value-head engine (critic) on the CPU."""
+
+    sparse_attention_in_megatron = False  # the CPU models' own attention takes sparse_attention=linear
 
     accepts_fp32_params = True
 

@@ -30,7 +30,7 @@ from verl.workers.config import McoreEngineConfig
 from verl_ds4 import ds4_facts
 from verl_ds4.layout.cost import COST_MODELS, DS4CostShape, TokenCostModel, ds4_cost_model
 
-__all__ = ["CP_BALANCE_CHOICES", "SPARSE_ATTENTION_CHOICES", "sparse_attention_of", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
+__all__ = ["CP_BALANCE_CHOICES", "SPARSE_ATTENTION_CHOICES", "check_sparse_attention_backend", "refuse_model_without_sparse_attention", "sparse_attention_of", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
 
 CP_BALANCE_CHOICES = tuple(COST_MODELS)  # the cost models PlanOptions.balance accepts
 SPARSE_ATTENTION_CHOICES = ("megatron", "linear")  # who computes the unfused DS4 sparse attention
@@ -86,6 +86,28 @@ def cp_balance_of(engine_config) -> Optional[str]:
 def sparse_attention_of(engine_config) -> str:
     """The ``sparse_attention`` of any engine config (verl's own has none: ``"megatron"``), checked."""
     return _check_sparse_attention(getattr(engine_config, "sparse_attention", None))
+
+
+def check_sparse_attention_backend(engine_config) -> None:
+    """``sparse_attention=linear`` replaces the unfused path only: refused with ``dsa_kernel_backend`` other than none."""
+    if sparse_attention_of(engine_config) != "linear":
+        return
+    overrides = dict(getattr(engine_config, "override_transformer_config", None) or {})
+    backend = str(overrides.get("dsa_kernel_backend") or "none")
+    if backend != "none":
+        raise ValueError(
+            f"engine sparse_attention='linear' replaces Megatron-LM dev's unfused DS4 sparse attention, but "
+            f"dsa_kernel_backend={backend!r} runs the fused kernels, which do not use it. Set ds4.sparse_attention=megatron "
+            "to keep the fused path, or ds4.dsa_kernel_backend=none to train with the linear core."
+        )
+
+
+def refuse_model_without_sparse_attention() -> None:
+    """The refusal of ``sparse_attention=linear`` for a CPU model without a DS4 / V4.1 sparse attention."""
+    raise ValueError(
+        "engine sparse_attention='linear', but this model has no DS4 / V4.1 sparse attention to run it "
+        "(no attention module with a sparse_core). Set sparse_attention=megatron (recipe knob ds4.sparse_attention)."
+    )
 
 
 def ds4_cost_shape(hf_config) -> DS4CostShape:

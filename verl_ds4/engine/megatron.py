@@ -53,7 +53,13 @@ from verl.utils.checkpoint.checkpoint_handler import CheckpointHandler as _Check
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
-from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
+from verl_ds4.engine.config import (
+    check_sparse_attention_backend,
+    cp_balance_cost_model,
+    cp_balance_of,
+    refuse_model_without_sparse_attention,
+    sparse_attention_of,
+)
 from verl_ds4.mcore import batch_plans, indexer_replay, resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
@@ -426,6 +432,10 @@ class _ResolvedLayoutEngine:
     resolved_cp_layout: ResolvedCPLayout | None = None
     #: Whether fp32 parameters are supported (only the CPU engines, see ``CPUMcoreEngineConfig``).
     accepts_fp32_params: bool = False
+    #: Where ``sparse_attention=linear`` goes: into Megatron-LM dev's DS4 layers (GPU engines: the csa module's
+    #: functions are replaced at start-up) or into the model's own attention modules (CPU engines: their
+    #: ``sparse_core`` is set once the model is built).
+    sparse_attention_in_megatron: bool = True
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         install_verl_hooks()
@@ -442,6 +452,7 @@ class _ResolvedLayoutEngine:
                 "on GPUs use engine.dtype=bfloat16 (Megatron keeps fp32 main parameters in the optimizer)."
             )
         cp_balance_of(engine_config)  # a bad value fails here, not at the first micro-batch
+        self._prepare_sparse_attention(engine_config)
         bucket = _pad_to_length_bucket(engine_config)
         if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
             raise CPLayoutError(f"engine pad_to_length_bucket must be a positive int, got {bucket!r}")
@@ -453,6 +464,29 @@ class _ResolvedLayoutEngine:
             tp_size=engine_config.tensor_model_parallel_size,
             dynamic_cp=bool(getattr(engine_config, "dynamic_context_parallel", False)),
         )
+
+    def _prepare_sparse_attention(self, engine_config) -> None:
+        """``sparse_attention=linear``: refused with the fused kernels; on GPU engines, verl-ds4's memory-linear
+        core goes into Megatron-LM dev's DS4 layers now, before the model is built (refused, with what differs,
+        when that Megatron is not the one it was proven against: verl_ds4.mcore.sparse_attention_patch)."""
+        check_sparse_attention_backend(engine_config)
+        if sparse_attention_of(engine_config) != "linear":
+            return
+        if self.sparse_attention_in_megatron:
+            from verl_ds4.mcore import sparse_attention_patch
+
+            names = sparse_attention_patch.install()
+            logger.info("verl-ds4: Megatron-LM dev's %s replaced by the memory-linear sparse attention", ", ".join(names))
+
+    def _use_sparse_core(self, module) -> None:
+        """CPU engines: the built model's DS4 / V4.1 attention modules take the linear core (refused without one)."""
+        if sparse_attention_of(self.engine_config) != "linear" or self.sparse_attention_in_megatron:
+            return
+        from verl_ds4.kernels import set_sparse_core
+
+        taken = sum(set_sparse_core(_unwrap_model(chunk), "linear") for chunk in (module if isinstance(module, (list, tuple)) else [module]))
+        if not taken:
+            refuse_model_without_sparse_attention()
 
     # -- building ------------------------------------------------------------------------------
 
@@ -503,6 +537,7 @@ class _ResolvedLayoutEngine:
         )
         resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved
+        self._use_sparse_core(module)
         if _indexer_replay_on(engine_config):  # refuses a model without an indexer here, at start-up
             for chunk in module if isinstance(module, (list, tuple)) else [module]:
                 indexer_replay.enable(_unwrap_model(chunk))

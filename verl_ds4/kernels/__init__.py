@@ -11,17 +11,21 @@ into Megatron-LM ``dev``'s DS4 layers, and the CPU models (:mod:`verl_ds4.models
 from .indexer import chunked_dense_indexer_kl, chunked_qk_topk, indexer_chunk_rows
 from .sparse_attention import (
     DEFAULT_CHUNK_BYTES,
+    SPARSE_CORES,
     chunk_rows_for,
     linear_sparse_attn,
+    set_sparse_core,
     sparse_attn_reference,
 )
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "SPARSE_CORES",
     "chunk_rows_for",
     "chunked_dense_indexer_kl",
     "chunked_qk_topk",
     "indexer_chunk_rows",
     "linear_sparse_attn",
+    "set_sparse_core",
     "sparse_attn_reference",
 ]

@@ -32,7 +32,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "chunk_rows_for", "linear_sparse_attn", "sparse_attn_reference"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "SPARSE_CORES", "chunk_rows_for", "linear_sparse_attn", "set_sparse_core", "sparse_attn_reference"]
+
+#: How a DS4 / V4.1 CPU attention computes its sparse softmax: ``dense`` (every key of the buffer, masked: the
+#: reference) or ``linear`` (each query's ids through :func:`linear_sparse_attn`). An attention module that can
+#: do both has a ``sparse_core`` attribute (the CPU models in :mod:`verl_ds4.models`).
+SPARSE_CORES = ("dense", "linear")
+
+
+def set_sparse_core(model: torch.nn.Module, core: str) -> int:
+    """Set ``sparse_core`` on every module of ``model`` that has one; returns how many modules took it."""
+    if core not in SPARSE_CORES:
+        raise ValueError(f"sparse core {core!r}: expected one of {list(SPARSE_CORES)}.")  # error-catalogue: internal: callers pass a checked choice
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "sparse_core"):
+            module.sparse_core = core
+            count += 1
+    return count
 
 #: Backward work space one chunk of query rows may take (its gathered keys and their gradient in the
 #: compute dtype, and four ``[rows, heads, K]`` score-shaped tensors). 256 MiB: about 80 rows at

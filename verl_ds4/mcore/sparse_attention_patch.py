@@ -93,7 +93,7 @@ def _csa(module=None):
         raise SparseAttentionPatchError(
             f"ds4.sparse_attention=linear needs Megatron-LM dev's DS4 attention ({CSA_MODULE}), which does not import "
             f"here ({type(exc).__name__}: {exc}). Megatron-LM dev lives in the GPU image; {_FIX}."
-        ) from exc  # error-catalogue: ds4.sparse_attention=linear on a machine without Megatron-LM dev
+        ) from exc
 
 
 # -- the replacements ----------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def install(csa_module=None) -> list[str]:
             "ds4.sparse_attention=linear: the Megatron-LM in this environment is not the one the linear sparse attention "
             f"was proven against (Megatron-LM dev {', '.join(c[:8] for c in PROVEN_COMMITS)}; {csa.__file__}): "
             + "; ".join(problems) + f". Fix: {_FIX}."
-        )  # error-catalogue: ds4.sparse_attention=linear with a Megatron-LM whose DS4 functions differ
+        )
     originals = _originals(csa)
     for name, fn in _replacements(csa, originals).items():
         setattr(csa, name, fn)

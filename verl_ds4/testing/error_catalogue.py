@@ -71,6 +71,7 @@ SCOPE = (
     "verl_ds4/mcore/resolver.py",
     "verl_ds4/mcore/requirements.py",
     "verl_ds4/mcore/indexer_replay.py",
+    "verl_ds4/mcore/sparse_attention_patch.py",
     "verl_ds4/engine/plugin.py",
     "verl_ds4/engine/config.py",
     "verl_ds4/cpu/ds4_builder.py",

@@ -38,7 +38,7 @@ from torch import nn
 
 from verl_ds4 import ds4_facts
 
-from verl_ds4.kernels import linear_sparse_attn
+from verl_ds4.kernels import SPARSE_CORES, linear_sparse_attn, set_sparse_core
 
 from .cp_comm import all_gather_rows, exchange_left_halo
 from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
@@ -47,11 +47,6 @@ __all__ = ["DS4AttentionSpec", "DS4HybridAttention", "SPARSE_CORES", "block_ids"
 
 CSA_RATIO = ds4_facts.CSA_RATIO
 LayerKind = Literal["sliding", "csa", "hca"]
-
-
-#: How a DS4 / V4.1 CPU attention computes its sparse softmax: ``dense`` (every key of the buffer, masked: the
-#: reference) or ``linear`` (each query's ids through :func:`verl_ds4.kernels.linear_sparse_attn`).
-SPARSE_CORES = ("dense", "linear")
 
 
 def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -65,14 +60,7 @@ def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
 
 def use_sparse_core(model: nn.Module, core: str) -> int:
     """Set every DS4 / V4.1 attention of ``model`` to ``core`` (one of :data:`SPARSE_CORES`); returns how many."""
-    if core not in SPARSE_CORES:
-        raise ValueError(f"sparse core {core!r}: expected one of {list(SPARSE_CORES)}.")  # error-catalogue: internal: the engine passes a checked choice
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "sparse_core"):
-            module.sparse_core = core
-            count += 1
-    return count
+    return set_sparse_core(model, core)
 
 
 def layer_kind_for_ratio(ratio: int) -> LayerKind:
