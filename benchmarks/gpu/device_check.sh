@@ -7,7 +7,7 @@ usage() {
     cat <<'EOF'
 usage: benchmarks/gpu/device_check.sh [--out DIR] [--device cuda|cpu] [--quick] [--help]
 
-Runs, each under its own time limit (at most 7.5 minutes in all: 60 s + 90 s + 60 s + 90 s + 120 s):
+Runs, each under its own time limit (at most 10 minutes in all: 60 s + 90 s + 60 s + 90 s + 120 s + 150 s):
   1. layout   the CUDA-gated layout/plan tests (pytest -m gpu tests/test_layout_plan_on_cpu.py),
               the balanced-plan sync test among them; on cuda they must run, not skip
   2. thd      benchmarks/bench_thd_layout.py --device DEVICE --without-verl (rows checked
@@ -21,6 +21,11 @@ Runs, each under its own time limit (at most 7.5 minutes in all: 60 s + 90 s + 6
   4. models   benchmarks/gpu/device_checks.py --checks ds4,ds41: the whole tiny DS4 (MTP, indexer loss,
               critic) and V4.1 (Engram, CSA2, mHC) as verify builds them, one THD training step in fp32
               and bf16 (routes replayed, every indexer block kept) against our CPU fp64 models
+  5. attention benchmarks/gpu/megatron_dsv4_memory.py: Megatron-LM dev's own two DS4 layers (CSA + HCA, Flash
+              widths, dense indexer loss) with dev's unfused sparse attention and with verl-ds4's linear core,
+              2k / 8k / 16k / 32k tokens (dev's core OOMs from 16k); records for memory_calibration.py --compare
+              in DIR/linear_attention_records.json. Needs benchmarks/gpu/carry/megatron_dev
+              (prepare_megatron_dev.sh); skipped without it
 
 Writes DIR/results.txt (one PASS/FAIL line per check), DIR/<step>.log, DIR/env.txt, and prints
 a summary. Exit 0 only if everything passed.
@@ -161,6 +166,20 @@ grep -E '^(PASS|FAIL) ' "$out_dir/memory.log" | sed 's/^/  /' >> "$results"
 # --- 4. the whole models (DS4, V4.1; Megatron-Core from the carried wheel), in their own process ------
 run_step models 120 "$py" benchmarks/gpu/device_checks.py "${check_args[@]}" --checks ds4,ds41
 grep -E '^(PASS|FAIL) ' "$out_dir/models.log" | sed 's/^/  /' >> "$results"
+
+# --- 5. Megatron-LM dev's own two DS4 layers: its unfused core vs verl-ds4's linear one ---------------
+if [[ -f benchmarks/gpu/carry/megatron_dev/megatron/core/transformer/experimental_attention_variant/csa.py ]]; then
+    if [[ $quick -eq 1 ]]; then
+        attn_args=(--quick --tokens 256)
+    else
+        attn_args=(--tokens 2048,8192,16384,32768 --budget-s 140)
+    fi
+    run_step attention 150 "$py" benchmarks/gpu/megatron_dsv4_memory.py --device "$device" "${attn_args[@]}" \
+        --kinds pair --recompute none --attention megatron,linear --indexer-loss-coeff 0.001 \
+        --out "$out_dir/megatron_dsv4_attention.json" --records "$out_dir/linear_attention_records.json"
+else
+    record SKIP attention "no Megatron-LM dev export in benchmarks/gpu/carry/megatron_dev (run benchmarks/gpu/prepare_megatron_dev.sh and carry it)"
+fi
 
 # --- summary ----------------------------------------------------------------------------------------
 echo

@@ -26,6 +26,12 @@ output says which one ran.
     python benchmarks/gpu/megatron_dsv4_memory.py                  # H200: 2k/4k/8k, none + selective
     python benchmarks/gpu/megatron_dsv4_memory.py --tokens 16384 --kinds pair --recompute none  # the OOM
     python benchmarks/gpu/megatron_dsv4_memory.py --device cpu --quick   # tiny widths smoke test
+    python benchmarks/gpu/megatron_dsv4_memory.py --kinds pair --recompute none --attention megatron,linear \
+        --tokens 2048,8192,16384,32768 --records linear.json          # dev's unfused core vs verl-ds4's linear one
+
+``--attention linear`` measures the same layers with verl-ds4's memory-linear sparse attention in place of dev's
+unfused functions (verl_ds4.mcore.sparse_attention_patch, which first checks they are the ones it was proven
+against).
 """
 
 import argparse
@@ -67,6 +73,9 @@ def parse_args(argv=None):
                    help="pack sequences of this length (0 = one sequence of all the tokens)")
     p.add_argument("--kinds", default="csa,hca,pair", help=f"subset of {','.join(KINDS)}")
     p.add_argument("--recompute", default="none,selective", help=f"subset of {','.join(RECOMPUTE)}")
+    p.add_argument("--attention", default="megatron",
+                   help="comma-separated sparse-attention cores: megatron (dev's unfused_compressed_sparse_attn) "
+                        "and/or linear (verl_ds4.kernels, installed by verl_ds4.mcore.sparse_attention_patch)")
     p.add_argument("--indexer-loss-coeff", type=float, default=0.0)
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="Megatron's torch.compile'd mHC helpers (auto: on for cuda, off for cpu)")
@@ -74,10 +83,17 @@ def parse_args(argv=None):
                    help="skip the remaining cases once this many seconds have passed")
     p.add_argument("--megatron", default=str(HERE / "carry" / "megatron_dev"),
                    help="folder holding megatron/core (prepare_megatron_dev.sh)")
+    p.add_argument("--records", default=None,
+                   help="also write the pair / no-recompute rows as memory_calibration.py --compare records "
+                        "(path unfused for megatron, linear for linear; OOM rows left out) to this JSON file")
     p.add_argument("--out", default=None,
                    help="JSON path (default $OUT/megatron_dsv4_memory.json, else ./megatron_dsv4_memory.json)")
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
+    args.attention = [a for a in args.attention.split(",") if a]
+    bad = [a for a in args.attention if a not in ("megatron", "linear")]
+    if bad:
+        p.error(f"--attention: unknown {bad}; choose from megatron, linear")
     args.recompute = [r for r in args.recompute.split(",") if r]
     for name, allowed, given in (("--kinds", KINDS, args.kinds), ("--recompute", RECOMPUTE, args.recompute)):
         bad = [g for g in given if g not in allowed]
@@ -462,10 +478,61 @@ def main(argv=None):
         print("CPU: the allocator counters exist only on CUDA, so byte columns print n/a", flush=True)
     rows = []
     t_all = time.time()
+    for attention in args.attention:
+        patch = _attention_core(attention, info)
+        try:
+            _measure_all(args, attention, w, meter, info, rows, t_all)
+        finally:
+            if patch is not None:
+                patch.uninstall()
+    info["seconds"] = round(time.time() - t_all, 1)
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "megatron_dsv4_memory.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    print(f"wrote {out} ({info['seconds']} s)")
+    if args.records:
+        write_records(args.records, info, rows)
+    torch.distributed.destroy_process_group()
+
+
+#: memory_calibration.py's kernel path of each --attention choice.
+RECORD_PATH = {"megatron": "unfused", "linear": "linear"}
+
+
+def write_records(path, info, rows):
+    """The two-layer (pair), no-recompute measurements as memory_calibration.py --compare records."""
+    records = [{"id": f"megatron-{RECORD_PATH[r['attention']]}-{r['tokens']}-none", "path": RECORD_PATH[r["attention"]],
+                "tokens": r["tokens"], "recompute": "none", "quantity": "fwd_bwd_peak_above_states_gib",
+                "measured_gib": round(r["peak"] / GIB, 3),
+                "source": f"Megatron-LM dev layers ({info['megatron_commit'][:10]}), --attention {r['attention']}, "
+                          f"indexer loss coeff {info['indexer_loss_coeff']}"}
+               for r in rows
+               if r["kind"] == "pair" and r["recompute"] == "none" and not r["oom"] and r.get("peak") is not None]  # fmt: skip
+    Path(path).write_text(json.dumps({"device": info["device"], "torch": info["torch"], "date": time.strftime("%Y-%m-%d"),
+                                      "provenance": "benchmarks/gpu/megatron_dsv4_memory.py --records",
+                                      "records": records}, indent=1))  # fmt: skip
+    print(f"wrote {len(records)} records to {path} (memory_calibration.py --compare {path})")
+
+
+def _attention_core(attention, info):
+    """``linear``: verl-ds4's memory-linear core replaces dev's unfused functions (the patch module, or None)."""
+    if attention != "linear":
+        return None
+    sys.path.insert(0, str(HERE.parents[1]))
+    from megatron.core.transformer.experimental_attention_variant import csa
+
+    from verl_ds4.mcore import sparse_attention_patch
+
+    info.setdefault("linear_core", sparse_attention_patch.install(csa))
+    print(f"attention core: linear (verl_ds4.kernels) in place of dev's {', '.join(info['linear_core'])}", flush=True)
+    return sparse_attention_patch
+
+
+def _measure_all(args, attention, w, meter, info, rows, t_all):
     for rc in args.recompute:  # every kind without recompute first: the budget cuts selective first
         for kind in args.kinds:
             if time.time() - t_all > args.budget_s:
-                info["skipped"].append(f"{kind}/{rc}")
+                info["skipped"].append(f"{attention}/{kind}/{rc}")
                 print(f"{kind:4s} {rc:9s} skipped: past --budget-s {args.budget_s:.0f}", flush=True)
                 continue
             config = make_config(w, KINDS[kind], RECOMPUTE[rc], args.device, args.indexer_loss_coeff)
@@ -476,19 +543,19 @@ def main(argv=None):
                   f"{fmt(states)} GiB (parameters + grads)", flush=True)
             for tokens in args.tokens:
                 if time.time() - t_all > args.budget_s:
-                    info["skipped"].append(f"{kind}/{rc}/{tokens}")
+                    info["skipped"].append(f"{attention}/{kind}/{rc}/{tokens}")
                     print(f"{kind:4s} {rc:9s} T={tokens:6d}  skipped: past --budget-s", flush=True)
                     continue
-                row = dict(kind=kind, recompute=rc, states=states,
-                           gather_bwd=gather_backward_bytes(tokens, args.seq_len, KINDS[kind], w),
+                row = dict(kind=kind, recompute=rc, attention=attention, states=states,
+                           gather_bwd=gather_backward_bytes(tokens, args.seq_len, KINDS[kind], w) if attention == "megatron" else 0,
                            **measure(block, tokens, args.seq_len, w, args.device, meter))
                 rows.append(row)
                 if row["oom"]:
-                    print(f"{kind:4s} {rc:9s} T={tokens:6d}  OOM in {row['oom_phase']}: needs >= "
+                    print(f"{attention:8s} {kind:4s} {rc:9s} T={tokens:6d}  OOM in {row['oom_phase']}: needs >= "
                           f"{fmt(row['lower_bound'])} GiB above states (refused "
                           f"{fmt(row['refused'])} GiB)  {row['seconds']}s", flush=True)
                 else:
-                    print(f"{kind:4s} {rc:9s} T={tokens:6d}  saved {fmt(row['saved'])}  kept "
+                    print(f"{attention:8s} {kind:4s} {rc:9s} T={tokens:6d}  saved {fmt(row['saved'])}  kept "
                           f"{fmt(row['kept'])}  gather_bwd {fmt(row['gather_bwd'])}  fwd_peak "
                           f"{fmt(row['fwd_peak'])}  peak {fmt(row['peak'])}  nograd_peak "
                           f"{fmt(row['nograd_peak'])} GiB  {row['seconds']}s", flush=True)
@@ -496,12 +563,6 @@ def main(argv=None):
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    info["seconds"] = round(time.time() - t_all, 1)
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "megatron_dsv4_memory.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print(f"wrote {out} ({info['seconds']} s)")
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ signature, layouts and output dtype. Megatron's function gathers with
   recomputes each chunk's scores, probabilities and output from them (the flash-attention identity
   ``dS = P * (dP - rowsum(dO * O))``, with the sink's gradient ``-sum exp(sink - lse) * rowsum(dO * O)``).
 
-Kept for backward per query row: the ids (``K`` ints) and ``heads`` float32 log-sum-exps, against
-Megatron's float32 ``[K, d]`` gathered keys plus its score chain (DS4-Flash CSA: 2.6 KB against 2.1 MB
-per token beyond the inputs; ``benchmarks/results/linear_sparse_attn_cpu.md``).
+Kept for backward per query row beyond the inputs (query, KV, ids): ``heads`` float32 log-sum-exps, against
+Megatron's float32 ``[K, d]`` gathered keys, float32 query copy and score chain (DS4-Flash CSA, 64 heads,
+head dim 512, 640 ids, bf16: 256 B against 1.69 MiB per token, measured with saved-tensor hooks;
+``benchmarks/results/linear_sparse_attn_cpu.md``).
 
 Ids outside ``[-1, n_kv)`` raise a ``ValueError`` naming the bad id (one device-to-host read per call).
 """
