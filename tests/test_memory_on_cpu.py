@@ -190,11 +190,14 @@ def test_every_shipped_recipe_and_mesh_fits_at_peak_or_is_a_labelled_refusal(kin
 
 
 def test_a_larger_budget_on_an_accepted_mesh_is_refused():
-    """Negative control of the test above: the check can fail a shipped mesh (the H200 default at 8192 tokens per GPU)."""
+    """Negative control of the test above: the check can fail a shipped mesh (the H200 default at 16384 tokens per GPU
+    with the linear core, and at 8192 with Megatron's)."""
     _, report = validate("sft", [])
-    assert report.errors == [] and report.memory.roles[0].tokens_per_gpu == 2048
-    with pytest.raises(RecipeValidationError, match=r"sft memory: .*8192 tokens per GPU.*exceeds 125\.8 GiB"):
-        validate("sft", ["ds4.max_token_len_per_gpu=8192"])
+    assert report.errors == [] and report.memory.roles[0].tokens_per_gpu == 8192
+    with pytest.raises(RecipeValidationError, match=r"sft memory: .*linear attention.*16384 tokens per GPU.*exceeds 125\.8 GiB"):
+        validate("sft", ["ds4.max_token_len_per_gpu=16384"])
+    with pytest.raises(RecipeValidationError, match=r"sft memory: .*unfused attention.*8192 tokens per GPU.*exceeds 125\.8 GiB"):
+        validate("sft", ["ds4.sparse_attention=megatron"])
 
 
 def test_launcher_defaults_and_suggestions_are_shipped_pairs():
@@ -221,23 +224,27 @@ def test_launcher_defaults_and_suggestions_are_shipped_pairs():
 
 
 def test_refusal_names_role_pass_stage_terms_capacity_and_the_smallest_lever_that_works():
+    megatron = "ds4.sparse_attention=megatron"  # Megatron's own unfused core: the mesh's 4096 tokens do not fit at CP 1
     with pytest.raises(RecipeValidationError) as info:
-        validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8"])
+        validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", megatron])
     text = str(info.value)
     assert ("sft memory: sft (TP1/PP4/EP8/CP1, DP x CP 16, expert-DP 2; unfused attention, recompute full, 4096 tokens "
             "per GPU) update pass, stage 0 (11 layers): peak 155.0 GiB per GPU = states 112.3") in text
     assert "exceeds 125.8 GiB, the 139.8 GiB of one H200 less the headroom 0.1 (ds4.memory_headroom)" in text
     lever = re.search(r"fewer tokens per GPU: ds4\.max_token_len_per_gpu=(\d+) with ds4\.mesh\.cp=(\d+)", text)
     assert lever and lever.groups() == ("1024", "4")
-    _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", "ds4.max_token_len_per_gpu=1024", "ds4.mesh.cp=4"])
+    _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", megatron, "ds4.max_token_len_per_gpu=1024", "ds4.mesh.cp=4"])
     assert report.errors == []
     # the next budget up does not fit: the suggestion is the largest budget that does
     with pytest.raises(RecipeValidationError):
-        validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", "ds4.max_token_len_per_gpu=2048", "ds4.mesh.cp=2"])
-    # every lever listed lowers the peak under the limit; the fused kernel is one (SM90, indexer loss 0)
-    assert "the fused attention kernel: ds4.dsa_kernel_backend=cudnn" in text
-    _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", "ds4.dsa_kernel_backend=cudnn"])
+        validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", megatron, "ds4.max_token_len_per_gpu=2048", "ds4.mesh.cp=2"])
+    # every lever listed lowers the peak under the limit; the linear core and the fused kernel (SM90, indexer loss 0)
+    assert "the fused attention kernel: ds4.dsa_kernel_backend=cudnn;" in text
+    _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", megatron, "ds4.dsa_kernel_backend=cudnn"])
     assert report.errors == []
+    assert "the memory-linear sparse attention: ds4.sparse_attention=linear" in text
+    _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8"])  # the mesh as shipped: the linear core
+    assert report.errors == [] and report.memory.roles[0].path == "linear"
 
 
 def test_states_alone_over_the_gpu_are_said_so():
@@ -254,11 +261,11 @@ def test_rollout_that_does_not_fit_is_refused_with_fp8_or_tp():
 
 
 def test_colocated_roles_without_offload_are_refused_together():
-    # each role fits alone (108.4 GiB peak on an H200) but not beside the other's resident states
-    with pytest.raises(RecipeValidationError, match=r"actor update: its peak 108\.4 GiB plus 90\.6 GiB"):
+    # each role fits alone (101.7 GiB update peak on an H200) but not beside the other's resident states
+    with pytest.raises(RecipeValidationError, match=r"actor update: its peak 101\.7 GiB plus 90\.6 GiB"):
         validate("ppo", ["ds4.offload.param=false", "ds4.offload.optimizer=false"])
     _, report = validate("ppo", [])  # the recipe's default offload
-    assert report.errors == [] and dict(report.memory.phases)["actor update"] == pytest.approx(108.4, abs=0.05)
+    assert report.errors == [] and dict(report.memory.phases)["actor update"] == pytest.approx(101.7, abs=0.05)
 
 
 def test_warn_and_off_modes_go_on_and_say_so():
@@ -291,8 +298,8 @@ def test_plan_prints_the_memory_table(capsys):
     assert run(parser.parse_args(["grpo", "--dry-run"])) == 0
     out = capsys.readouterr().out
     assert "memory per GPU (GiB) on H200 (139.8 GiB each, peak limit 125.8 with headroom 0.1; check: error)" in out
-    assert re.search(r"actor +update +PP8/EP8/CP2 DPxCP 8 eDP 1 +unfused +full +2048 +0 +90\.6 .* 109\.2 +yes", out)
-    assert re.search(r"ref +forward +PP8/EP8/CP2 .* 4096 ", out)
+    assert re.search(r"actor +update +PP8/EP8/CP2 DPxCP 8 eDP 1 +linear +full +8192 +0 +90\.6 .* 111\.2 +yes", out)
+    assert re.search(r"ref +forward +PP8/EP8/CP2 .* 16384 ", out)
     assert "rollout: TP8 bf16 weights 66.2 GiB per GPU of a 0.6 x 139.8 = 83.9 GiB share: fits" in out
 
 

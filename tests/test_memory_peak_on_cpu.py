@@ -134,8 +134,8 @@ def test_recipe_dry_run_json_has_the_memory_per_role():
     sft = memory["roles"]["sft"]
     assert {"states_gib", "activations_gib", "logits_gib", "peak_gib", "fits"} <= set(sft)
     assert sft["fits"] is True and sft["peak_gib"] <= memory["limit_gib"] and sft["logits_gib_max"] > 0
-    assert sft["attention_kernel"] == "unfused" and sft["recompute"] == "full"
-    refused = _recipe("sft", "--dry-run", "--json", "ds4_mesh=h200_64gpu_pp4_ep8")
+    assert sft["attention_kernel"] == "linear" and sft["recompute"] == "full"
+    refused = _recipe("sft", "--dry-run", "--json", "ds4_mesh=h200_64gpu_pp4_ep8", "ds4.sparse_attention=megatron")
     assert refused.returncode == 1
     bad = json.loads(refused.stdout)
     assert bad["valid"] is False and bad["memory"]["roles"]["sft"]["fits"] is False

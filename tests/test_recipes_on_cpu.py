@@ -110,6 +110,7 @@ def test_flash_recipes_compose_and_validate_with_real_paths(kind, mesh, assets):
     # the attention kernel path and the recompute the mesh names for its GPU reach Megatron's config
     otc = engine.override_transformer_config
     assert otc.dsa_kernel_backend == mesh_cfg.dsa_kernel_backend in ("none", "cudnn")
+    assert engine.sparse_attention == mesh_cfg.sparse_attention == ("linear" if otc.dsa_kernel_backend == "none" else "megatron")
     assert otc.recompute_granularity == mesh_cfg.recompute_granularity == "full" and otc.recompute_method == "uniform"
     if kind == "sft":
         assert cfg.model.use_remove_padding is True and cfg.model.mtp.enable is True
@@ -202,7 +203,9 @@ BAD_CASES = [
     ("cp_balance_unknown", "sft", ["ds4.cp_balance=fast"], "engine.cp_balance: is 'fast'; expected null"),
     ("tilelang", "sft", ["ds4.dsa_kernel_backend=tilelang"], "is 'tilelang', which Megatron-LM dev refuses for DeepSeek-V4"),
     ("backend_unknown", "ppo", ["ds4.dsa_kernel_backend=flash"], "is 'flash'; expected one of ['cudnn', 'none']"),
-    ("fused_dense_indexer_loss_sm90", "sft", ["ds4.dsa_kernel_backend=cudnn", "ds4.indexer_loss_coeff=0.01"], "with the dense indexer loss on SM90"),
+    ("fused_dense_indexer_loss_sm90", "sft", ["ds4.dsa_kernel_backend=cudnn", "ds4.sparse_attention=megatron", "ds4.indexer_loss_coeff=0.01"], "with the dense indexer loss on SM90"),
+    ("linear_core_with_fused_backend", "ppo", ["ds4.dsa_kernel_backend=cudnn"], "actor_rollout_ref.actor.megatron.sparse_attention: is linear with dsa_kernel_backend=cudnn"),
+    ("sparse_attention_unknown", "sft", ["ds4.sparse_attention=fast"], "engine.sparse_attention: is 'fast'; expected one of ['megatron', 'linear']"),
     ("selective_with_full_settings", "sft", ["ds4.recompute_granularity=selective", "ds4.recompute_modules=[moe_act,mhc]"], "is selective with recompute_method and recompute_num_layers set"),
     ("selective_modules_null", "sft", ["ds4.recompute_granularity=selective", "ds4.recompute_method=null", "ds4.recompute_num_layers=null"], "is null with recompute_granularity=selective: Megatron then recomputes core_attn"),
     ("selective_without_modules", "sft", ["ds4.recompute_granularity=selective", "ds4.recompute_modules=[]", "ds4.recompute_method=null", "ds4.recompute_num_layers=null"], "Megatron then recomputes nothing"),

@@ -12,7 +12,7 @@ highest stage. A mesh *fits* when every role's peak is at most ``(1 - headroom)`
 check's rule, :data:`verl_ds4.recipes.peak.DEFAULT_HEADROOM`); ``check_activations=False`` judges the
 states alone (the old rule, for comparison). Rows are ranked: meshes that fit first, then fewest GPUs,
 then the lowest peak. For the best rows that do not fit, :func:`verl_ds4.recipes.memory_fixes.fixes`
-lists the levers (tokens per GPU with the CP it then needs, recompute, the fused kernel, EP, PP, more
+lists the levers (tokens per GPU with the CP it then needs, recompute, the linear or fused kernel, EP, PP, more
 GPUs, optimizer offload) that bring the worst role under the limit. For the RL recipes the rollout's
 weights are reported at the smallest TP (from one node up) that fits vLLM's share, bf16 first, then FP8.
 """

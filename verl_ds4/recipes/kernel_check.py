@@ -8,6 +8,10 @@ with Megatron's reason and the fix:
   cuDNN-frontend, SM90 and SM100); ``tilelang`` is refused for DS4 (``dsv4_hybrid``);
 * ``cudnn`` on SM90 (H100, H200) with the dense indexer loss (``dsa_indexer_loss_coeff > 0`` and
   ``dsa_indexer_use_sparse_loss`` false): "not reliable" on SM90, refused (SM100 allows it);
+* ``sparse_attention`` (the engine's, recipe knob ``ds4.sparse_attention``): ``megatron`` or ``linear``
+  (verl-ds4's memory-linear core, installed into the unfused path); ``linear`` with ``cudnn`` is refused:
+  the fused kernels never call the core it replaces, so the setting would change nothing the memory check
+  counts on;
 * DeepSeek-V4.1: the recipes target Megatron-Bridge's ``DeepSeekV41ModelProvider`` (Megatron-LM dev with
   PR #7503), which refuses ``pipeline_model_parallel_size > 1`` and virtual pipeline stages;
 * ``recompute_granularity``: ``selective`` needs ``recompute_modules`` (Megatron's default,
@@ -63,6 +67,27 @@ def _backend(otc: Any, where: str, hardware: Any, has_csa: bool, out: list[Probl
             "frontend's SM90 dense DSA kernels are not reliable for this path.",
             "set ds4.indexer_loss_coeff=0, or +<engine>.override_transformer_config.dsa_indexer_use_sparse_loss=true, "
             "or ds4.dsa_kernel_backend=none.",
+        ))
+
+
+def _sparse_attention(engine: Any, otc: Any, where: str, out: list[Problem]) -> None:
+    """The engine's ``sparse_attention``: a known core, and ``linear`` only on the unfused backend that calls it."""
+    from verl_ds4.engine.config import SPARSE_ATTENTION_CHOICES
+
+    value = engine.get("sparse_attention")
+    if value is None:  # verl's own engine config (no field): Megatron's core
+        return
+    key = f"{where}.sparse_attention"
+    if value not in SPARSE_ATTENTION_CHOICES:
+        out.append(Problem(key, f"is {value!r}; expected one of {list(SPARSE_ATTENTION_CHOICES)} (megatron: Megatron-LM dev's "
+                           "unfused core, backward quadratic in a GPU's tokens; linear: verl-ds4's memory-linear core).",
+                           "set ds4.sparse_attention=linear or megatron."))
+        return
+    if value == "linear" and str(otc.get("dsa_kernel_backend") or "none") == "cudnn":
+        out.append(Problem(
+            key, "is linear with dsa_kernel_backend=cudnn: the fused kernels (FlashMLA + cuDNN frontend) never call the "
+            "unfused core that linear replaces, so the setting would do nothing.",
+            "set ds4.sparse_attention=megatron to keep the fused kernels, or ds4.dsa_kernel_backend=none to run the linear core.",
         ))
 
 
@@ -141,4 +166,5 @@ def check_kernels(cfg: Any, report) -> None:
             continue
         seen.add(role.engine_key)
         _backend(otc, role.engine_key, hardware, has_csa, report.errors, report.warnings)
+        _sparse_attention(engine, otc, role.engine_key, report.errors)
         _recompute(otc, role.engine_key, report.errors)

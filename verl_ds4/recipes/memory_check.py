@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from verl_ds4.recipes.memory import (
     OPTIM_KEYS, Mesh, OptimizerSettings, StageMemory, gpu_memory_gib, peak_stage, training_memory, worst_stage,
 )
-from verl_ds4.recipes.peak import DEFAULT_HEADROOM, PATH_OF_BACKEND, check_headroom
+from verl_ds4.recipes.peak import DEFAULT_HEADROOM, check_headroom, path_of
 from verl_ds4.recipes.kernel_check import GPU_ARCH, dense_indexer_loss
 from verl_ds4.recipes.memory_fixes import findings
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
@@ -221,9 +221,10 @@ def recompute_of(engine: Any) -> frozenset[str] | None:
 
 
 def attention_path_of(engine: Any) -> str:
-    """The DS4 attention kernel path an engine block runs (Megatron's default backend: unfused)."""
+    """The DS4 attention kernel path an engine block runs: Megatron's default backend is unfused, and with the
+    engine's ``sparse_attention: linear`` (recipe knob ``ds4.sparse_attention``) it runs verl-ds4's linear core."""
     otc = engine.get("override_transformer_config") or {}
-    return PATH_OF_BACKEND.get(str(otc.get("dsa_kernel_backend") or "none"), "unfused")
+    return path_of(otc.get("dsa_kernel_backend"), engine.get("sparse_attention"))
 
 
 def _logits_kind(cfg: DictConfig, role: str) -> str:

@@ -5,7 +5,8 @@ a role whose peak (:mod:`verl_ds4.recipes.peak`: states + activations + the peak
 exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout that does not fit
 vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
 direction that brings its peak under the limit: a lower token budget per GPU (with the CP the longest
-sequence then needs), full recompute, the fused attention kernel where the GPU runs it, a larger EP or
+sequence then needs), full recompute, the memory-linear sparse attention in place of Megatron's unfused
+core, the fused attention kernel where the GPU runs it, a larger EP or
 PP, more GPUs, Megatron's CPU optimizer offload. Every candidate is recomputed with the same model, so
 a lever that does not lower the peak enough is never suggested.
 """
@@ -60,8 +61,10 @@ def fixes(rm, sizes, limit: float, gpus_per_node: int, arch: str | None = None, 
         out.append(f"fewer tokens per GPU: {budget}")
     if rm.recompute is not None and rm.trainable and _fits(rm, sizes, limit, recompute=None):
         out.append("full recompute: ds4.recompute_granularity=full ds4.recompute_method=uniform ds4.recompute_num_layers=1")
-    if rm.path == "unfused" and arch in ("sm90", "sm100") and not dense_loss_on_sm90 and _fits(rm, sizes, limit, path="fused"):
-        out.append("the fused attention kernel: ds4.dsa_kernel_backend=cudnn")
+    if rm.path == "unfused" and _fits(rm, sizes, limit, path="linear"):
+        out.append("the memory-linear sparse attention: ds4.sparse_attention=linear")
+    if rm.path != "fused" and arch in ("sm90", "sm100") and not dense_loss_on_sm90 and _fits(rm, sizes, limit, path="fused"):
+        out.append("the fused attention kernel: ds4.dsa_kernel_backend=cudnn" + (" ds4.sparse_attention=megatron" if rm.path == "linear" else ""))
     for ep in sorted(d for d in range(m.ep + 1, sizes.n_routed_experts + 1) if sizes.n_routed_experts % d == 0):
         if _fits(rm, sizes, limit, mesh=dataclasses.replace(m, ep=ep)):
             out.append(f"EP={ep} (ds4.mesh.ep)")

@@ -34,6 +34,14 @@ the logits. Attention kernel paths (Megatron-LM ``dev``'s ``dsa_kernel_backend``
   keeps ``q``, ``kv``, ``out``, ``lse``, the top-k ids and the indexer's precomputed gradients; its only
   ``T x S`` term is the indexer's ``[T, S/4]`` fp32 scores (one copy; 4 with the dense indexer loss),
   transient. No quadratic backward.
+* ``linear`` (``none`` with the engine's ``sparse_attention: linear``, recipe knob ``ds4.sparse_attention``):
+  Megatron's unfused layers with verl-ds4's row-chunked core (:mod:`verl_ds4.kernels.sparse_attention`)
+  in place of ``unfused_compressed_sparse_attn``, and the indexer's top-k scoring and dense loss chunked
+  over query rows. The core keeps for backward the bf16 query ``[T, n_h, d]``, the ids ``[T, K]`` int32 and
+  the fp32 log-sum-exp ``[T, n_h]`` (``kv_full`` is the layer's own input, counted once as the fused path
+  does); its backward allocates ``grad_q`` (bf16), an fp32 gradient of ``kv_full`` and one chunk of query
+  rows' work space (at most :data:`CHUNK_BYTES`). Every term is linear in ``T``; the layer's other terms
+  are the unfused path's. Not yet measured on a GPU: +-25% on the attention terms (docs/memory.md).
 * ``reference``: this project's pure-PyTorch DS4 attention (the CPU model), used only to calibrate the
   model against a GPU (``memory_calibration.py``); its terms were counted from autograd's saved tensors.
 """
@@ -45,16 +53,22 @@ from dataclasses import dataclass
 from verl_ds4 import ds4_facts
 
 __all__ = [
-    "ATTENTION_PATHS", "DEFAULT_HEADROOM", "DSA_BACKENDS", "check_headroom", "PATH_OF_BACKEND", "LOGITS_BYTES", "MARGIN_FIXED_GIB", "MARGIN_FRACTION",
+    "ATTENTION_PATHS", "CHUNK_BYTES", "DEFAULT_HEADROOM", "DSA_BACKENDS", "SPARSE_ATTENTION_OF_PATH", "path_of", "check_headroom", "PATH_OF_BACKEND", "LOGITS_BYTES", "MARGIN_FIXED_GIB", "MARGIN_FRACTION",
     "RECOMPUTE_MODULES", "StepShape", "StepPeak", "Term", "layer_kept", "layer_backward", "layer_forward", "step_peak",
 ]
 
 GIB = float(1 << 30)
 
 #: Attention kernel paths of Megatron-LM dev a recipe can run, and their ``dsa_kernel_backend``.
-ATTENTION_PATHS = ("unfused", "fused")
+ATTENTION_PATHS = ("unfused", "fused", "linear")
+#: Megatron's two backends (``linear`` runs ``none`` with verl-ds4's core: :data:`SPARSE_ATTENTION_OF_PATH`).
 DSA_BACKENDS = {"unfused": "none", "fused": "cudnn"}
 PATH_OF_BACKEND = {v: k for k, v in DSA_BACKENDS.items()}
+#: The engine's ``sparse_attention`` (recipe knob ``ds4.sparse_attention``) each path runs with.
+SPARSE_ATTENTION_OF_PATH = {"unfused": "megatron", "fused": "megatron", "linear": "linear"}
+#: Work space of one chunk of query rows in the linear core's backward, and of one chunk of the chunked
+#: indexer (``verl_ds4.kernels.sparse_attention.DEFAULT_CHUNK_BYTES``; kept equal by a test).
+CHUNK_BYTES = 256 * 1024**2
 #: ``recompute_modules`` entries whose effect the model knows (Megatron's names; ``core_attn`` is refused by DS4).
 RECOMPUTE_MODULES = ("moe_act", "mhc", "mla_up_proj", "layernorm", "moe", "shared_experts", "mlp")
 
@@ -78,6 +92,13 @@ MARGIN_FRACTION = 0.05
 #: allocator margin included) is at most ``(1 - headroom)`` of the GPU. It covers the model's own
 #: uncertainty (docs/memory.md, "Calibration"). ``ds4.memory_headroom`` / ``--headroom`` change it.
 DEFAULT_HEADROOM = 0.10
+
+
+def path_of(backend, sparse_attention) -> str:
+    """The attention path of Megatron's ``dsa_kernel_backend`` and the engine's ``sparse_attention`` (an unknown
+    backend is the unfused default; the validator refuses it, and ``linear`` with ``cudnn``, before this counts)."""
+    path = PATH_OF_BACKEND.get(str(backend or "none"), "unfused")
+    return "linear" if path == "unfused" and str(sparse_attention or "megatron") == "linear" else path
 
 
 def check_headroom(value: float) -> float:
@@ -191,6 +212,15 @@ def layer_kept(s, ratio: int, path: str, shape: StepShape, recompute: frozenset[
             Term("fp32 queries q_f [T, n_h, d]", 4 * nh * d),
             Term("gather indices [T, K] int64", 8 * k),
         ]
+    if path == "linear":
+        terms += [
+            Term("linear core: query [T, n_h, d] bf16, top-k ids [T, K] int32, log-sum-exp [T, n_h] fp32", 2 * nh * d + 4 * k + 4 * nh),
+            Term("kv_full [T + n_comp, d] bf16", 2 * d * shape.kv_rows(ratio) / shape.tokens),
+        ]
+        if _has_indexer(s, ratio, shape):
+            terms.append(Term("chunked indexer loss: indexer query [T, n_I, d_I] and weights [T, n_I] bf16",
+                              2 * (s.index_n_heads * s.index_head_dim + s.index_n_heads)))
+        return terms
     if path == "fused":
         kpad = -(-k // 128) * 128
         terms += [
@@ -210,6 +240,22 @@ def _indexer_rows(shape: StepShape) -> float:
     return shape.tokens if shape.cp == 1 else min(shape.tokens, _CP_INDEXER_CHUNK)
 
 
+def _has_indexer(s, ratio: int, shape: StepShape) -> bool:
+    """A layer whose keys come from the indexer's top-k (V4's CSA, V4.1's ratio 1 / 2 / 4 top-k layers)."""
+    return 0 < ratio <= ds4_facts.CSA_RATIO and shape.keys(s, ratio) > shape.window
+
+
+def _chunk_per_token(row_bytes: float, shape: StepShape) -> float:
+    """One chunk's work space per token: ``min(CHUNK_BYTES, T x row bytes) / T`` (a chunk never exceeds T rows)."""
+    return min(CHUNK_BYTES / shape.tokens, row_bytes)
+
+
+def _linear_indexer_chunk(s, ratio: int, shape: StepShape) -> float:
+    """The chunked indexer's work space per token: rows x the global compressed keys x (3 n_I + 8) fp32, at most a chunk."""
+    keys = shape.cp * shape.tokens / ratio
+    return _chunk_per_token(4 * (3 * s.index_n_heads + 8) * keys, shape)
+
+
 def layer_backward(s, ratio: int, path: str, shape: StepShape) -> list[Term]:
     """The transients one layer's backward allocates on ``path``, each at its own moment (the peak takes the largest)."""
     nh, d, w = s.num_attention_heads, s.head_dim, shape.window
@@ -226,6 +272,16 @@ def layer_backward(s, ratio: int, path: str, shape: StepShape) -> list[Term]:
         return terms
     if path == "fused":
         return [Term("dq [T, n_h, d] fp32, dkv [n_kv, d]", 4 * nh * d + 4 * d * shape.kv_rows(ratio) / shape.tokens)]
+    if path == "linear":
+        row = 4 * (2 * k * d + 4 * nh * k + 3 * nh * d)  # a query row's gathered keys, their gradient, 4 score tensors
+        terms = [Term("linear core backward: grad_q [T, n_h, d] bf16, grad kv_full [n_kv, d] fp32 and its bf16 cast, "
+                      "one chunk of rows (<= 256 MiB)",
+                      2 * nh * d + 6 * d * shape.kv_rows(ratio) / shape.tokens + _chunk_per_token(row, shape))]
+        if _has_indexer(s, ratio, shape):
+            ni, di = s.index_n_heads, s.index_head_dim
+            terms.append(Term("chunked indexer loss backward: grads of q_I [T, n_I, d_I], w [T, n_I] fp32, one chunk (<= 256 MiB)",
+                              4 * (ni * di + ni) + _linear_indexer_chunk(s, ratio, shape)))
+        return terms
     raise ValueError(f"unknown attention path {path!r}; expected one of {ATTENTION_PATHS}.")  # error-catalogue: internal: the validator refused unknown paths before
 
 
@@ -238,6 +294,12 @@ def layer_forward(s, ratio: int, path: str, shape: StepShape, dense_indexer_loss
         terms.append(Term("gathered keys [T, K, d] bf16 + fp32 copy, scores [T, n_h, K] fp32 x 2", 6 * k * d + 2 * 4 * nh * k))
         if ratio == ds4_facts.CSA_RATIO:
             terms.append(Term("naive indexer top-k scores [T, n_I, T/4] fp32 x 2", 2 * 4 * s.index_n_heads * shape.cp * _indexer_rows(shape) / ratio))
+    elif path == "linear":
+        row = 4 * (k * d + 2 * nh * k + nh * d)  # a query row's gathered keys, scores and their exp, the output
+        terms.append(Term("q, out [T, n_h, d] bf16, lse fp32, one chunk of rows (<= 256 MiB)",
+                          2 * 2 * nh * d + 4 * nh + _chunk_per_token(row, shape)))
+        if _has_indexer(s, ratio, shape):
+            terms.append(Term("chunked indexer top-k scores (<= 256 MiB)", _linear_indexer_chunk(s, ratio, shape)))
     elif path == "fused":
         terms.append(Term("q, out [T, n_h, d] bf16", 2 * 2 * nh * d))
         if ratio and ratio <= ds4_facts.CSA_RATIO:

@@ -129,6 +129,8 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
         "DS4 settings: "
         f"scheduler={_scheduler(otc.get('sequence_packing_scheduler'), report)}, "
         f"indexer_loss_coeff={_fmt(otc.get('dsa_indexer_loss_coeff'))}, "
+        f"dsa_kernel_backend={_fmt(otc.get('dsa_kernel_backend'))}, "
+        f"sparse_attention={_fmt(_get(cfg, report.roles[0].engine_key + '.sparse_attention') if report.roles else None)}, "
         f"recompute={_fmt(otc.get('recompute_granularity'))}:{_fmt(otc.get('recompute_modules'))}, "
         f"param_offload={_fmt(_get(cfg, report.roles[0].engine_key + '.param_offload') if report.roles else None)}, "
         f"optimizer_offload={_fmt(_get(cfg, report.roles[0].engine_key + '.optimizer_offload') if report.roles else None)}"

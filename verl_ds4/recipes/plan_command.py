@@ -44,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--tokens-per-gpu", type=int, default=4096, help="training token budget per GPU (rows per micro-batch after CP; default 4096)")
     fit.add_argument("--infer-tokens-per-gpu", type=int, help="RL forward-only budget (log-probs, reference; default 2 x --tokens-per-gpu)")
     fit.add_argument("--max-seq-len", type=int, help="longest sequence; CP must make budget x CP hold it (default: the budget)")
-    fit.add_argument("--kernel", choices=("unfused", "fused"), help="DS4 attention kernel path (default: unfused on H100/H200, fused on B200/GB200/GB300)")
+    fit.add_argument("--kernel", choices=("unfused", "fused", "linear"),
+                     help="DS4 attention kernel path: unfused (Megatron's core), linear (dsa_kernel_backend none with "
+                          "ds4.sparse_attention=linear, memory linear in tokens) or fused (cudnn); default: unfused on "
+                          "H100/H200, fused on B200/GB200/GB300")
     fit.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
                      help="full (default), selective (moe_act, mhc) or none")
     fit.add_argument("--states-only", action="store_true", help="judge weights + gradients + optimizer alone (not the peak)")
