@@ -411,7 +411,7 @@ class DS4HybridAttention(nn.Module):
                 lengths, queries = real_seqlens
                 real = q_pos < lengths.to(device=q_pos.device, dtype=torch.long)[rows.seq[halo:].clamp(max=lengths.numel() - 1)]
                 all_visible = all_visible & real.unsqueeze(1)
-            win_logits = self._window_logits(q, kv, key_rows, win_visible, scale)
+            win_logits = self._window_logits(q, kv[key_rows.clamp(min=0)], win_visible, scale)
             kl = indexer_kl_sum(q, comp, win_logits, self.attn_sink, all_visible, index_scores, scale)
             loss = spec.indexer_loss_coeff * kl / max(int(queries), 1)
             report = loss.detach().clone()
@@ -422,20 +422,21 @@ class DS4HybridAttention(nn.Module):
         return result
 
     @staticmethod
-    def _window_logits(q, kv, key_rows, win_visible, scale) -> torch.Tensor:
-        """``[T, n, W]`` scaled logits of each query over its window keys (-inf where not visible)."""
-        return torch.einsum("tnd,twd->tnw", q, kv[key_rows.clamp(min=0)]).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale
+    def _window_logits(q, kv_win, win_visible, scale) -> torch.Tensor:
+        """``[T, n, W]`` scaled logits of each query over its window keys ``kv_win [T, W, d]`` (-inf where not visible)."""
+        return torch.einsum("tnd,twd->tnw", q, kv_win).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale
 
     def _attend_dense(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> torch.Tensor:
         """``[T, n, d]``: softmax over [window keys, every compressed block of the buffer (masked), sink]."""
         local_rows, n, _ = q.shape
-        logits = [self._window_logits(q, kv, key_rows, win_visible, scale)]
+        kv_win = kv[key_rows.clamp(min=0)]  # [T, W, d], gathered once for the logits and the output
+        logits = [self._window_logits(q, kv_win, win_visible, scale)]
         if comp is not None:
             logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
         sink = self.attn_sink.view(1, n, 1).expand(local_rows, n, 1)
         probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
         w = self.spec.window_size
-        out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv[key_rows.clamp(min=0)])
+        out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv_win)
         if comp is not None:
             out = out + torch.einsum("tnb,bd->tnd", probs[..., w:-1], comp)
         return out
