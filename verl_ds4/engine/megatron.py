@@ -53,13 +53,9 @@ from verl.utils.checkpoint.checkpoint_handler import CheckpointHandler as _Check
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
-from verl_ds4.engine.config import (
-    check_sparse_attention_backend,
-    cp_balance_cost_model,
-    cp_balance_of,
-    refuse_model_without_sparse_attention,
-    sparse_attention_of,
-)
+from verl_ds4.engine import sparse_attention
+from verl_ds4.engine.micro_batches import SeedingIterator as _SeedingIterator
+from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
 from verl_ds4.mcore import batch_plans, indexer_replay, resolver
 from verl_ds4.mcore.resolver import CPLayoutError, ResolvedCPLayout
 
@@ -466,27 +462,12 @@ class _ResolvedLayoutEngine:
         )
 
     def _prepare_sparse_attention(self, engine_config) -> None:
-        """``sparse_attention=linear``: refused with the fused kernels; on GPU engines, verl-ds4's memory-linear
-        core goes into Megatron-LM dev's DS4 layers now, before the model is built (refused, with what differs,
-        when that Megatron is not the one it was proven against: verl_ds4.mcore.sparse_attention_patch)."""
-        check_sparse_attention_backend(engine_config)
-        if sparse_attention_of(engine_config) != "linear":
-            return
-        if self.sparse_attention_in_megatron:
-            from verl_ds4.mcore import sparse_attention_patch
-
-            names = sparse_attention_patch.install()
-            logger.info("verl-ds4: Megatron-LM dev's %s replaced by the memory-linear sparse attention", ", ".join(names))
+        """``sparse_attention=linear`` before the model is built (:func:`verl_ds4.engine.sparse_attention.prepare`)."""
+        sparse_attention.prepare(engine_config, self.sparse_attention_in_megatron)
 
     def _use_sparse_core(self, module) -> None:
-        """CPU engines: the built model's DS4 / V4.1 attention modules take the linear core (refused without one)."""
-        if sparse_attention_of(self.engine_config) != "linear" or self.sparse_attention_in_megatron:
-            return
-        from verl_ds4.kernels import set_sparse_core
-
-        taken = sum(set_sparse_core(_unwrap_model(chunk), "linear") for chunk in (module if isinstance(module, (list, tuple)) else [module]))
-        if not taken:
-            refuse_model_without_sparse_attention()
+        """CPU engines: the built model's attention takes the core (:func:`verl_ds4.engine.sparse_attention.use_in_model`)."""
+        sparse_attention.use_in_model(self.engine_config, module, self.sparse_attention_in_megatron, _unwrap_model)
 
     # -- building ------------------------------------------------------------------------------
 
@@ -568,29 +549,6 @@ class _ResolvedLayoutEngine:
         with active_layout(self._require_layout()), batch_plans.micro_batch_plans(), scope:
             batches = _SeedingIterator(batch_iter, replay)
             return super().forward_step(batches, model, logits_processor_func, postprocess_micro_batch_func)
-
-
-class _SeedingIterator:
-    """Yields verl's micro-batches, adding a scheduled micro-batch's plan to the open plan scope."""
-
-    def __init__(self, batches, indexer_replay_on: bool = False):
-        self._batches = iter(batches)
-        self._replay = indexer_replay_on
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self._batches)
-        from verl.utils import tensordict_utils as tu
-
-        try:
-            batch_plans.seed_plan(tu.get_non_tensor_data(batch, key=batch_plans.PLAN_KEY, default=None))
-        except (AttributeError, KeyError, TypeError):  # not a TensorDict: nothing was scheduled
-            pass
-        if self._replay:  # the forward packs it with the micro-batch's plan (model_forward.load_indexer_replay)
-            indexer_replay.set_pending(batch.get(indexer_replay.FIELD, None))
-        return batch
 
 
 class DS4MegatronEngineWithLMHead(ManifestCheckpointEngine, _ResolvedLayoutEngine, MegatronEngineWithLMHead):
