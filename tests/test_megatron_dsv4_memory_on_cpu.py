@@ -94,3 +94,21 @@ def test_one_tiny_case_runs_on_cpu(tmp_path):
     t, d = 256, data["info"]["widths"]["head_dim"]
     assert row["cpu_gather_bwd_allocs"][0] == row["gather_bwd"] == t * (t + t // 4) * d * 2 != t * t * d * 2
     assert data["info"]["hadamard"].startswith(("fast_hadamard_transform", "pure-PyTorch"))
+
+
+@pytest.mark.skipif(not (CARRY / "megatron" / "core").is_dir(),
+                    reason="no Megatron dev export (benchmarks/gpu/prepare_megatron_dev.sh); git-ignored")
+def test_the_linear_core_runs_in_megatrons_own_layers(tmp_path):
+    """--attention megatron,linear: the same CSA layer with dev's unfused core, then with verl-ds4's linear core
+    installed (dense indexer loss on): the linear rows allocate no gather backward and save less."""
+    out = tmp_path / "m.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--kinds", "csa", "--recompute", "none",
+                          "--tokens", "256", "--attention", "megatron,linear", "--indexer-loss-coeff", "0.1",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = {r["attention"]: r for r in data["rows"]}
+    assert set(rows) == {"megatron", "linear"} and data["info"]["linear_core"] == [
+        "_unfused_indexer_sparse_attn_from_topk", "fused_qk_topk_naive", "unfused_compressed_sparse_attn"]
+    assert rows["megatron"]["cpu_gather_bwd_allocs"] and not rows["linear"]["cpu_gather_bwd_allocs"]  # control: dev's has it
+    assert 0 < rows["linear"]["saved"] < rows["megatron"]["saved"]
