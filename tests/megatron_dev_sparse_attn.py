@@ -10,7 +10,9 @@ installed megatron-core. Compared, each forward and backward:
   (its ``.float()`` casts kept at float64) against the core in float64;
 * ``csa.fused_qk_topk_naive`` vs ``verl_ds4.kernels.chunked_qk_topk`` (varlen THD and masked SBHD);
 * ``csa._unfused_indexer_sparse_attn_from_topk`` vs the replacement in verl_ds4.mcore.sparse_attention_patch
-  (dense and sparse indexer loss);
+  (dense indexer loss under CP);
+* ``csa.FusedDSAIndexerLoss`` (CP 1: the indexer's top-k and its dense or sparse loss) vs
+  verl_ds4.mcore.sparse_attention_cp1, in one chunk and in 5-row chunks;
 * install / check / uninstall, and a changed Megatron function refused (negative control).
 
 usage: python tests/megatron_dev_sparse_attn.py MEGATRON_DEV_DIR
@@ -156,6 +158,21 @@ def indexer_loss_cases(csa, patch, probes):
     return out
 
 
+def cp1_indexer_loss_cases(csa, probes):
+    """csa.FusedDSAIndexerLoss (dsa's naive indexer top-k + loss, CP 1) vs the chunked replacement, dense and sparse,
+    in one chunk and in chunks of 5 rows (boundaries inside both sequences)."""
+    from verl_ds4.mcore.sparse_attention_cp1 import chunked_indexer_loss
+
+    out = {}
+    labels, theirs = probes.probe_cp1_indexer_loss(csa.FusedDSAIndexerLoss)
+    for chunk in (None, 5):
+        _, ours = probes.probe_cp1_indexer_loss(chunked_indexer_loss(csa, csa.FusedDSAIndexerLoss, chunk_rows=chunk))
+        for label, a, b in zip(labels, theirs, ours):
+            key = f"chunk{chunk or 'default'}_{label.replace(' ', '_')}"
+            out[key] = int((a != b).sum()) if not a.is_floating_point() else rel(b, a)
+    return out
+
+
 def install_cases(csa, patch):
     out = {"check_before_install": patch.check(csa)}
     own = csa.unfused_compressed_sparse_attn
@@ -192,6 +209,7 @@ def main():
         "attention": attention_cases(csa, linear_sparse_attn),
         "topk": topk_cases(csa, chunked_qk_topk),
         "indexer_loss": indexer_loss_cases(csa, sparse_attention_patch, sparse_attention_probes),
+        "cp1_indexer_loss": cp1_indexer_loss_cases(csa, sparse_attention_probes),
         "install": install_cases(csa, sparse_attention_patch),
     }
     print("RESULT " + json.dumps(result))

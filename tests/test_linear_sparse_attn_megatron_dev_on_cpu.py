@@ -2,7 +2,8 @@
 
 Compares (tests/megatron_dev_sparse_attn.py, in a subprocess that imports Megatron-LM ``dev``'s ``megatron/core``
 from the tree ``benchmarks/gpu/prepare_megatron_dev.sh`` exports): ``csa.unfused_compressed_sparse_attn``,
-``csa.fused_qk_topk_naive`` and ``csa._unfused_indexer_sparse_attn_from_topk`` with their replacements, forward
+``csa.fused_qk_topk_naive``, ``csa._unfused_indexer_sparse_attn_from_topk`` and ``csa.FusedDSAIndexerLoss`` (CP 1)
+with their replacements, forward
 and backward, and installs / checks / uninstalls the patch (a changed Megatron function is refused). Skipped
 when the export is absent (it is git-ignored, so always in CI); the same cases run in CI against the project's
 dense reference (tests/test_linear_sparse_attn_on_cpu.py)."""
@@ -24,7 +25,8 @@ CSA = EXPORT / "megatron" / "core" / "transformer" / "experimental_attention_var
 pytestmark = pytest.mark.skipif(
     not CSA.exists(),
     reason=f"no Megatron-LM dev export at {EXPORT} (run benchmarks/gpu/prepare_megatron_dev.sh): the comparison "
-    "with csa.unfused_compressed_sparse_attn, csa.fused_qk_topk_naive and csa._unfused_indexer_sparse_attn_from_topk "
+    "with csa.unfused_compressed_sparse_attn, csa.fused_qk_topk_naive, csa._unfused_indexer_sparse_attn_from_topk and "
+    "csa.FusedDSAIndexerLoss "
     "needs Megatron-LM dev's source",
 )
 
@@ -58,10 +60,19 @@ def test_unfused_indexer_sparse_attn_from_topk_dense_loss(result):
     assert len(result["indexer_loss"]) == 8 and all(v <= 1e-5 for v in result["indexer_loss"].values()), result["indexer_loss"]
 
 
+def test_fused_dsa_indexer_loss_at_cp1_dense_and_sparse(result):
+    """csa.FusedDSAIndexerLoss (CP 1): the same top-k ids, loss and gradients (<= 1e-5) in one chunk and in 5-row chunks."""
+    cases = result["cp1_indexer_loss"]
+    assert len(cases) == 20 and {k.split("_")[1] for k in cases} == {"dense", "sparse"}, cases
+    assert all(v == 0 for k, v in cases.items() if k.endswith("topk_ids")), cases
+    assert all(v <= 1e-5 for k, v in cases.items() if not k.endswith("topk_ids")), cases
+
+
 def test_install_check_and_a_changed_function_refused(result):
     install = result["install"]
     assert install["check_before_install"] == [] and install["check_while_installed"] == []
-    assert install["installed_names"] == ["_unfused_indexer_sparse_attn_from_topk", "fused_qk_topk_naive", "unfused_compressed_sparse_attn"]
+    assert install["installed_names"] == ["FusedDSAIndexerLoss", "_unfused_indexer_sparse_attn_from_topk", "fused_qk_topk_naive",
+                                          "unfused_compressed_sparse_attn"]
     assert install["core_is_ours"] == "verl_ds4.kernels.sparse_attention" and install["restored"]
     # negative control: a Megatron whose core differs (sink + 0.01) is named and refused
     assert any("csa.unfused_compressed_sparse_attn: output differs" in p for p in install["changed_function_problems"])

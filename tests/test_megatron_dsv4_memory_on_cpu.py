@@ -109,6 +109,6 @@ def test_the_linear_core_runs_in_megatrons_own_layers(tmp_path):
     data = json.loads(out.read_text())
     rows = {r["attention"]: r for r in data["rows"]}
     assert set(rows) == {"megatron", "linear"} and data["info"]["linear_core"] == [
-        "_unfused_indexer_sparse_attn_from_topk", "fused_qk_topk_naive", "unfused_compressed_sparse_attn"]
+        "FusedDSAIndexerLoss", "_unfused_indexer_sparse_attn_from_topk", "fused_qk_topk_naive", "unfused_compressed_sparse_attn"]
     assert rows["megatron"]["cpu_gather_bwd_allocs"] and not rows["linear"]["cpu_gather_bwd_allocs"]  # control: dev's has it
     assert 0 < rows["linear"]["saved"] < rows["megatron"]["saved"]

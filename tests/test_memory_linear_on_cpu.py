@@ -37,9 +37,9 @@ def _flash():
     return DS4Sizes.from_hf_config({}, "flash", fallback=block)
 
 
-def _attention_bytes(s, path: str, tokens: int, ratio: int = 4, cp: int = 2) -> float:
-    """Bytes of one layer's attention at ``tokens`` per GPU: what it keeps plus its largest backward transient."""
-    shape = StepShape(tokens, cp)
+def _attention_bytes(s, path: str, tokens: int, ratio: int = 4) -> float:
+    """Bytes of one layer's attention at ``tokens``: what it keeps plus its largest backward transient."""
+    shape = StepShape(tokens)
     kept = sum(t.bytes_per_token for t in layer_kept(s, ratio, path, shape))
     return (kept + max(t.bytes_per_token for t in layer_backward(s, ratio, path, shape))) * tokens
 
@@ -53,24 +53,12 @@ def test_linear_attention_is_linear_in_tokens_and_megatrons_is_quadratic(ratio):
         unfused = _attention_bytes(s, "unfused", 2 * tokens, ratio) / _attention_bytes(s, "unfused", tokens, ratio)
         assert unfused > 3.0, (tokens, unfused)  # control: the gather's [T, n_kv, d] backward
     # the whole step too (CSA + HCA layers, the peak moment included)
-    def dyn(path, tokens, cp=2):
-        p = step_peak(s, [4, 128], path=path, shape=StepShape(tokens, cp), margin=False)
+    def dyn(path, tokens):
+        p = step_peak(s, [4, 128], path=path, shape=StepShape(tokens), margin=False)
         return p.activations_gib + p.transient_gib
 
     assert 1.9 < dyn("linear", 32768) / dyn("linear", 16384) < 2.1
     assert dyn("unfused", 32768) / dyn("unfused", 16384) > 3.0
-
-
-def test_at_cp1_the_linear_path_keeps_megatrons_naive_indexer():
-    """At CP 1 Megatron-LM dev trains the CSA indexer through dsa.FusedDSAIndexerLoss, which the linear core does
-    not replace: its [T, n_I, T/4] terms stay in the linear path there (quadratic), not under CP (control)."""
-    s = _flash()
-    at_cp1 = _attention_bytes(s, "linear", 16384, 4, cp=1) / _attention_bytes(s, "linear", 8192, 4, cp=1)
-    assert at_cp1 > 3.0, at_cp1
-    names = [t.name for t in layer_backward(s, 4, "linear", StepShape(8192, 1))]
-    assert any("naive indexer loss" in n for n in names), names
-    assert not any("naive indexer" in t.name for t in layer_backward(s, 4, "linear", StepShape(8192, 2)))  # control: CP 2
-    assert not any("naive indexer" in t.name for t in layer_backward(s, 128, "linear", StepShape(8192, 1)))  # HCA: no indexer
 
 
 def test_linear_keeps_no_score_matrix_and_its_chunk_is_bounded():

@@ -242,10 +242,9 @@ def test_refusal_names_role_pass_stage_terms_capacity_and_the_smallest_lever_tha
     assert "the fused attention kernel: ds4.dsa_kernel_backend=cudnn;" in text
     _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8", megatron, "ds4.dsa_kernel_backend=cudnn"])
     assert report.errors == []
-    # at CP 1 the linear core leaves Megatron's naive indexer loss in place: it does not fit, so it is not offered
-    assert "ds4.sparse_attention=linear" not in text
-    with pytest.raises(RecipeValidationError, match=r"sft memory: .*linear"):
-        validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8"])  # the mesh as shipped (linear core): a labelled refusal
+    assert "the memory-linear sparse attention: ds4.sparse_attention=linear" in text
+    _, report = validate("sft", ["ds4_mesh=h200_64gpu_pp4_ep8"])  # the mesh as shipped: the linear core
+    assert report.errors == [] and report.memory.roles[0].path == "linear"
 
 
 def test_states_alone_over_the_gpu_are_said_so():

@@ -1,6 +1,6 @@
 """Put verl-ds4's memory-linear sparse attention into Megatron-LM ``dev``'s DS4 layers (``ds4.sparse_attention=linear``).
 
-Megatron-LM ``dev``'s unfused DS4 path (``dsa_kernel_backend='none'``) calls three functions of
+Megatron-LM ``dev``'s unfused DS4 path (``dsa_kernel_backend='none'``) calls four functions of
 ``megatron/core/transformer/experimental_attention_variant/csa.py`` by their module-level names:
 
 ================================================  =============================================================
@@ -13,6 +13,8 @@ Megatron-LM ``dev`` (``csa.<name>``)              replaced by (same signature, s
                                                   :func:`verl_ds4.kernels.chunked_dense_indexer_kl` with
                                                   Megatron's own teacher helpers; the sparse loss stays
                                                   Megatron's (its terms are linear), over the linear core
+``FusedDSAIndexerLoss`` (the CP 1 indexer top-k   :mod:`.sparse_attention_cp1`: the chunked top-k and the loss
+and loss, dense or sparse)                        summed over row chunks with Megatron's own helpers
 ================================================  =============================================================
 
 :func:`install` swaps those module attributes (no file of Megatron's is edited) and :func:`uninstall`
@@ -23,8 +25,6 @@ rows) must give the same outputs and gradients from Megatron's function and from
 (``<= 1e-5`` relative; the same top-k ids). Anything else is refused with what differs and the fix
 (:class:`SparseAttentionPatchError`), at start-up, before a model is built.
 
-Not replaced: the dense indexer loss without CP (``dsa.FusedDSAIndexerLoss`` in the ``cp=1`` THD path)
-stays Megatron's and quadratic; :func:`install` reports it, and the recipes train long sequences with CP.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from typing import Any, Callable
 import torch
 
 from verl_ds4.kernels import chunked_dense_indexer_kl, chunked_qk_topk, linear_sparse_attn
+
+from .sparse_attention_cp1 import FORWARD_PARAMETERS, chunked_indexer_loss
 
 __all__ = [
     "CSA_MODULE",
@@ -61,6 +63,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "compressed_kv", "softmax_scale", "indexer_softmax_scale", "loss_coeff", "loss_divisor", "sparse_loss", "ratio",
         "_max_seqlen_q", "indexer_layout", "q_padding_mask", "tp_group",
     ),
+    "FusedDSAIndexerLoss": FORWARD_PARAMETERS,  # its forward's, after ctx (an autograd Function: csa calls .apply)
 }  # fmt: skip
 #: Megatron helpers the dense indexer loss calls (must exist in the same module).
 HELPERS = ("_compute_unfused_csa_non_compressed_lse", "_compute_indexer_teacher_probabilities", "_normalize_indexer_teacher_target", "batch_of_row")
@@ -166,6 +169,7 @@ def _replacements(csa, originals: dict[str, Callable]) -> dict[str, Callable]:
         "unfused_compressed_sparse_attn": linear_sparse_attn,
         "fused_qk_topk_naive": _qk_topk,
         "_unfused_indexer_sparse_attn_from_topk": _indexer_sparse_attn_from_topk(csa, originals["_unfused_indexer_sparse_attn_from_topk"]),
+        "FusedDSAIndexerLoss": chunked_indexer_loss(csa, originals["FusedDSAIndexerLoss"]),
     }
 
 
@@ -179,7 +183,7 @@ def _signature_problems(csa, originals: dict[str, Callable]) -> list[str]:
         if fn is None:
             problems.append(f"csa.{name} is missing")
             continue
-        got = tuple(inspect.signature(fn).parameters)
+        got = tuple(inspect.signature(fn.forward).parameters)[1:] if isinstance(fn, type) else tuple(inspect.signature(fn).parameters)
         if got != expected:
             problems.append(f"csa.{name}({', '.join(got)}) differs from the proven ({', '.join(expected)})")
     problems += [f"csa.{name} (a helper of the dense indexer loss) is missing" for name in HELPERS if not hasattr(csa, name)]
@@ -227,7 +231,7 @@ def check(csa_module=None) -> list[str]:
 
 
 def install(csa_module=None) -> list[str]:
-    """Replace the three functions in Megatron's ``csa`` module (idempotent). Returns the replaced names;
+    """Replace the four functions in Megatron's ``csa`` module (idempotent). Returns the replaced names;
     raises :class:`SparseAttentionPatchError` naming what differs when :func:`check` finds anything."""
     csa = _csa(csa_module)
     if _STATE.module is csa:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["PROBES", "probe_attention", "probe_indexer_loss", "probe_topk"]
+__all__ = ["PROBES", "probe_attention", "probe_cp1_indexer_loss", "probe_indexer_loss", "probe_topk"]
 
 
 def _leaf(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -77,8 +77,38 @@ def probe_indexer_loss(fn: Callable) -> tuple[list[str], list[torch.Tensor]]:
     return labels, [out.detach(), loss.detach().reshape(1), *grads]
 
 
+def probe_cp1_indexer_loss(loss_class) -> tuple[list[str], list[torch.Tensor]]:
+    """``loss_class.apply(...)`` with ``dsa.FusedDSAIndexerLoss``'s arguments as Megatron's CP 1 THD path passes them:
+    two sequences (20 and 12 rows, the last two padding), ratio 4, top-2, the dense and then the sparse loss."""
+    import types
+
+    labels, tensors = [], []
+    for sparse in (False, True):
+        gen = torch.Generator().manual_seed(14)
+        rows, idx_heads, idx_dim, heads, dim, keys = 32, 2, 8, 3, 8, 8
+        q, w, k = _leaf(gen, rows, 1, idx_heads, idx_dim), _leaf(gen, rows, 1, idx_heads), _leaf(gen, keys, 1, idx_dim)
+        query = torch.randn(rows, heads, dim, generator=gen)
+        key = torch.randn(keys, dim, generator=gen).unsqueeze(1).expand(-1, heads, -1)
+        pos = torch.cat([torch.arange(20), torch.arange(12)])
+        starts = torch.cat([torch.zeros(20, dtype=torch.long), torch.full((12,), 5)])
+        ends = starts + (pos + 1) // 4
+        valid = torch.ones(rows, dtype=torch.bool)
+        valid[-2:] = False
+        starts, ends = torch.where(valid, starts, 0), torch.where(valid, ends, 0)
+        lse = torch.randn(1, heads, rows, generator=gen)
+        groups = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
+        ids, loss = loss_class.apply(q, w, k, query, key, dim**-0.5, 2, 0.5, None, sparse, groups, starts, ends, None, valid,
+                                     False, True, lse)  # fmt: skip
+        grads = torch.autograd.grad(3.0 * loss, [q, w, k])
+        kind = "sparse" if sparse else "dense"
+        labels += [f"{kind} topk ids", f"{kind} indexer loss", f"{kind} grad q", f"{kind} grad weights", f"{kind} grad k"]
+        tensors += [ids, loss.detach().reshape(1), *grads]
+    return labels, tensors
+
+
 PROBES: dict[str, Callable] = {
     "unfused_compressed_sparse_attn": probe_attention,
     "fused_qk_topk_naive": probe_topk,
     "_unfused_indexer_sparse_attn_from_topk": probe_indexer_loss,
+    "FusedDSAIndexerLoss": probe_cp1_indexer_loss,
 }

@@ -256,21 +256,6 @@ def _linear_indexer_chunk(s, ratio: int, shape: StepShape) -> float:
     return _chunk_per_token(4 * (3 * s.index_n_heads + 8) * keys, shape)
 
 
-def _megatron_indexer_at_cp1(ratio: int, shape: StepShape) -> bool:
-    """At CP 1 Megatron-LM dev's CSA layer trains its indexer through ``dsa.FusedDSAIndexerLoss`` (naive, over
-    ``[T, n_I, T/4]``), which the linear core does not replace (it replaces the CP path's functions): the linear
-    path keeps Megatron's indexer terms there."""
-    return shape.cp == 1 and ratio == ds4_facts.CSA_RATIO
-
-
-def _naive_indexer_backward(s, ratio: int, shape: StepShape) -> Term:
-    return Term("naive indexer loss backward: ~5 x [T, n_I, T/4] fp32", 5 * 4 * s.index_n_heads * shape.cp * _indexer_rows(shape) / ratio)
-
-
-def _naive_indexer_scores(s, ratio: int, shape: StepShape) -> Term:
-    return Term("naive indexer top-k scores [T, n_I, T/4] fp32 x 2", 2 * 4 * s.index_n_heads * shape.cp * _indexer_rows(shape) / ratio)
-
-
 def layer_backward(s, ratio: int, path: str, shape: StepShape) -> list[Term]:
     """The transients one layer's backward allocates on ``path``, each at its own moment (the peak takes the largest)."""
     nh, d, w = s.num_attention_heads, s.head_dim, shape.window
@@ -282,7 +267,8 @@ def layer_backward(s, ratio: int, path: str, shape: StepShape) -> list[Term]:
         terms = [Term("GatherBackward: new_zeros of the expanded kv [T, n_kv, d] bf16, the [T, K, d] gradient, dq fp32",
                       2 * d * shape.kv_rows(ratio) + 2 * k * d + 4 * nh * d)]
         if ratio == ds4_facts.CSA_RATIO:  # the naive dense indexer loss's backward: scores, their gradient, relu mask
-            terms.append(_naive_indexer_backward(s, ratio, shape))
+            terms.append(Term("naive indexer loss backward: ~5 x [T, n_I, T/4] fp32",
+                              5 * 4 * s.index_n_heads * shape.cp * _indexer_rows(shape) / ratio))
         return terms
     if path == "fused":
         return [Term("dq [T, n_h, d] fp32, dkv [n_kv, d]", 4 * nh * d + 4 * d * shape.kv_rows(ratio) / shape.tokens)]
@@ -291,9 +277,7 @@ def layer_backward(s, ratio: int, path: str, shape: StepShape) -> list[Term]:
         terms = [Term("linear core backward: grad_q [T, n_h, d] bf16, grad kv_full [n_kv, d] fp32 and its bf16 cast, "
                       "one chunk of rows (<= 256 MiB)",
                       2 * nh * d + 6 * d * shape.kv_rows(ratio) / shape.tokens + _chunk_per_token(row, shape))]
-        if _megatron_indexer_at_cp1(ratio, shape):
-            terms.append(_naive_indexer_backward(s, ratio, shape))
-        elif _has_indexer(s, ratio, shape):
+        if _has_indexer(s, ratio, shape):
             ni, di = s.index_n_heads, s.index_head_dim
             terms.append(Term("chunked indexer loss backward: grads of q_I [T, n_I, d_I], w [T, n_I] fp32, one chunk (<= 256 MiB)",
                               4 * (ni * di + ni) + _linear_indexer_chunk(s, ratio, shape)))
@@ -309,14 +293,12 @@ def layer_forward(s, ratio: int, path: str, shape: StepShape, dense_indexer_loss
     if path == "unfused":
         terms.append(Term("gathered keys [T, K, d] bf16 + fp32 copy, scores [T, n_h, K] fp32 x 2", 6 * k * d + 2 * 4 * nh * k))
         if ratio == ds4_facts.CSA_RATIO:
-            terms.append(_naive_indexer_scores(s, ratio, shape))
+            terms.append(Term("naive indexer top-k scores [T, n_I, T/4] fp32 x 2", 2 * 4 * s.index_n_heads * shape.cp * _indexer_rows(shape) / ratio))
     elif path == "linear":
         row = 4 * (k * d + 2 * nh * k + nh * d)  # a query row's gathered keys, scores and their exp, the output
         terms.append(Term("q, out [T, n_h, d] bf16, lse fp32, one chunk of rows (<= 256 MiB)",
                           2 * 2 * nh * d + 4 * nh + _chunk_per_token(row, shape)))
-        if _megatron_indexer_at_cp1(ratio, shape):
-            terms.append(_naive_indexer_scores(s, ratio, shape))
-        elif _has_indexer(s, ratio, shape):
+        if _has_indexer(s, ratio, shape):
             terms.append(Term("chunked indexer top-k scores (<= 256 MiB)", _linear_indexer_chunk(s, ratio, shape)))
     elif path == "fused":
         terms.append(Term("q, out [T, n_h, d] bf16", 2 * 2 * nh * d))
