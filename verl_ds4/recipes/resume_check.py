@@ -34,6 +34,7 @@ from typing import Any
 from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 
 from verl_ds4.ckpt_manifest import mark_manifests_since, write_manifest
+from verl_ds4.engine.checkpoint import install_trainer_hook
 
 __all__ = [
     "RECORD_NAME",
@@ -239,6 +240,8 @@ class RunRecordCallback(CheckpointCallback):
         # Every step saved from here on ends with a manifest (a later one without it is an unfinished save).
         resumed = folder.name.rsplit("_", 1)[-1] if folder is not None else ""
         mark_manifests_since(_local_dir(config), int(resumed) + 1 if resumed.isdigit() else 0)
+        # verl writes the tracker before calling on_save: from here on it is advanced after the step's manifest.
+        install_trainer_hook()
 
     def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
         write_record(checkpoint_dir, self.identity, global_step)
