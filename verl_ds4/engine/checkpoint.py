@@ -7,6 +7,8 @@ verl 0.9.1's order, and what verl-ds4 changes (:mod:`verl_ds4.ckpt_manifest` say
   trainer has written the dataloader state and the tracker. :class:`ManifestCheckpointEngine` calls verl's
   save with no rotation, writes the manifest of the engine's folder on rank 0 once every rank has
   finished (verl's barrier), and only then rotates (with verl's own ``remove_previous_save_local_path``);
+  inside verl's SFT handler (below) the engine writes into the step folder itself, so it writes no
+  manifest there and leaves the manifest and the rotation to the handler;
 * verl's SFT ``CheckpointHandler.save_checkpoint`` writes ``data_<dp>.pt`` and then, on rank 0, the
   tracker ``latest_checkpointed_iteration.txt`` without waiting for the other ranks' files.
   :func:`handler_save_checkpoint` (installed on verl's class by :func:`verl_ds4.engine.megatron.install_verl_hooks`)
@@ -87,7 +89,9 @@ class ManifestCheckpointEngine:
             return super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
         result = super().save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)
         _barrier()  # verl's engine has one too; every rank's files are written
-        if _rank() == 0:
+        # Inside verl's SFT handler the engine writes into the step folder itself, and the dataloader files
+        # follow: a manifest there now would make the step look complete before it is. The handler writes it.
+        if _rank() == 0 and not self._verl_ds4_in_handler:
             t0 = time.perf_counter()
             write_manifest(local_path, global_step=global_step)
             self._verl_ds4_manifest_seconds = time.perf_counter() - t0
@@ -144,8 +148,8 @@ def handler_save_checkpoint(verl_save):
             manifest = write_manifest(os.path.join(self.default_local_dir, f"global_step_{step}"), global_step=step)
             tracker = tracker_of(self.default_local_dir)
             os.replace(tracker + PENDING_SUFFIX, tracker)
-            print(f"[verl-ds4] checkpoint manifest {manifest} written in {time.perf_counter() - t0:.3f} s "
-                  f"(engine part {engine._verl_ds4_manifest_seconds:.3f} s); tracker -> step {step}", flush=True)
+            print(f"[verl-ds4] checkpoint manifest {manifest} written in {time.perf_counter() - t0:.3f} s; "
+                  f"tracker -> step {step}", flush=True)
         _barrier()
         rotate(engine, engine._verl_ds4_pending_rotation)
 
