@@ -228,7 +228,11 @@ def write_record(folder: str | Path, identity: dict[str, Any], global_step: int 
 
 
 class RunRecordCallback(CheckpointCallback):
-    """verl's checkpoint callback: refuse a mismatched resume at start-up; record the run at every save."""
+    """verl's checkpoint callback: refuse a mismatched resume at start-up; record the run at every save.
+
+    Its constructor also wraps verl's ``PPOTrainer._save_checkpoint`` so that the tracker advances only after
+    the step's manifest that :meth:`on_save` writes (:func:`verl_ds4.engine.checkpoint.install_trainer_hook`).
+    """
 
     def __init__(self, config=None):
         super().__init__(config=config)
