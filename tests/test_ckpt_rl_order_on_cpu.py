@@ -135,3 +135,12 @@ def test_sigkill_before_the_step_manifest(tmp_path, hooked):
     assert "the save did not finish" in "\n".join(result.messages)
     assert all(cm.verify_folder(ckpt / f"global_step_{s}", require_manifest=True) == [] for s in (1, 2))
     assert result.seconds < 1
+
+
+def test_an_async_save_writes_no_tracker_and_nothing_is_renamed(tmp_path):
+    trainer, ckpt = _trainer(tmp_path)
+    _save(trainer, 1)
+    trainer.config.actor_rollout_ref.actor.checkpoint.async_save = True
+    _save(trainer, 2)  # verl skips the tracker; the callback writes no manifest (files may still be in flight)
+    assert (ckpt / TRACKER).read_text() == "1" and not (ckpt / (TRACKER + ck.PENDING_SUFFIX)).exists()
+    assert not (ckpt / "global_step_2" / cm.MANIFEST_NAME).exists()
