@@ -32,6 +32,8 @@ __all__ = [
     "MANIFEST_NAME",
     "MARKER_NAME",
     "Problem",
+    "check_file",
+    "read_manifest",
     "manifest_since",
     "mark_manifests_since",
     "step_folders",
@@ -155,23 +157,28 @@ def read_manifest(folder: Path) -> dict | None:
     return manifest
 
 
+def check_file(path: Path, entry: dict, full: bool) -> str | None:
+    """What is wrong with one file against its manifest ``entry`` (None: it matches)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"missing (the manifest lists {entry['size']} bytes)"
+    if size != entry["size"]:
+        return f"{size} bytes, the manifest says {entry['size']} (cut short or rewritten)"
+    if full:
+        if sampled_crc32(path, size) != entry["sample_crc32"]:
+            return "its bytes differ from the manifest's checksum (sampled blocks)"
+        if "crc32" in entry and full_crc32(path) != entry["crc32"]:
+            return "its bytes differ from the manifest's checksum (whole file)"
+    return None
+
+
 def _verify_against(folder: Path, manifest: dict, full: bool) -> list[Problem]:
     problems = []
     for rel, entry in sorted(manifest["files"].items()):
-        path = folder / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(Problem(path, f"missing (the manifest lists {entry['size']} bytes)"))
-            continue
-        if size != entry["size"]:
-            problems.append(Problem(path, f"{size} bytes, the manifest says {entry['size']} (cut short or rewritten)"))
-            continue
-        if full:
-            if sampled_crc32(path, size) != entry["sample_crc32"]:
-                problems.append(Problem(path, "its bytes differ from the manifest's checksum (sampled blocks)"))
-            elif "crc32" in entry and full_crc32(path) != entry["crc32"]:
-                problems.append(Problem(path, "its bytes differ from the manifest's checksum (whole file)"))
+        what = check_file(folder / rel, entry, full)
+        if what is not None:
+            problems.append(Problem(folder / rel, what))
     for part in manifest.get("parts", []):
         problems += verify_folder(folder / part, full=full, require_manifest=True)
     return problems

@@ -9,6 +9,9 @@ its V4.1 model package, the ``dsv4_version`` switch and Megatron-Bridge's V4.1 b
 
 Exit status: 0 when the engines resolve to verl-ds4's; 1 otherwise; with ``--require-ds4`` also 1
 when the stack cannot run DS4 with CP, with ``--require-ds41`` when it cannot run V4.1 with CP.
+
+``--checkpoint DIR`` checks checkpoints instead (:mod:`verl_ds4.engine.ckpt_doctor`): every file against
+its manifest with checksums, one line per file; exit 0 when every checkpoint is intact, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ DS41_FIX = ("install a megatron.core with V4.1 (the dev commit 0d4c86d17 of PR #
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="only check checkpoints: every file of each global_step_N in DIR (or of one checkpoint folder) "
+        "against its manifest, with checksums; exit 1 if one is damaged",
+    )
     parser.add_argument(
         "--require-ds4",
         action="store_true",
@@ -261,6 +270,10 @@ def ds41_cp_report(ds4_missing: list[str], source_of=module_source) -> tuple[lis
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "checkpoint", None):
+        from verl_ds4.engine.ckpt_doctor import check_checkpoints
+
+        return check_checkpoints(args.checkpoint)
     versions = {label: installed_version(names) for label, names in PACKAGES.items()}
     print(f"verl-ds4 doctor  (python {sys.version.split()[0]}, {sys.executable})")
     print("\nInstalled versions:")

@@ -34,6 +34,7 @@ from typing import Any
 from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 
 from verl_ds4.ckpt_manifest import mark_manifests_since, write_manifest
+from verl_ds4.engine.checkpoint import install_trainer_hook
 
 __all__ = [
     "RECORD_NAME",
@@ -227,7 +228,11 @@ def write_record(folder: str | Path, identity: dict[str, Any], global_step: int 
 
 
 class RunRecordCallback(CheckpointCallback):
-    """verl's checkpoint callback: refuse a mismatched resume at start-up; record the run at every save."""
+    """verl's checkpoint callback: refuse a mismatched resume at start-up; record the run at every save.
+
+    Its constructor also wraps verl's ``PPOTrainer._save_checkpoint`` so that the tracker advances only after
+    the step's manifest that :meth:`on_save` writes (:func:`verl_ds4.engine.checkpoint.install_trainer_hook`).
+    """
 
     def __init__(self, config=None):
         super().__init__(config=config)
@@ -239,6 +244,8 @@ class RunRecordCallback(CheckpointCallback):
         # Every step saved from here on ends with a manifest (a later one without it is an unfinished save).
         resumed = folder.name.rsplit("_", 1)[-1] if folder is not None else ""
         mark_manifests_since(_local_dir(config), int(resumed) + 1 if resumed.isdigit() else 0)
+        # verl writes the tracker before calling on_save: from here on it is advanced after the step's manifest.
+        install_trainer_hook()
 
     def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
         write_record(checkpoint_dir, self.identity, global_step)

@@ -93,6 +93,7 @@ SCOPE = (
     "verl_ds4/verify/ds41_hf.py",
     "verl_ds4/layout/plan_cli.py",
     "verl_ds4/engine/doctor_cli.py",
+    "verl_ds4/engine/ckpt_doctor.py",
 )
 SHELL_SCOPE = (
     "scripts/cluster_lib.sh",
