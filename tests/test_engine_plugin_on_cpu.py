@@ -63,6 +63,19 @@ def test_fresh_process_resolves_megatron_to_our_engines_and_doctor_agrees():
     assert "PackedSeqParams has no cp_partition_mode" in out
 
 
+@pytest.mark.parametrize("first", ["verl.trainer.sft_trainer", "verl.utils.checkpoint.checkpoint_handler"])
+def test_the_plugin_registers_whatever_verl_module_is_imported_first(first):
+    """`torchrun -m verl.trainer.sft_trainer` imports verl's checkpoint handler while verl loads the plugin: the
+    plugin's hook on it waits for the engine (a module-level import of it made registration fail). Control: with
+    the plugin disabled the same check sees verl's stock engine."""
+    code = f"    import {first}\n" + RESOLVE.lstrip("\n")
+    result = _python(code)
+    assert result.returncode == 0 and "plugin FAILED" not in result.stderr, result.stderr[-3000:]
+    assert "language_model verl_ds4.engine.megatron.DS4MegatronEngineWithLMHead" in result.stdout
+    disabled = _python(code, VERL_USE_EXTERNAL_PLUGINS="none")
+    assert "language_model verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead" in disabled.stdout
+
+
 def test_without_the_entry_point_verl_keeps_its_own_engines():
     result = _python(RESOLVE, VERL_USE_EXTERNAL_PLUGINS="none")
     assert result.returncode == 0, result.stderr
@@ -173,7 +186,7 @@ def test_uninstall_restores_verls_originals_exactly(restore_verl_hooks):
     assert set(originals) == {hook.label for hook in engines.VERL_HOOKS}
     assert all(engines.hooks_installed().values())
     for hook in engines.VERL_HOOKS:  # a stale hook is visible until uninstalled
-        assert getattr(hook.module, hook.name) is not originals[hook.label], hook.label
+        assert getattr(hook.target, hook.name) is not originals[hook.label], hook.label
     assert router_replay_utils._context_parallel_layout.__verl_ds4_hook__
 
     for _ in range(2):
@@ -182,7 +195,7 @@ def test_uninstall_restores_verls_originals_exactly(restore_verl_hooks):
         assert not any(engines.hooks_installed().values()), engines.hooks_installed()
         assert engines.verl_originals() == {}
         for hook in engines.VERL_HOOKS:
-            assert getattr(hook.module, hook.name) is originals[hook.label], hook.label
+            assert getattr(hook.target, hook.name) is originals[hook.label], hook.label
         assert not hasattr(router_replay_utils._context_parallel_layout, "__verl_ds4_hook__")
         engines.install_verl_hooks()
         engines.install_verl_hooks()  # idempotent: wraps verl's original once, never our own hook

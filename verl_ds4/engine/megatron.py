@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import importlib
 import functools
 import logging
 import types
@@ -49,7 +50,6 @@ import verl.models.mcore as _verl_mcore
 import verl.utils.megatron.router_replay_utils as _router_replay_utils
 import verl.utils.megatron_utils as _verl_megatron_utils
 import verl.workers.engine.megatron.transformer_impl as _transformer_impl
-from verl.utils.checkpoint.checkpoint_handler import CheckpointHandler as _CheckpointHandler
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
@@ -282,9 +282,19 @@ class VerlHook:
     """One verl module attribute that verl-ds4 replaces while its hooks are installed."""
 
     label: str  # the key of :func:`hooks_installed`
-    module: types.ModuleType
+    # the object holding the attribute, or "module.path:Attr" resolved when the hooks are installed (verl modules
+    # that import the plugin's entry point while they initialise: importing them here would be circular)
+    module: types.ModuleType | str
     name: str
     make: Callable[[Any], Any]  # verl's original -> our replacement
+
+    @property
+    def target(self) -> Any:
+        if not isinstance(self.module, str):
+            return self.module
+        module_name, _, attr = self.module.partition(":")
+        owner = importlib.import_module(module_name)
+        return getattr(owner, attr) if attr else owner
 
 
 #: Every verl call site :func:`install_verl_hooks` replaces (the table in the module docstring).
@@ -318,7 +328,12 @@ VERL_HOOKS: tuple[VerlHook, ...] = (
         "mapping_string_to_attn_backend",
         _guarded_mapping_string_to_attn_backend,
     ),
-    VerlHook("CheckpointHandler.save_checkpoint", _CheckpointHandler, "save_checkpoint", handler_save_checkpoint),
+    VerlHook(
+        "CheckpointHandler.save_checkpoint",
+        "verl.utils.checkpoint.checkpoint_handler:CheckpointHandler",
+        "save_checkpoint",
+        handler_save_checkpoint,
+    ),
 )
 
 
@@ -332,25 +347,33 @@ class _Installed:
 _INSTALLED: dict[str, _Installed] = {}
 
 
-def install_verl_hooks() -> None:
+def install_verl_hooks(defer_unresolved: bool = False) -> None:
     """Route verl 0.9.1's copies of the layout rule through the active resolved layout.
 
     Idempotent; :func:`uninstall_verl_hooks` puts verl's originals back (and a later install
-    replaces them again).
+    replaces them again). ``defer_unresolved`` (the plugin, while verl itself is still importing): a hook
+    whose verl module is not initialised yet is left for the next call (every engine's construction makes
+    one, and raises if it still cannot be resolved then).
     """
     if len(_INSTALLED) == len(VERL_HOOKS):
         return
     for hook in VERL_HOOKS:
         if hook.label in _INSTALLED:
             continue
-        current = getattr(hook.module, hook.name)
+        try:
+            target = hook.target
+            current = getattr(target, hook.name)
+        except (AttributeError, ImportError):
+            if defer_unresolved and isinstance(hook.module, str):
+                continue
+            raise
         if getattr(current, "__verl_ds4_hook__", False) or current is ResolvedDynamicCPScheduler:
             raise RuntimeError(
                 f"verl's {hook.label} is already a verl-ds4 hook that this registry did not install (was "
                 "verl_ds4.engine.megatron imported twice?); verl's original cannot be recovered. Restart the process."
             )
         replacement = hook.make(current)
-        setattr(hook.module, hook.name, replacement)
+        setattr(target, hook.name, replacement)
         _INSTALLED[hook.label] = _Installed(current, replacement)
 
 
@@ -365,10 +388,10 @@ def uninstall_verl_hooks() -> None:
         installed = _INSTALLED.get(hook.label)
         if installed is None:
             continue
-        if getattr(hook.module, hook.name) is not installed.replacement:
+        if getattr(hook.target, hook.name) is not installed.replacement:
             replaced_by_others.append(hook.label)
             continue
-        setattr(hook.module, hook.name, installed.original)
+        setattr(hook.target, hook.name, installed.original)
         del _INSTALLED[hook.label]
     if replaced_by_others:
         raise RuntimeError(
@@ -387,7 +410,7 @@ def hooks_installed() -> dict[str, bool]:
     result = {}
     for hook in VERL_HOOKS:
         installed = _INSTALLED.get(hook.label)
-        result[hook.label] = installed is not None and getattr(hook.module, hook.name) is installed.replacement
+        result[hook.label] = installed is not None and getattr(hook.target, hook.name) is installed.replacement
     return result
 
 

@@ -94,7 +94,7 @@ def register_engines() -> list[tuple]:
         install_verl_hooks,
     )
 
-    install_verl_hooks()
+    install_verl_hooks(defer_unresolved=True)  # verl may still be importing: the rest at engine construction
     _register(EngineRegistry, "language_model", DS4MegatronEngineWithLMHead, device="cuda", vendor="nvidia")
     _register(EngineRegistry, "value_model", DS4MegatronEngineWithValueHead, device="cuda", vendor="nvidia")
     return list(STATE.registered)
