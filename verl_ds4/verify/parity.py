@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_ds4.verify import seqlen
+
 __all__ = ["MODELS", "RAGGED", "SHORT", "ParityResult", "Row", "param_group", "run_parity", "compare", "rows_passed", "format_table"]
 
 MODELS = ("ds4", "ds4_proxy")
@@ -367,8 +369,13 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 taped = _attach_tapes(opts, (dtype_name, batch_name), actor, critic, input_ids, min_rows, world, cp_rank)
                 actor.zero_grad(set_to_none=True)
                 critic.zero_grad(set_to_none=True)
+                replay = batch_name.endswith(seqlen.REPLAY_SUFFIX)  # the actor replays its own recorded indexer choices
+                if replay:
+                    seqlen.record_and_load(actor, lambda: _forward(actor, input_ids, "contiguous", cp_rank, min_rows, world))
                 per_token, loss = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group, hash_ids_shift)
                 loss.backward()
+                if replay:
+                    seqlen.stop_replay(actor)
                 values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world, hash_ids_shift)
                 value_loss.backward()
                 aux = _aux_losses(actor)
@@ -423,6 +430,15 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                         mtp._RESPECT_SEQUENCE_BOUNDARIES = True
                     grads.append({n: g for n, g in _grads(actor, group).items() if param_group(n) == "mtp"})
                 result.checks["mtp_roll"] = tuple(grads)
+            replayed = [b for b in batches if b.endswith(seqlen.REPLAY_SUFFIX)]
+            if replayed:  # replaying another valid choice must change the log-probs (the replay takes effect)
+                replay_ids, _ = _batch(batches[replayed[0]], models.vocab, seed + 2, device)
+                seqlen.record_and_load(actor, lambda: _forward(actor, replay_ids, "contiguous", cp_rank, min_rows, world),
+                                       alter=seqlen.first_blocks)  # fmt: skip
+                with torch.no_grad():
+                    per_token, _ = _actor_step(actor, replay_ids, "contiguous", cp_rank, min_rows, world, group)
+                seqlen.stop_replay(actor)
+                result.checks["replay_other_blocks"] = (replayed[0], _np(per_token[:, 0]))
             result.checks["dtype"] = dtypes[0]
         return result if rank == 0 else None
     finally:
@@ -545,6 +561,10 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         note = f"; {without} without grad: indexer" if without else ""
         rows.append(Row(f"{prefix} value_grads, all ({n} params{note})", d_abs, d_rel, tol))
     checks = result.checks
+    if "replay_other_blocks" in checks:
+        batch_name, log_probs = checks["replay_other_blocks"]
+        d_abs, d_rel = _diff(log_probs, reference.results[(checks["dtype"], batch_name)]["log_probs"])
+        rows.append(Row("indexer replay of other valid blocks: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
     if "zigzag_error" in checks:
         message = checks["zigzag_error"]
         rejected = message is not None and "contiguous" in message
