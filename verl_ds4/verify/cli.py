@@ -222,11 +222,12 @@ def run(args: argparse.Namespace) -> int:
         if args.seq_len is not None:
             from verl_ds4 import ds41_facts
             from verl_ds4.models.ds41.reference import tiny_text_config
-            from verl_ds4.verify.seqlen import seq_len_problem
+            from verl_ds4.verify.seqlen import check_seq_len
 
-            problem = seq_len_problem(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
-            if problem:
-                problems.append(problem)
+            try:
+                check_seq_len(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
+            except ValueError as err:
+                problems.append(str(err))
         if problems:
             print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2
@@ -252,15 +253,21 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from verl_ds4.verify.parity import compare, format_table, rows_passed, run_parity
 
-    batches, notes = _batches(args)
-    if batches is None:
+    try:
+        batches, notes = _batches(args)
+    except ValueError as err:
+        print(f"verify: {err}", file=sys.stderr)  # error-catalogue: passes on a message catalogued where it is built
         return 2
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model, batches=batches)
     reference = run_parity(1, layout_checks=False, **common)
     from verl_ds4.verify.parity import RunOptions
 
-    result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=RunOptions(sparse_core=args.sparse_core), **common)
+    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS
+
+    chunk_rows = LINEAR_CHUNK_ROWS if args.seq_len is not None and args.sparse_core == "linear" else None
+    options = RunOptions(sparse_core=args.sparse_core, linear_chunk_rows=chunk_rows)
+    result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=options, **common)
     rows = compare(result, reference, tolerances={"fp64": args.fp64_rtol, "fp32": args.fp32_rtol})
     elapsed = time.perf_counter() - start
     ok = rows_passed(rows)
@@ -292,25 +299,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _batches(args: argparse.Namespace):
-    """``(batches, table notes)`` of a DS4 CP parity run (``--seq-len``, ``--indexer-replay``); ``(None, None)``
-    after printing why the flags cannot run."""
+    """``(batches, table notes)`` of a DS4 CP parity run (``--seq-len``, ``--indexer-replay``); ``ValueError``: why
+    the flags cannot run."""
     from verl_ds4.verify.parity import RAGGED, SHORT, _ds4_config
-    from verl_ds4.verify.seqlen import long_lengths, replay_batches, seq_len_problem
+    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, check_seq_len, long_lengths, replay_batches
 
-    problems = []
     if args.model == "ds4_proxy" and (args.seq_len is not None or args.indexer_replay != "off"):
-        problems.append("--seq-len / --indexer-replay run the full tiny DS4 (the proxy has no indexer and no MTP); use --model ds4")
-    elif args.seq_len is not None:
+        raise ValueError("--seq-len / --indexer-replay run the full tiny DS4 (the proxy has no indexer and no MTP); use --model ds4")
+    if args.seq_len is not None:
         from verl_ds4 import ds4_facts
 
         cfg = _ds4_config(args.config)
-        min_rows = ds4_facts.min_local_rows(cfg["sliding_window"], (cfg.get("compress_rates") or {}).values())
-        problem = seq_len_problem(args.seq_len, args.cp, min_rows)
-        if problem:
-            problems.append(problem)
-    if problems:
-        print("verify: " + "; ".join(problems), file=sys.stderr)
-        return None, None
+        check_seq_len(args.seq_len, args.cp, ds4_facts.min_local_rows(cfg["sliding_window"], (cfg.get("compress_rates") or {}).values()))
     if args.seq_len is None:
         base = {"ragged": RAGGED, "short": SHORT}
         notes = None
@@ -320,7 +320,8 @@ def _batches(args: argparse.Namespace):
         notes = [
             "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",
             f"Batch: long = {len(lengths)} sequences {list(lengths)}, {sum(lengths)} tokens: one of {args.seq_len} tokens "
-            f"(spread over the CP ranks) between short ones." + (" +replay: the actor replays its recorded indexer choices."
+            f"(spread over the CP ranks) between short ones." + (f" Linear core: {LINEAR_CHUNK_ROWS} query rows per chunk."
+                                                               if args.sparse_core == "linear" else "") + (" +replay: the actor replays its recorded indexer choices."
                                                                if args.indexer_replay != "off" else ""),
         ]  # fmt: skip
     if notes is None and args.indexer_replay != "off":  # the default notes do not name the replayed batches

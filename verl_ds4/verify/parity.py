@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_ds4.verify import seqlen
+from verl_ds4.verify import routes, seqlen
 
 __all__ = ["MODELS", "RAGGED", "SHORT", "ParityResult", "Row", "param_group", "run_parity", "compare", "rows_passed", "format_table"]
 
@@ -118,6 +118,7 @@ class RunOptions:
     record_routes: bool = False  # keep every router's choice per (dtype, batch) (:mod:`.routes`)
     replay: dict | None = None  # (dtype, batch) -> role -> router -> [T, k]: routes the routers must use
     sparse_core: str = "dense"  # the attention's sparse softmax: "dense" (reference) or "linear" (verl_ds4.kernels)
+    linear_chunk_rows: int | None = None  # the linear core's query rows per chunk (None: its memory-budget default)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -363,10 +364,12 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
 
                 for built in (actor, critic):
                     use_sparse_core(built, opts.sparse_core)
+                if opts.linear_chunk_rows:
+                    seqlen.use_linear_chunk_rows(opts.linear_chunk_rows)
             min_rows = models.min_local_rows(actor)
             for batch_name, lengths in batches.items():
                 input_ids, targets = _batch(lengths, models.vocab, seed + 2, device)
-                taped = _attach_tapes(opts, (dtype_name, batch_name), actor, critic, input_ids, min_rows, world, cp_rank)
+                taped = routes.attach_for_run(opts, (dtype_name, batch_name), actor, critic, input_ids, min_rows, world, cp_rank)
                 actor.zero_grad(set_to_none=True)
                 critic.zero_grad(set_to_none=True)
                 replay = batch_name.endswith(seqlen.REPLAY_SUFFIX)  # the actor replays its own recorded indexer choices
@@ -390,8 +393,6 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                     "value_grads": _grads(critic, group),
                 }
                 if taped is not None:
-                    from verl_ds4.verify import routes
-
                     plan, tapes = taped
                     result.routes[(dtype_name, batch_name)] = {role: routes.collect(t, plan, group) for role, t in tapes.items()}
                     routes.detach(actor), routes.detach(critic)
@@ -433,30 +434,14 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
             replayed = [b for b in batches if b.endswith(seqlen.REPLAY_SUFFIX)]
             if replayed:  # replaying another valid choice must change the log-probs (the replay takes effect)
                 replay_ids, _ = _batch(batches[replayed[0]], models.vocab, seed + 2, device)
-                seqlen.record_and_load(actor, lambda: _forward(actor, replay_ids, "contiguous", cp_rank, min_rows, world),
-                                       alter=seqlen.first_blocks)  # fmt: skip
-                with torch.no_grad():
-                    per_token, _ = _actor_step(actor, replay_ids, "contiguous", cp_rank, min_rows, world, group)
-                seqlen.stop_replay(actor)
+                per_token, _ = seqlen.replaying_other_blocks(
+                    actor, lambda: _forward(actor, replay_ids, "contiguous", cp_rank, min_rows, world),
+                    lambda: _actor_step(actor, replay_ids, "contiguous", cp_rank, min_rows, world, group))  # fmt: skip
                 result.checks["replay_other_blocks"] = (replayed[0], _np(per_token[:, 0]))
             result.checks["dtype"] = dtypes[0]
         return result if rank == 0 else None
     finally:
         parallel_state.destroy_model_parallel()
-
-
-def _attach_tapes(opts: RunOptions, key, actor, critic, input_ids, min_rows: int, world: int, cp_rank: int):
-    """``(plan, {"actor": tapes, "critic": tapes})`` when this run records or replays routes, else ``None``."""
-    replay = (opts.replay or {}).get(key)
-    if not (opts.record_routes or replay):
-        return None
-    from verl_ds4.layout import PlanOptions
-    from verl_ds4.mcore.thd import make_plan
-    from verl_ds4.verify import routes
-
-    plan = make_plan(input_ids, PlanOptions(layout="contiguous", cp_size=world, min_local_rows=min_rows))
-    tapes = {role: routes.attach(m, plan, cp_rank, (replay or {}).get(role)) for role, m in (("actor", actor), ("critic", critic))}
-    return plan, tapes
 
 
 def run_parity(

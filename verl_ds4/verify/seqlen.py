@@ -12,7 +12,7 @@ rank's. At CP 8 and ``N`` = 32k every rank holds about 4k rows of the long seque
 * the linear sparse core (``--sparse-core linear``) splits each rank's rows into several row chunks,
   so chunk boundaries fall inside the long sequence.
 
-**Bad input** (:func:`seq_len_problem`): ``N < 2`` (a sequence needs a next-token label) and, at CP > 1, an
+**Bad input** (:func:`check_seq_len`): ``N < 2`` (a sequence needs a next-token label) and, at CP > 1, an
 ``N`` too short to cross a rank boundary (below ``cp x min_local_rows``: every rank is padded to the model's
 minimum rows, and the long sequence would fit in one rank) are refused with the smallest ``N`` that works.
 
@@ -30,17 +30,23 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "LINEAR_CHUNK_ROWS",
     "REPLAY_SUFFIX",
     "SHORT_BESIDE",
     "first_blocks",
     "long_lengths",
     "record_and_load",
+    "replaying_other_blocks",
     "replay_batches",
-    "seq_len_problem",
+    "check_seq_len",
 ]
 
 #: The short sequences around the long one: (before, before, after, after, after).
 SHORT_BESIDE = (5, 300, 37, 129, 3)
+#: ``--seq-len`` with ``--sparse-core linear``: the core's query rows per chunk (its default, sized by a 256 MiB
+#: budget, is about 20k rows at the tiny widths: one chunk per rank), so that chunk boundaries fall inside the
+#: long sequence on every rank (not a divisor of a rank's rows).
+LINEAR_CHUNK_ROWS = 384
 #: A batch name with this suffix runs the training step with the indexer's recorded choices replayed.
 REPLAY_SUFFIX = "+replay"
 
@@ -51,18 +57,17 @@ def long_lengths(n: int) -> tuple[int, ...]:
     return (a, b, n, c, d, e)
 
 
-def seq_len_problem(n: int, cp: int, min_local_rows: int) -> str | None:
-    """Why ``--seq-len n`` cannot run at ``--cp cp`` with a model of ``min_local_rows``, or ``None``."""
+def check_seq_len(n: int, cp: int, min_local_rows: int) -> None:
+    """Refuse (``ValueError``) ``--seq-len n`` at ``--cp cp`` with a model of ``min_local_rows`` that cannot run."""
     if n < 2:
-        return f"--seq-len {n}: expected N >= 2 (every token but a sequence's last needs a next-token label); give --seq-len 2 or more"
+        raise ValueError(f"--seq-len {n}: expected N >= 2 (every token but a sequence's last needs a next-token label); give --seq-len 2 or more")
     floor = cp * min_local_rows
     if cp > 1 and n < floor:
-        return (
+        raise ValueError(
             f"--seq-len {n} at --cp {cp}: the longest sequence must cross a CP rank boundary, and every rank is padded to "
             f"the model's {min_local_rows} minimum rows, so expected N >= cp x min_local_rows = {floor}; give --seq-len "
             f"{floor} or more, or a smaller --cp"
         )
-    return None
 
 
 def replay_batches(batches: dict[str, tuple[int, ...]], mode: str) -> dict[str, tuple[int, ...]]:
@@ -98,8 +103,27 @@ def first_blocks(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(full, first, ids)
 
 
+def replaying_other_blocks(model, forward, step):
+    """The negative control: ``step()`` (no grad) replaying :func:`first_blocks` of the choices ``forward()`` records."""
+    record_and_load(model, forward, alter=first_blocks)
+    try:
+        with torch.no_grad():
+            return step()
+    finally:
+        stop_replay(model)
+
+
 def stop_replay(model) -> None:
     """Forget the loaded targets (the next forward chooses natively)."""
     from verl_ds4.mcore import indexer_replay
 
     indexer_replay.forget_targets(model)
+
+
+def use_linear_chunk_rows(rows: int) -> None:
+    """Make the DS4 attention's linear core (this process only: a forked CP rank) run ``rows`` query rows per chunk."""
+    import functools
+
+    from verl_ds4.models.ds4 import attention
+
+    attention.linear_sparse_attn = functools.partial(attention.linear_sparse_attn, chunk_rows=int(rows))
