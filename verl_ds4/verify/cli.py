@@ -30,7 +30,12 @@ With ``--device cuda --cp N`` the same step runs on N GPUs (one nccl process eac
 compared with CP=1 on the CPU in fp64 (:mod:`verl_ds4.verify.device_run`): bf16 replays the reference's
 expert choices and keeps every indexer block; the negative controls run on the GPUs at N > 1.
 
+With ``--seq-len N`` the batch is one N-token sequence between short ones, spread over every CP rank (long-context
+parity, :mod:`verl_ds4.verify.seqlen`); ``--indexer-replay on|both`` runs the training step with the indexer's
+recorded top-k replayed (DS4), with a negative control.
+
 Examples:  verl-ds4 verify --cp 8
+           verl-ds4 verify --cp 8 --seq-len 8192 --indexer-replay both [--sparse-core linear]
            verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
@@ -80,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "37, 129, 3 after; each clipped to N), so at CP=8 and N=32768 it spreads over every rank, its compressed blocks "
         "and top-k choices cross rank boundaries and every rank but the first exchanges its halo inside it; --model ds4 "
         "or ds41; N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). Time: "
-        "docs/verify-cp.md (N=8192, CP 8: about 3 minutes with --indexer-replay both on 2 cores)",
+        "docs/verify-cp.md (N=8192, CP 8, --indexer-replay both: about 2 minutes on 2 cores; 32k does not fit 24 GiB yet)",
     )  # fmt: skip
     parser.add_argument(
         "--indexer-replay", choices=("off", "on", "both"), default="off",
