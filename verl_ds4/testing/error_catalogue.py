@@ -91,6 +91,7 @@ SCOPE = (
     "verl_ds4/cli.py",
     "verl_ds4/verify/cli.py",
     "verl_ds4/verify/ds41_hf.py",
+    "verl_ds4/verify/seqlen.py",
     "verl_ds4/layout/plan_cli.py",
     "verl_ds4/engine/doctor_cli.py",
     "verl_ds4/engine/ckpt_doctor.py",

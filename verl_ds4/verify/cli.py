@@ -30,7 +30,12 @@ With ``--device cuda --cp N`` the same step runs on N GPUs (one nccl process eac
 compared with CP=1 on the CPU in fp64 (:mod:`verl_ds4.verify.device_run`): bf16 replays the reference's
 expert choices and keeps every indexer block; the negative controls run on the GPUs at N > 1.
 
+With ``--seq-len N`` the batch is one N-token sequence between short ones, spread over every CP rank (long-context
+parity, :mod:`verl_ds4.verify.seqlen`); ``--indexer-replay on|both`` runs the training step with the indexer's
+recorded top-k replayed (DS4), with a negative control.
+
 Examples:  verl-ds4 verify --cp 8
+           verl-ds4 verify --cp 8 --seq-len 8192 --indexer-replay both [--sparse-core linear]
            verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
@@ -74,6 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "masked: the reference) or linear (verl_ds4.kernels.linear_sparse_attn, what ds4.sparse_attention=linear runs); "
         "the CP=1 reference stays dense, so linear is compared with it (default dense)",
     )  # fmt: skip
+    parser.add_argument(
+        "--seq-len", type=int, default=None, metavar="N",
+        help="long-context parity: the batch is one sequence of N tokens (its longest) between short ones (5, 300 before; "
+        "37, 129, 3 after; each clipped to N), so at CP=8 and N=32768 it spreads over every rank, its compressed blocks "
+        "and top-k choices cross rank boundaries and every rank but the first exchanges its halo inside it; --model ds4 "
+        "or ds41; N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). Time: "
+        "docs/verify-cp.md (N=8192, CP 8, --indexer-replay both: about 2 minutes on 2 cores; 32k does not fit 24 GiB yet)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--indexer-replay", choices=("off", "on", "both"), default="off",
+        help="--model ds4: on: the actor records its indexer's top-k in a no-grad forward and the training step replays "
+        "those ids (verl_ds4.mcore.indexer_replay, as indexer_replay=true trains); both: every batch twice, native and "
+        "replayed; with a negative control at CP > 1 (replaying other valid blocks must change the log-probs). Default off",
+    )  # fmt: skip
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")
     parser.add_argument("--no-layout-checks", action="store_true", help="skip the zigzag rejection / guard-bypass rows (ds41: all negative controls)")
@@ -115,7 +134,12 @@ def _run_ds41(args: argparse.Namespace) -> int:
     from verl_ds4.verify.ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
 
     cp = args.cp or 1
-    result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks,
+    lengths = None
+    if args.seq_len is not None:
+        from verl_ds4.verify.seqlen import long_lengths
+
+        lengths = long_lengths(args.seq_len)
+    result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks, lengths=lengths,
                              timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core)  # fmt: skip
     rows = result["rows"]
     ok = rows_passed(rows)
@@ -155,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         problems = []
         if args.sparse_core != "dense":
             problems.append(f"--sparse-core {args.sparse_core} runs in the CPU harness (fp64 / fp32 on gloo ranks); drop --device cuda")
+        if args.seq_len is not None or args.indexer_replay != "off":
+            problems.append("--seq-len / --indexer-replay run in the CPU harness (fp64 on gloo ranks); drop --device cuda")
         if args.device != "cuda":
             problems.append("--dtype bf16 runs on --device cuda only (CPU bf16 is neither fast nor what training uses); drop bf16")
         elif args.model == "ds41" or args.hf_checkpoint is not None:
@@ -195,10 +221,26 @@ def run(args: argparse.Namespace) -> int:
             problems.append("--config: --model ds41 uses the tiny V4.1 of verl_ds4.models.ds41.reference.tiny_text_config (drop --config)")
         if args.allow_mtp_skip:
             problems.append("--allow-mtp-skip: only with --hf-checkpoint (drop it)")
+        if args.indexer_replay != "off":
+            problems.append(f"--indexer-replay {args.indexer_replay}: verify replays the indexer of --model ds4 only (V4.1's "
+                            "replay is checked by tests/test_indexer_replay_on_cpu.py); drop --indexer-replay")  # fmt: skip
+        if args.seq_len is not None:
+            from verl_ds4 import ds41_facts
+            from verl_ds4.models.ds41.reference import tiny_text_config
+            from verl_ds4.verify.seqlen import check_seq_len
+
+            try:
+                check_seq_len(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
+            except ValueError as err:
+                problems.append(str(err))
         if problems:
             print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2
         return _run_ds41(args)
+    if args.hf_checkpoint is not None and (args.seq_len is not None or args.indexer_replay != "off"):
+        print("verify --hf-checkpoint: --seq-len and --indexer-replay belong to the CP parity run (--cp N without "
+              "--hf-checkpoint); drop them", file=sys.stderr)  # fmt: skip
+        return 2
     if args.hf_checkpoint is not None:
         if args.cp is not None and args.cp < 1:
             print(f"verify: --cp must be >= 1, got {args.cp}", file=sys.stderr)
@@ -216,18 +258,27 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from verl_ds4.verify.parity import compare, format_table, rows_passed, run_parity
 
+    try:
+        batches, notes = _batches(args)
+    except ValueError as err:
+        print(f"verify: {err}", file=sys.stderr)  # error-catalogue: passes on a message catalogued where it is built
+        return 2
     start = time.perf_counter()
-    common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model)
+    common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model, batches=batches)
     reference = run_parity(1, layout_checks=False, **common)
     from verl_ds4.verify.parity import RunOptions
 
-    result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=RunOptions(sparse_core=args.sparse_core), **common)
+    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS
+
+    chunk_rows = LINEAR_CHUNK_ROWS if args.seq_len is not None and args.sparse_core == "linear" else None
+    options = RunOptions(sparse_core=args.sparse_core, linear_chunk_rows=chunk_rows)
+    result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=options, **common)
     rows = compare(result, reference, tolerances={"fp64": args.fp64_rtol, "fp32": args.fp32_rtol})
     elapsed = time.perf_counter() - start
     ok = rows_passed(rows)
     name = {"ds4": "DS4 (full tiny model)", "ds4_proxy": "DS4 proxy (attention only)"}[args.model]
     core = "" if args.sparse_core == "dense" else f", {args.sparse_core} sparse core vs the dense CP=1"
-    print(format_table(rows, f"{name}: CP={args.cp} vs CP=1 ({', '.join(args.dtype)}{core})"))
+    print(format_table(rows, f"{name}: CP={args.cp} vs CP=1 ({', '.join(args.dtype)}{core})", notes=notes))
     print(f"{'PASSED' if ok else 'FAILED'} in {elapsed:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
@@ -236,6 +287,9 @@ def run(args: argparse.Namespace) -> int:
                     "cp": args.cp,
                     "model": args.model,
                     "sparse_core": args.sparse_core,
+                    "seq_len": args.seq_len,
+                    "indexer_replay": args.indexer_replay,
+                    "batches": {name: list(lengths) for name, lengths in batches.items()},
                     "passed": ok,
                     "seconds": elapsed,
                     "rows": [
@@ -247,3 +301,38 @@ def run(args: argparse.Namespace) -> int:
                 indent=2,
             )
     return 0 if ok else 1
+
+
+def _batches(args: argparse.Namespace):
+    """``(batches, table notes)`` of a DS4 CP parity run (``--seq-len``, ``--indexer-replay``); ``ValueError``: why
+    the flags cannot run."""
+    from verl_ds4.verify.parity import RAGGED, SHORT, _ds4_config
+    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, check_seq_len, long_lengths, replay_batches
+
+    if args.model == "ds4_proxy" and (args.seq_len is not None or args.indexer_replay != "off"):
+        raise ValueError("--seq-len / --indexer-replay run the full tiny DS4 (the proxy has no indexer and no MTP); use --model ds4")
+    if args.seq_len is not None:
+        from verl_ds4 import ds4_facts
+
+        cfg = _ds4_config(args.config)
+        check_seq_len(args.seq_len, args.cp, ds4_facts.min_local_rows(cfg["sliding_window"], (cfg.get("compress_rates") or {}).values()))
+    if args.seq_len is None:
+        base = {"ragged": RAGGED, "short": SHORT}
+        notes = None
+    else:
+        base = {"long": long_lengths(args.seq_len)}
+        lengths = base["long"]
+        notes = [
+            "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",
+            f"Batch: long = {len(lengths)} sequences {list(lengths)}, {sum(lengths)} tokens: one of {args.seq_len} tokens "
+            f"(spread over the CP ranks) between short ones." + (f" Linear core: {LINEAR_CHUNK_ROWS} query rows per chunk."
+                                                               if args.sparse_core == "linear" else "") + (" +replay: the actor replays its recorded indexer choices."
+                                                               if args.indexer_replay != "off" else ""),
+        ]  # fmt: skip
+    if notes is None and args.indexer_replay != "off":  # the default notes do not name the replayed batches
+        notes = [
+            "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",
+            f"Batches: ragged = {len(RAGGED)} sequences, {sum(RAGGED)} tokens; short = {len(SHORT)} sequences, {sum(SHORT)} "
+            "tokens; +replay: the actor replays its recorded indexer choices.",
+        ]
+    return replay_batches(base, args.indexer_replay), notes

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_ds4.verify import routes, seqlen
+
 __all__ = ["MODELS", "RAGGED", "SHORT", "ParityResult", "Row", "param_group", "run_parity", "compare", "rows_passed", "format_table"]
 
 MODELS = ("ds4", "ds4_proxy")
@@ -116,6 +118,7 @@ class RunOptions:
     record_routes: bool = False  # keep every router's choice per (dtype, batch) (:mod:`.routes`)
     replay: dict | None = None  # (dtype, batch) -> role -> router -> [T, k]: routes the routers must use
     sparse_core: str = "dense"  # the attention's sparse softmax: "dense" (reference) or "linear" (verl_ds4.kernels)
+    linear_chunk_rows: int | None = None  # the linear core's query rows per chunk (None: its memory-budget default)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -361,14 +364,21 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
 
                 for built in (actor, critic):
                     use_sparse_core(built, opts.sparse_core)
+                if opts.linear_chunk_rows:
+                    seqlen.use_linear_chunk_rows(opts.linear_chunk_rows)
             min_rows = models.min_local_rows(actor)
             for batch_name, lengths in batches.items():
                 input_ids, targets = _batch(lengths, models.vocab, seed + 2, device)
-                taped = _attach_tapes(opts, (dtype_name, batch_name), actor, critic, input_ids, min_rows, world, cp_rank)
+                taped = routes.attach_for_run(opts, (dtype_name, batch_name), actor, critic, input_ids, min_rows, world, cp_rank)
                 actor.zero_grad(set_to_none=True)
                 critic.zero_grad(set_to_none=True)
+                replay = batch_name.endswith(seqlen.REPLAY_SUFFIX)  # the actor replays its own recorded indexer choices
+                if replay:
+                    seqlen.record_and_load(actor, lambda: _forward(actor, input_ids, "contiguous", cp_rank, min_rows, world))
                 per_token, loss = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group, hash_ids_shift)
                 loss.backward()
+                if replay:
+                    seqlen.stop_replay(actor)
                 values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world, hash_ids_shift)
                 value_loss.backward()
                 aux = _aux_losses(actor)
@@ -383,8 +393,6 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                     "value_grads": _grads(critic, group),
                 }
                 if taped is not None:
-                    from verl_ds4.verify import routes
-
                     plan, tapes = taped
                     result.routes[(dtype_name, batch_name)] = {role: routes.collect(t, plan, group) for role, t in tapes.items()}
                     routes.detach(actor), routes.detach(critic)
@@ -423,24 +431,17 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                         mtp._RESPECT_SEQUENCE_BOUNDARIES = True
                     grads.append({n: g for n, g in _grads(actor, group).items() if param_group(n) == "mtp"})
                 result.checks["mtp_roll"] = tuple(grads)
+            replayed = [b for b in batches if b.endswith(seqlen.REPLAY_SUFFIX)]
+            if replayed:  # replaying another valid choice must change the log-probs (the replay takes effect)
+                replay_ids, _ = _batch(batches[replayed[0]], models.vocab, seed + 2, device)
+                per_token, _ = seqlen.replaying_other_blocks(
+                    actor, lambda: _forward(actor, replay_ids, "contiguous", cp_rank, min_rows, world),
+                    lambda: _actor_step(actor, replay_ids, "contiguous", cp_rank, min_rows, world, group))  # fmt: skip
+                result.checks["replay_other_blocks"] = (replayed[0], _np(per_token[:, 0]))
             result.checks["dtype"] = dtypes[0]
         return result if rank == 0 else None
     finally:
         parallel_state.destroy_model_parallel()
-
-
-def _attach_tapes(opts: RunOptions, key, actor, critic, input_ids, min_rows: int, world: int, cp_rank: int):
-    """``(plan, {"actor": tapes, "critic": tapes})`` when this run records or replays routes, else ``None``."""
-    replay = (opts.replay or {}).get(key)
-    if not (opts.record_routes or replay):
-        return None
-    from verl_ds4.layout import PlanOptions
-    from verl_ds4.mcore.thd import make_plan
-    from verl_ds4.verify import routes
-
-    plan = make_plan(input_ids, PlanOptions(layout="contiguous", cp_size=world, min_local_rows=min_rows))
-    tapes = {role: routes.attach(m, plan, cp_rank, (replay or {}).get(role)) for role, m in (("actor", actor), ("critic", critic))}
-    return plan, tapes
 
 
 def run_parity(
@@ -545,6 +546,10 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         note = f"; {without} without grad: indexer" if without else ""
         rows.append(Row(f"{prefix} value_grads, all ({n} params{note})", d_abs, d_rel, tol))
     checks = result.checks
+    if "replay_other_blocks" in checks:
+        batch_name, log_probs = checks["replay_other_blocks"]
+        d_abs, d_rel = _diff(log_probs, reference.results[(checks["dtype"], batch_name)]["log_probs"])
+        rows.append(Row("indexer replay of other valid blocks: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
     if "zigzag_error" in checks:
         message = checks["zigzag_error"]
         rejected = message is not None and "contiguous" in message

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["RouteTape", "routers", "attach", "collect", "detach", "count_differences"]
+__all__ = ["RouteTape", "routers", "attach", "attach_for_run", "collect", "detach", "count_differences"]
 
 
 class RouteTape:
@@ -81,3 +81,16 @@ def count_differences(ours: dict, reference: dict) -> tuple[int, int]:
         differ += int((a != b).any(axis=-1).sum())
         total += a.shape[0]
     return differ, total
+
+
+def attach_for_run(opts, key, actor, critic, input_ids, min_rows: int, world: int, cp_rank: int):
+    """``(plan, {"actor": tapes, "critic": tapes})`` when this run records or replays routes, else ``None``."""
+    replay = (opts.replay or {}).get(key)
+    if not (opts.record_routes or replay):
+        return None
+    from verl_ds4.layout import PlanOptions
+    from verl_ds4.mcore.thd import make_plan
+
+    plan = make_plan(input_ids, PlanOptions(layout="contiguous", cp_size=world, min_local_rows=min_rows))
+    tapes = {role: attach(m, plan, cp_rank, (replay or {}).get(role)) for role, m in (("actor", actor), ("critic", critic))}
+    return plan, tapes

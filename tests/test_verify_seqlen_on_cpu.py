@@ -1,0 +1,82 @@
+"""``verl-ds4 verify --seq-len N``: the tiny DS4 at CP 4 vs CP 1 on a long sequence between short ones (fp64).
+
+CI's shorter long-context case (N = 1536, CP 4: the long sequence covers all four ranks, every rank but the
+first exchanges its halo inside it, its ratio-4 / ratio-128 blocks and the indexer's top-k cross the rank
+boundaries, and the linear core runs 384-row chunks, so a chunk boundary falls inside it on every rank),
+with the indexer replay off and on; the 8k-32k figures are in docs/verify-cp.md. Controls: replaying other
+valid blocks must change the log-probs; bad lengths are refused before any rank starts.
+"""
+
+import pytest
+import torch
+
+from verl_ds4.verify.parity import RunOptions, compare, format_table, rows_passed, run_parity
+from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, check_seq_len, first_blocks, long_lengths, replay_batches
+
+N, CP = 1536, 4
+BATCHES = replay_batches({"long": long_lengths(N)}, "both")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_parity(1, batches=BATCHES, layout_checks=False)
+
+
+def test_the_batch_spreads_the_long_sequence_over_every_rank():
+    from verl_ds4.layout import PlanOptions
+    from verl_ds4.mcore.thd import make_plan
+
+    lengths = long_lengths(N)
+    assert max(lengths) == N and len(lengths) == 6 and lengths.index(N) == 2
+    ids = torch.nested.nested_tensor_from_jagged(torch.zeros(sum(lengths), dtype=torch.long),
+                                                 offsets=torch.tensor([0, *lengths]).cumsum(0))  # fmt: skip
+    plan = make_plan(ids, PlanOptions(layout="contiguous", cp_size=CP, min_local_rows=128))
+    cu = plan.cu_seqlens_padded.tolist()
+    first, last = cu[2] // plan.local_rows, (cu[3] - 1) // plan.local_rows
+    assert (first, last) == (0, CP - 1)  # starts inside rank 0, ends inside the last rank
+    assert cu[2] % plan.local_rows and cu[3] % plan.local_rows  # neither end on a rank boundary
+    assert LINEAR_CHUNK_ROWS < plan.local_rows  # the linear core's chunk boundaries fall inside the long sequence
+
+
+def test_seq_len_parity_dense_with_and_without_replay(reference):
+    result = run_parity(CP, batches=BATCHES)
+    rows = compare(result, reference)
+    assert rows_passed(rows), format_table(rows, f"--seq-len {N} CP={CP}")
+    names = {r.quantity for r in rows}
+    for batch in ("long", "long+replay"):
+        for q in ("loss", "mtp_loss", "indexer_loss", "log_probs", "entropy", "values", "value_loss"):
+            assert f"fp64 {batch} {q}" in names
+        assert any(n.startswith(f"fp64 {batch} grads attention (") for n in names)
+    assert max(r.max_rel for r in rows if r.expect == "match") <= 1e-10
+    control = next(r for r in rows if r.quantity.startswith("indexer replay of other valid blocks"))
+    assert control.expect == "differ" and control.passed, control
+    for name in ("zigzag with guard bypassed", "hash ids packed one row off", "MTP roll across sequence ends"):
+        assert next(r for r in rows if r.quantity.startswith(name)).passed
+
+
+def test_seq_len_parity_linear_core_in_chunks(reference):
+    options = RunOptions(sparse_core="linear", linear_chunk_rows=LINEAR_CHUNK_ROWS)
+    rows = compare(run_parity(CP, batches={"long": long_lengths(N)}, layout_checks=False, options=options), reference)
+    assert rows_passed(rows), format_table(rows, f"--seq-len {N} CP={CP} linear")
+    assert any(r.quantity.startswith("fp64 long grads attention") for r in rows)
+
+
+def test_first_blocks_is_another_valid_choice():
+    ids = torch.tensor([[[0, 2, 5]], [[0, 1, -1]], [[3, 4, 6]]], dtype=torch.int32)
+    out = first_blocks(ids)
+    assert out.tolist() == [[[0, 1, 2]], [[0, 1, -1]], [[0, 1, 2]]]  # a row reaching fewer than k keeps its ids
+
+
+def test_bad_lengths_are_refused(capsys):
+    with pytest.raises(ValueError, match=r"expected N >= 2"):
+        check_seq_len(1, 1, 128)
+    with pytest.raises(ValueError, match=r"expected N >= cp x min_local_rows = 1024; give --seq-len 1024 or more"):
+        check_seq_len(512, 8, 128)
+    check_seq_len(1024, 8, 128)  # the smallest that works
+    from verl_ds4.cli import main
+
+    assert main(["verify", "--cp", "8", "--seq-len", "512"]) == 2
+    assert "give --seq-len 1024 or more" in capsys.readouterr().err
+    assert main(["verify", "--cp", "2", "--seq-len", "300", "--model", "ds4_proxy"]) == 2
+    assert main(["verify", "--model", "ds41", "--cp", "8", "--seq-len", "20"]) == 2
+    assert "expected N >= cp x min_local_rows = 32" in capsys.readouterr().err
