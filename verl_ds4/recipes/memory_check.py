@@ -15,9 +15,9 @@ budgets, the rollout) and the model's sizes, computes per role and per GPU what
 * the same findings as **warnings** with ``ds4.memory_check=warn`` (and a line saying so), nothing
   with ``off`` (and a line saying the check is off).
 
-Colocation: a role's update holds all its states; the other roles keep on the GPU what verl does
-not offload (``param_offload``: weights and gradients; ``optimizer_offload``: optimizer states) and
-the rollout engine is asleep. During generation the rollout takes ``gpu_memory_utilization`` of the
+Colocation: a role's update holds all its states; every pass of a role (update and forward-only) runs
+beside what the other roles keep on the GPU, which is what verl does not offload (``param_offload``:
+weights and gradients; ``optimizer_offload``: optimizer states), and the rollout engine is asleep. During generation the rollout takes ``gpu_memory_utilization`` of the
 GPU beside whatever the training roles keep resident.
 """
 
