@@ -113,6 +113,7 @@ def test_interleaved_pipeline_keeps_the_warm_up_chunks_in_flight():
     assert in_flight(8, 0) == 8 and in_flight(8, 7) == 1 and in_flight(8, 0, micro_batches=3) == 3
     assert in_flight(8, 0, vpp=2) == (7 * 2 + 1 * 8 + 1) / 2 == 11.5  # Megatron's interleaved warm-up + 1, 1/vpp each
     assert in_flight(8, 7, vpp=2) == 9 / 2 and in_flight(8, 0, micro_batches=3, vpp=2) == 3
+    assert in_flight(8, 0, vpp=2, group=4) == (7 * 2 + 1 * 4 + 1) / 2  # microbatch_group_size_per_vp_stage=4
     assert micro_batches(256, 4, 3072, tokens_per_gpu=8192, cp=2, group=8) == 16  # 13 rounded to a multiple of PP
     from tests.test_memory_on_cpu import sizes
 
@@ -125,3 +126,7 @@ def test_interleaved_pipeline_keeps_the_warm_up_chunks_in_flight():
     actor = report.memory.roles[0]
     assert actor.mesh.vpp == 2 and actor.micro_batches == 16
     assert peak_stage(actor.stages).peak_gib == pytest.approx(116.7, abs=0.05)  # 111.2 without vpp
+    report = _validate(["ds4.mesh.vpp=2", "+actor_rollout_ref.actor.megatron.override_transformer_config.microbatch_group_size_per_vp_stage=4"])
+    actor = report.memory.roles[0]
+    assert actor.mesh.vp_group == 4 and actor.micro_batches == 16  # 13 rounded to a multiple of 4
+    assert peak_stage(actor.stages).peak_gib < 116.7  # fewer warm-up chunks: 9.5 stage-equivalents in place of 11.5

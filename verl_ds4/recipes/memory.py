@@ -94,6 +94,7 @@ class Mesh:
     etp: int = 1
     tp: int = 1
     vpp: int | None = None  # virtual pipeline stages (interleaved 1F1B keeps more micro-batches in flight)
+    vp_group: int | None = None  # Megatron's microbatch_group_size_per_vp_stage (None: PP, Megatron's default)
 
     @property
     def dense_dp(self) -> int:
@@ -243,7 +244,7 @@ def training_memory(
         logits = None
         if last:
             logits = "value" if value_head else (logits_kind or ("sft" if training else "logprob"))
-        in_flight = _in_flight(mesh.pp, stage, micro_batches, mesh.vpp)
+        in_flight = _in_flight(mesh.pp, stage, micro_batches, mesh.vpp, mesh.vp_group)
         step = step_peak(
             sizes, [sizes.compress_ratios[i] for i in layers] + [ds4_facts.MTP_COMPRESS_RATIO] * mtp_depths, path=path,
             shape=StepShape(max(tokens_per_gpu, 1), mesh.cp, max_seq_len), in_flight=in_flight, training=training,

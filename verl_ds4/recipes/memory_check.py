@@ -100,7 +100,7 @@ class RoleMemory:
         return count_micro_batches(
             self.sequences, dp, self.max_seq_len, tokens_per_gpu=self.tokens_per_gpu, cp=m.cp,
             micro_batch_size=self.micro_batch_size[1] if self.micro_batch_size else None,
-            group=m.pp if (m.vpp or 1) > 1 else 1,
+            group=(m.vp_group or m.pp) if (m.vpp or 1) > 1 else 1,
         )
 
     @property
@@ -264,7 +264,9 @@ def role_memory(sizes, role: str, mesh: Mesh, **settings) -> RoleMemory:
 def _role_memory(cfg: DictConfig, role: RoleMesh, sizes, world: int, max_seq_len: int, problems: list[Problem]) -> RoleMemory:
     engine = _get(cfg, role.engine_key) or {}
     otc = engine.get("override_transformer_config") or {}
-    mesh = Mesh(world=world, pp=role.pp, ep=role.ep, cp=role.cp, etp=role.etp, tp=role.tp, vpp=role.vpp)
+    group = otc.get("microbatch_group_size_per_vp_stage")
+    mesh = Mesh(world=world, pp=role.pp, ep=role.ep, cp=role.cp, etp=role.etp, tp=role.tp, vpp=role.vpp,
+                vp_group=int(group) if group else None)
     trainable = role.role != "ref"
     optim = optimizer_settings(cfg, role, problems) if trainable else OptimizerSettings()
     passes = pass_settings(cfg, role.role, max_seq_len, role.cp, problems)  # each pass's rows, dynamic or fixed-size

@@ -12,8 +12,8 @@ micro-batch a stage holds for backward; this module says how many that is, the w
   micro-batch, ``ceil(sequences per rank / micro_batch_size_per_gpu)`` of them; a GPU holds up to
   ``micro_batch_size_per_gpu x S / CP`` rows (:func:`static_rows`).
 * **virtual pipeline stages** (``vpp``): verl rounds the count up to a multiple of Megatron's
-  ``microbatch_group_size_per_vp_stage`` (default PP); Megatron's interleaved 1F1B warms up with
-  ``(PP - rank - 1) x 2 + (vpp - 1) x PP`` micro-batch chunks on rank ``rank``, each a ``1 / vpp`` share of the
+  ``microbatch_group_size_per_vp_stage`` (``G``, default PP); Megatron's interleaved 1F1B warms up with
+  ``(PP - rank - 1) x 2 + (vpp - 1) x G`` micro-batch chunks on rank ``rank``, each a ``1 / vpp`` share of the
   stage's layers, plus the one in its steady state (:func:`in_flight`).
 """
 
@@ -60,15 +60,16 @@ def static_rows(micro_batch_size: int, max_seq_len: int, cp: int = 1) -> int:
     return -(-micro_batch_size * max_seq_len // max(cp, 1))
 
 
-def in_flight(pp: int, stage: int, micro_batches: int | None = None, vpp: int | None = None) -> float:
+def in_flight(pp: int, stage: int, micro_batches: int | None = None, vpp: int | None = None, group: int | None = None) -> float:
     """Micro-batches whose activations stage ``stage`` holds at once, in units of the whole stage's layers.
 
     Non-interleaved 1F1B: ``PP - stage``, at most the pass's micro-batches. Interleaved (``vpp > 1``): the warm-up's
-    ``(PP - stage - 1) x 2 + (vpp - 1) x PP`` chunks plus one, at most ``micro_batches x vpp``, each ``1 / vpp``."""
+    ``(PP - stage - 1) x 2 + (vpp - 1) x group`` chunks (``group``: ``microbatch_group_size_per_vp_stage``, default
+    PP) plus one, at most ``micro_batches x vpp``, each ``1 / vpp``."""
     if not vpp or vpp <= 1:
         depth = pp - stage
         return float(depth if micro_batches is None else max(1, min(depth, micro_batches)))
-    chunks = (pp - stage - 1) * 2 + (vpp - 1) * pp + 1
+    chunks = (pp - stage - 1) * 2 + (vpp - 1) * (group or pp) + 1
     if micro_batches is not None:
         chunks = min(chunks, micro_batches * vpp)
     return max(chunks, 1) / vpp
