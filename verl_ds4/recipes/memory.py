@@ -21,9 +21,9 @@ meta-device builds). What each GPU of a pipeline stage holds, TP = 1 (DS4 has no
   (2 bytes). Megatron's CPU optimizer offload moves ``optimizer_offload_fraction`` of the optimizer
   state (and an fp32 copy of its gradients) to host memory.
 * **what a step adds** (:mod:`verl_ds4.recipes.peak`): the activations every micro-batch in flight
-  keeps for backward (``PP - stage`` under non-interleaved 1F1B, or fewer when one update has fewer
-  micro-batches: :mod:`.memory_check` bounds them from the batch sizes, the longest sequence and the
-  budget), for the recipe's attention kernel path and recompute, at the GPU's rows per micro-batch
+  keeps for backward (``PP - stage`` under non-interleaved 1F1B, more chunks under interleaved 1F1B, or
+  fewer when one update has fewer micro-batches: :mod:`.micro_batches` counts them the way verl packs the
+  batch), for the recipe's attention kernel path and recompute, at the GPU's rows per micro-batch
   (the per-GPU token budget; CP splits the packed buffer, so a GPU holds its budget); the largest
   transient (one layer's backward, or the loss buffers of the logits on the last stage, MTP's too);
   the expert-parallel all-to-all buffers; an allocator margin. The *peak* is states + these.
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from verl_ds4 import ds4_facts
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
+from verl_ds4.recipes.micro_batches import in_flight as _in_flight
 from verl_ds4.recipes.peak import StepShape, step_peak
 
 __all__ = [
@@ -92,6 +93,8 @@ class Mesh:
     cp: int = 1
     etp: int = 1
     tp: int = 1
+    vpp: int | None = None  # virtual pipeline stages (interleaved 1F1B keeps more micro-batches in flight)
+    vp_group: int | None = None  # Megatron's microbatch_group_size_per_vp_stage (None: PP, Megatron's default)
 
     @property
     def dense_dp(self) -> int:
@@ -241,7 +244,7 @@ def training_memory(
         logits = None
         if last:
             logits = "value" if value_head else (logits_kind or ("sft" if training else "logprob"))
-        in_flight = mesh.pp - stage if micro_batches is None else max(1, min(mesh.pp - stage, micro_batches))
+        in_flight = _in_flight(mesh.pp, stage, micro_batches, mesh.vpp, mesh.vp_group)
         step = step_peak(
             sizes, [sizes.compress_ratios[i] for i in layers] + [ds4_facts.MTP_COMPRESS_RATIO] * mtp_depths, path=path,
             shape=StepShape(max(tokens_per_gpu, 1), mesh.cp, max_seq_len), in_flight=in_flight, training=training,

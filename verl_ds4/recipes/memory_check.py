@@ -15,9 +15,9 @@ budgets, the rollout) and the model's sizes, computes per role and per GPU what
 * the same findings as **warnings** with ``ds4.memory_check=warn`` (and a line saying so), nothing
   with ``off`` (and a line saying the check is off).
 
-Colocation: a role's update holds all its states; the other roles keep on the GPU what verl does
-not offload (``param_offload``: weights and gradients; ``optimizer_offload``: optimizer states) and
-the rollout engine is asleep. During generation the rollout takes ``gpu_memory_utilization`` of the
+Colocation: a role's update holds all its states; every pass of a role (update and forward-only) runs
+beside what the other roles keep on the GPU, which is what verl does not offload (``param_offload``:
+weights and gradients; ``optimizer_offload``: optimizer states), and the rollout engine is asleep. During generation the rollout takes ``gpu_memory_utilization`` of the
 GPU beside whatever the training roles keep resident.
 """
 
@@ -35,9 +35,12 @@ from verl_ds4.recipes.memory import (
 from verl_ds4.recipes.peak import DEFAULT_HEADROOM, check_headroom, path_of
 from verl_ds4.recipes.kernel_check import GPU_ARCH, dense_indexer_loss
 from verl_ds4.recipes.memory_fixes import findings
+from verl_ds4.recipes.memory_passes import pass_settings
+from verl_ds4.recipes.memory_table import format_memory  # re-exported
+from verl_ds4.recipes.micro_batches import micro_batches as count_micro_batches, static_rows
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
-__all__ = ["MEMORY_CHECK_MODES", "RoleMemory", "MemoryReport", "check_memory", "optimizer_settings", "role_memory"]
+__all__ = ["MEMORY_CHECK_MODES", "RoleMemory", "MemoryReport", "check_memory", "format_memory", "optimizer_settings", "role_memory"]
 
 MEMORY_CHECK_MODES = ("error", "warn", "off")
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "32": 4, "bf16": 2, "bfloat16": 2, "16": 2}
@@ -68,24 +71,37 @@ class RoleMemory:
     logits: str = "sft"
     dense_indexer_loss: bool = False
     forward: list[StageMemory] = field(default_factory=list)
+    # use_dynamic_bsz=false: the pass's micro_batch_size_per_gpu and its key (rows = size x longest / CP); else None
+    micro_batch_size: tuple[str, int] | None = None
+    infer_micro_batch_size: tuple[str, int] | None = None
 
     def with_changes(self, sizes, **changes) -> "RoleMemory":
         """This role with other settings (``mesh``, ``optimizer``, ``tokens_per_gpu``, ``infer_tokens``,
-        ``recompute``, ``path``), its passes recomputed (for the fixes)."""
+        ``recompute``, ``path``, ``micro_batch_size``), its passes recomputed (for the fixes). A fixed-size pass's
+        rows follow its micro-batch size, the longest sequence and the CP of the changed mesh."""
         rm = dataclasses.replace(self, **changes)
+        seq = rm.max_seq_len or rm.tokens_per_gpu * rm.mesh.cp
+        if rm.micro_batch_size and "tokens_per_gpu" not in changes:
+            rm.tokens_per_gpu = static_rows(rm.micro_batch_size[1], seq, rm.mesh.cp)
+        if rm.infer_micro_batch_size and "infer_tokens" not in changes:
+            rm.infer_tokens = static_rows(rm.infer_micro_batch_size[1], seq, rm.mesh.cp)
         rm.stages, rm.forward = _passes(sizes, rm)
         return rm
 
     @property
     def micro_batches(self) -> int | None:
-        """An upper bound on one update's micro-batches per DP rank: sequences x longest / packed budget (it
-        follows the mesh and the budget, so a lever that changes them changes it too)."""
+        """One update's micro-batches per DP rank as verl makes them (:mod:`.micro_batches`: the sequences packed
+        whole into budget x CP, or micro_batch_size_per_gpu at a time; a multiple of PP under vpp). It follows the
+        mesh and the budget, so a lever that changes them changes it too."""
         m = self.mesh
         dp = m.world // (m.tp * m.pp * m.cp)
         if self.sequences is None or self.max_seq_len is None or dp < 1 or self.tokens_per_gpu < 1:
             return None
-        per_rank = -(-self.sequences // dp)
-        return max(1, -(-(per_rank * self.max_seq_len) // (self.tokens_per_gpu * m.cp)))
+        return count_micro_batches(
+            self.sequences, dp, self.max_seq_len, tokens_per_gpu=self.tokens_per_gpu, cp=m.cp,
+            micro_batch_size=self.micro_batch_size[1] if self.micro_batch_size else None,
+            group=(m.vp_group or m.pp) if (m.vpp or 1) > 1 else 1,
+        )
 
     @property
     def passes(self) -> dict[str, list[StageMemory]]:
@@ -154,7 +170,7 @@ class MemoryReport:
             out["roles"][rm.role] = {
                 "mesh": {"pp": rm.mesh.pp, "ep": rm.mesh.ep, "cp": rm.mesh.cp, "dp_x_cp": rm.mesh.dense_dp, "expert_dp": rm.mesh.expert_dp},
                 "attention_kernel": rm.path, "recompute": "full" if rm.recompute is None else sorted(rm.recompute),
-                "tokens_per_gpu": rm.tokens_per_gpu, "pass": name, "stage": stage.stage,
+                "tokens_per_gpu": rm.tokens_per_gpu, "micro_batches": rm.micro_batches, "pass": name, "stage": stage.stage,
                 "states_gib": round(stage.static_gib, 2), "activations_gib": round(stage.activations_gib, 2),
                 "transient_gib": round(stage.transient_gib, 2),
                 "logits_gib": round(stage.logits_gib, 2),  # the peak stage's, like the fields around it
@@ -248,11 +264,16 @@ def role_memory(sizes, role: str, mesh: Mesh, **settings) -> RoleMemory:
 def _role_memory(cfg: DictConfig, role: RoleMesh, sizes, world: int, max_seq_len: int, problems: list[Problem]) -> RoleMemory:
     engine = _get(cfg, role.engine_key) or {}
     otc = engine.get("override_transformer_config") or {}
-    mesh = Mesh(world=world, pp=role.pp, ep=role.ep, cp=role.cp, etp=role.etp, tp=role.tp)
+    group = otc.get("microbatch_group_size_per_vp_stage")
+    mesh = Mesh(world=world, pp=role.pp, ep=role.ep, cp=role.cp, etp=role.etp, tp=role.tp, vpp=role.vpp,
+                vp_group=int(group) if group else None)
     trainable = role.role != "ref"
     optim = optimizer_settings(cfg, role, problems) if trainable else OptimizerSettings()
-    tokens = role.budgets[0].tokens_per_gpu if role.budgets else max_seq_len
-    infer = role.budgets[1].tokens_per_gpu if trainable and len(role.budgets) > 1 else None
+    passes = pass_settings(cfg, role.role, max_seq_len, role.cp, problems)  # each pass's rows, dynamic or fixed-size
+    main = passes.get("update" if trainable else "forward")
+    fwd = passes.get("forward") if trainable else None
+    tokens = main.tokens if main else max_seq_len
+    infer = fwd.tokens if fwd else None
     mtp = role.mtp and role.role != "critic"
     dense_loss = dense_indexer_loss(otc)
     rm = RoleMemory(
@@ -261,6 +282,8 @@ def _role_memory(cfg: DictConfig, role: RoleMesh, sizes, world: int, max_seq_len
         optimizer=optim, mtp=mtp, recompute=recompute_of(engine), sequences=_update_sequences(cfg, role),
         path=attention_path_of(engine), max_seq_len=max_seq_len, infer_tokens=infer, logits=_logits_kind(cfg, role.role),
         dense_indexer_loss=dense_loss,
+        micro_batch_size=(main.key, main.micro_batch_size) if main and main.micro_batch_size else None,
+        infer_micro_batch_size=(fwd.key, fwd.micro_batch_size) if fwd and fwd.micro_batch_size else None,
     )
     rm.stages, rm.forward = _passes(sizes, rm)
     return rm
@@ -276,7 +299,7 @@ def _update_sequences(cfg: DictConfig, role: RoleMesh) -> int | None:
         sequences = None if sequences is None else int(sequences) * int(_get(cfg, "actor_rollout_ref.rollout.n", 1))
     else:
         return None
-    return None if sequences is None or not role.budgets else int(sequences)
+    return None if sequences is None else int(sequences)
 
 
 def _passes(sizes, rm: RoleMemory) -> tuple[list[StageMemory], list[StageMemory]]:
@@ -350,52 +373,3 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
         report.errors.extend(found)
     report.notes.extend(notes)
     return memory
-
-
-def format_memory(memory: MemoryReport | None) -> list[str]:
-    """The memory table the plan prints (one line per role and pass, then the rollout, the phases, host RAM)."""
-    if memory is None:
-        return []
-    if memory.skipped:
-        return [f"memory  : not checked ({memory.skipped})"]
-    cap = memory.capacity_gib
-    lines = [
-        f"memory per GPU (GiB) on {memory.hardware} ({cap:.1f} GiB each, peak limit {memory.limit_gib:.1f} with headroom "
-        f"{memory.headroom:g}; check: {memory.mode}); the stage with the highest peak of each pass "
-        "(verl_ds4/recipes/peak.py; docs/memory.md):"
-    ]
-    rows = [["role", "pass", "mesh", "kernel", "recompute", "tokens/GPU", "stage", "states", "act.", "transient",
-             "margin", "peak", "fits"]]
-    for rm in memory.roles:
-        m = rm.mesh
-        for name, stages in rm.passes.items():
-            s = peak_stage(stages)
-            rows.append([
-                rm.role, name, f"PP{m.pp}/EP{m.ep}/CP{m.cp} DPxCP {m.dense_dp} eDP {m.expert_dp}", rm.path,
-                "full" if rm.recompute is None else (",".join(sorted(rm.recompute)) or "none"),
-                str(rm.tokens_per_gpu if name == "update" or not rm.trainable else rm.infer_tokens), str(s.stage),
-                f"{s.static_gib:.1f}", f"{s.activations_gib:.1f}", f"{s.transient_gib:.1f}", f"{s.a2a_gib + s.margin_gib:.1f}",
-                f"{s.peak_gib:.1f}", "yes" if s.peak_gib <= memory.limit_gib else "NO",
-            ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
-    lines.append("  states = weights + grads + optimizer; act. = kept by the other micro-batches in flight; transient = the "
-                 "peak moment (a layer's backward or the logits' loss buffers); margin = all-to-all buffers + allocator margin")
-    for rm in memory.roles:
-        if rm.optimizer.cpu_offload_fraction:
-            lines.append(f"  {rm.role}: Megatron CPU optimizer offload {rm.optimizer.cpu_offload_fraction:g} of the optimizer states")
-    if memory.rollout:
-        r = memory.rollout
-        ok = r["weights_gib"] <= r["share_gib"]
-        lines.append(
-            f"  rollout: TP{r['tp']} {'fp8' if r['quantization'] == 'fp8' else 'bf16'} weights {r['weights_gib']:.1f} GiB per GPU "
-            f"of a {r['utilization']:g} x {cap:.1f} = {r['share_gib']:.1f} GiB share: {'fits' if ok else 'does NOT fit'}"
-        )
-    if memory.phases:
-        lines.append("  colocated phases (states on the GPU): " + ", ".join(f"{n} {v:.1f}" for n, v in memory.phases))
-    if memory.host:
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in memory.host.items() if v)
-        of = "(RAM unknown)" if memory.host_capacity_gib is None else f"of {memory.host_capacity_gib:.0f}"
-        lines.append(f"  host RAM per node ({memory.gpus_per_node} GPUs): {sum(memory.host.values()):.0f} GiB {of}"
-                     + (f" ({parts})" if parts else ""))
-    return lines

@@ -37,6 +37,15 @@ def _fits(rm, sizes, limit: float, **changes) -> bool:
 def _budget_fix(rm, sizes, limit: float, pass_name: str) -> str | None:
     """The largest token budget (halving) that fits, with the CP the longest sequence then needs."""
     key = "infer_tokens" if pass_name == "forward" and rm.trainable else "tokens_per_gpu"
+    fixed_key = "infer_micro_batch_size" if key == "infer_tokens" else "micro_batch_size"
+    fixed = getattr(rm, fixed_key)
+    if fixed:  # use_dynamic_bsz=false: fewer sequences per micro-batch (the rows follow them)
+        name, size = fixed
+        while size > 1:
+            size //= 2
+            if _fits(rm, sizes, limit, **{fixed_key: (name, size)}):
+                return f"{name}={size}"
+        return None
     tokens = getattr(rm, key) or rm.tokens_per_gpu
     seq = rm.max_seq_len or tokens * rm.mesh.cp
     while tokens // 2 >= _MIN_TOKENS:
@@ -159,21 +168,20 @@ def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_
                 ("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory, rm),
             ))
     trainers = list(memory.roles)
-    if len(trainers) > 1:  # verl colocates the roles on the same GPUs
+    if len(trainers) > 1:  # verl colocates the roles on the same GPUs: every pass runs beside the others' resident states
         for rm in trainers:
-            if not rm.trainable:
-                continue
             others = sum(o.resident_gib for o in trainers if o is not rm)
-            own = peak_stage(rm.stages).peak_gib
-            total = own + others
-            memory.phases.append((f"{rm.role} update", total))
-            if total > limit and own <= limit:
-                problems.append(Problem(
-                    f"{rm.role} update",
-                    f"its peak {own:.1f} GiB plus {others:.1f} GiB the other roles keep on the GPU "
-                    f"= {total:.1f} GiB exceed {limit:.1f} GiB (one {hw} less the headroom).",
-                    "turn on verl's offload for the other roles: ds4.offload.param=true ds4.offload.optimizer=true.",
-                ))
+            for name, stages in rm.passes.items():
+                own = peak_stage(stages).peak_gib
+                total = own + others
+                memory.phases.append((f"{rm.role} {name}", total))
+                if total > limit and own <= limit:
+                    problems.append(Problem(
+                        f"{rm.role} {name}",
+                        f"its peak {own:.1f} GiB plus {others:.1f} GiB the other roles keep on the GPU "
+                        f"= {total:.1f} GiB exceed {limit:.1f} GiB (one {hw} less the headroom).",
+                        "turn on verl's offload for the other roles: ds4.offload.param=true ds4.offload.optimizer=true.",
+                    ))
     rollout = _rollout_findings(cfg, sizes, memory, report, problems)
     if rollout is not None:
         memory.phases.append(("rollout", rollout))

@@ -13,7 +13,7 @@ token of width ``I``, ``V`` the vocabulary. A layer's attention keys per query `
 rows of one rank's packed key buffer ``n_kv = T + cp x T / r`` (+ the ``W`` halo rows under CP: the
 compressed KV is all-gathered over CP).
 
-The peak of one training step on a stage (non-interleaved 1F1B, ``in_flight`` micro-batches)::
+The peak of one training step on a stage (``in_flight`` micro-batches: :func:`verl_ds4.recipes.micro_batches.in_flight`)::
 
     states + (in_flight - 1) x kept(stage) + max over the stage's layers i of
         [kept(layers before i) + backward transient(i) (+ kept(i) when it is recomputed)],
@@ -335,7 +335,7 @@ def step_peak(
     *,
     path: str,
     shape: StepShape,
-    in_flight: int = 1,
+    in_flight: float = 1,
     training: bool = True,
     recompute: frozenset[str] | None = frozenset(),
     logits: str | None = None,

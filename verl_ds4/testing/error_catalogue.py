@@ -55,6 +55,8 @@ SCOPE = (
     "verl_ds4/recipes/memory_check.py",
     "verl_ds4/recipes/memory_fixes.py",
     "verl_ds4/recipes/memory_host.py",
+    "verl_ds4/recipes/memory_passes.py",
+    "verl_ds4/recipes/micro_batches.py",
     "verl_ds4/recipes/kernel_check.py",
     "verl_ds4/recipes/peak.py",
     "verl_ds4/recipes/checkpoint_check.py",
