@@ -53,7 +53,7 @@ def set_sparse_core(model: torch.nn.Module, core: str) -> int:
     return count
 
 #: Backward work space one chunk of query rows may take (its gathered keys and their gradient in the
-#: compute dtype, and four ``[rows, heads, K]`` score-shaped tensors). 256 MiB: about 80 rows at
+#: compute dtype, and four ``[rows, heads, K]`` score-shaped tensors). 256 MiB: 73 rows at
 #: DS4-Flash widths (64 heads, head dim 512, 640 keys per row).
 DEFAULT_CHUNK_BYTES = 256 * 1024**2
 
