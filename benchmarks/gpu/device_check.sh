@@ -172,7 +172,7 @@ if [[ -f benchmarks/gpu/carry/megatron_dev/megatron/core/transformer/experimenta
     if [[ $quick -eq 1 ]]; then
         attn_args=(--quick --tokens 256)
     else
-        attn_args=(--tokens 2048,8192,16384,32768 --budget-s 140)
+        attn_args=(--tokens "2048,8192,16384,32768" --budget-s 140)
     fi
     run_step attention 150 "$py" benchmarks/gpu/megatron_dsv4_memory.py --device "$device" "${attn_args[@]}" \
         --kinds pair --recompute none --attention megatron,linear --indexer-loss-coeff 0.001 \
