@@ -3,6 +3,7 @@
     verl-ds4 recipe sft  --dry-run  [hydra overrides ...]
     verl-ds4 recipe ppo  --shell-env [hydra overrides ...]
     verl-ds4 recipe grpo --dry-run --json [hydra overrides ...]
+    verl-ds4 recipe grpo --derived-overrides ds4.max_seq_len=32768 [hydra overrides ...]
 
 KIND is sft (verl.trainer.sft_trainer), ppo or grpo (verl.trainer.main_ppo), or a V4.1 recipe:
 deepseek_v41_sft / deepseek_v41_grpo. The overrides are
@@ -11,7 +12,9 @@ exactly what the trainer receives; the search path and +recipe= are added when m
 --dry-run prints the plan and exits 0 when the config is valid (missing model/data paths are
 reported as warnings). Without it, missing paths are errors; the plan goes to stderr and, with
 --shell-env, NNODES=/GPUS_PER_NODE= lines go to stdout for the launcher. Exit status 1 means the
-configuration was rejected; every error names the setting and the fix.
+configuration was rejected; every error names the setting and the fix. --derived-overrides prints the
+lengths and budgets ds4.max_seq_len derives (verl_ds4/recipes/seq_len.py), one override a line, for the
+launchers to pass to the trainer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shell-env",
         action="store_true",
         help="after a successful validation print NNODES=<n> and GPUS_PER_NODE=<g> on stdout (plan on stderr)",
+    )
+    parser.add_argument(
+        "--derived-overrides",
+        action="store_true",
+        help="after a successful validation print, one per line on stdout, the overrides ds4.max_seq_len derives "
+        "(what the launchers append for the trainer; nothing when it is null; plan on stderr)",
     )
     parser.add_argument(
         "--json",
@@ -78,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides or [])
     # Flags given after KIND land in the remainder; Hydra overrides never start with "--".
-    while overrides and overrides[0] in ("--dry-run", "--shell-env", "--json"):
+    while overrides and overrides[0] in ("--dry-run", "--shell-env", "--json", "--derived-overrides"):
         setattr(args, overrides.pop(0)[2:].replace("-", "_"), True)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
@@ -107,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
     unread, on_purpose = check_added_keys(compose_without_added(compose, overrides, cfg), cfg, overrides)
     report.errors[:0] = unread
     report.notes += on_purpose
+    from omegaconf import OmegaConf
+
+    from verl_ds4.recipes.compose import derived_length_overrides
+
+    derived = derived_length_overrides(args.kind, overrides) if OmegaConf.select(cfg, "ds4.max_seq_len") is not None else []
+    if derived:
+        report.notes.append(f"ds4.max_seq_len derived (a key you set is kept): {' '.join(derived)}")
     if getattr(args, "json", False):
         print(json.dumps(plan_json(args.kind, report), indent=1))
         return 1 if report.errors else 0
@@ -125,4 +141,6 @@ def run(args: argparse.Namespace) -> int:
     if args.shell_env and not args.dry_run:
         print(f"NNODES={report.nnodes}")
         print(f"GPUS_PER_NODE={report.gpus_per_node}")
+    if getattr(args, "derived_overrides", False) and not args.dry_run:
+        print("\n".join(derived))
     return 0
