@@ -3,7 +3,6 @@
     verl-ds4 recipe sft  --dry-run  [hydra overrides ...]
     verl-ds4 recipe ppo  --shell-env [hydra overrides ...]
     verl-ds4 recipe grpo --dry-run --json [hydra overrides ...]
-    verl-ds4 recipe grpo --derived-overrides ds4.max_seq_len=32768 [hydra overrides ...]
 
 KIND is sft (verl.trainer.sft_trainer), ppo or grpo (verl.trainer.main_ppo), or a V4.1 recipe:
 deepseek_v41_sft / deepseek_v41_grpo. The overrides are
@@ -12,15 +11,16 @@ exactly what the trainer receives; the search path and +recipe= are added when m
 --dry-run prints the plan and exits 0 when the config is valid (missing model/data paths are
 reported as warnings). Without it, missing paths are errors; the plan goes to stderr and, with
 --shell-env, NNODES=/GPUS_PER_NODE= lines go to stdout for the launcher. Exit status 1 means the
-configuration was rejected; every error names the setting and the fix. --derived-overrides prints the
-lengths and budgets ds4.max_seq_len derives (verl_ds4/recipes/seq_len.py), one override a line, for the
-launchers to pass to the trainer.
+configuration was rejected; every error names the setting and the fix. --shell-env also prints
+DS4_DERIVED_OVERRIDES=(...): the lengths and budgets ds4.max_seq_len derives (verl_ds4/recipes/seq_len.py),
+which the launchers pass to the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from verl_ds4.recipes.compose import TRAINERS
@@ -36,13 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shell-env",
         action="store_true",
-        help="after a successful validation print NNODES=<n> and GPUS_PER_NODE=<g> on stdout (plan on stderr)",
-    )
-    parser.add_argument(
-        "--derived-overrides",
-        action="store_true",
-        help="after a successful validation print, one per line on stdout, the overrides ds4.max_seq_len derives "
-        "(what the launchers append for the trainer; nothing when it is null; plan on stderr)",
+        help="after a successful validation print NNODES=<n>, GPUS_PER_NODE=<g> and DS4_DERIVED_OVERRIDES=(...) (what "
+        "ds4.max_seq_len derives, for the trainer's command line) on stdout (plan on stderr)",
     )
     parser.add_argument(
         "--json",
@@ -87,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides or [])
     # Flags given after KIND land in the remainder; Hydra overrides never start with "--".
-    while overrides and overrides[0] in ("--dry-run", "--shell-env", "--json", "--derived-overrides"):
+    while overrides and overrides[0] in ("--dry-run", "--shell-env", "--json"):
         setattr(args, overrides.pop(0)[2:].replace("-", "_"), True)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
@@ -141,6 +136,5 @@ def run(args: argparse.Namespace) -> int:
     if args.shell_env and not args.dry_run:
         print(f"NNODES={report.nnodes}")
         print(f"GPUS_PER_NODE={report.gpus_per_node}")
-    if getattr(args, "derived_overrides", False) and not args.dry_run:
-        print("\n".join(derived))
+        print(f"DS4_DERIVED_OVERRIDES=({' '.join(shlex.quote(o) for o in derived)})")
     return 0

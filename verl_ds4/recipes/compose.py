@@ -123,7 +123,7 @@ def length_overrides(cfg: DictConfig, kind: str, overrides: list[str] | tuple[st
 
 def derived_length_overrides(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What :func:`compose_recipe` appends to ``overrides`` for recipe ``recipe``'s ``ds4.max_seq_len`` (the
-    launchers pass the same to the trainer: ``verl-ds4 recipe KIND --derived-overrides``)."""
+    launchers pass the same to the trainer: ``verl-ds4 recipe KIND --shell-env`` prints them)."""
     trainer = TRAINERS[recipe]
     cfg = _compose(trainer, recipe_overrides(trainer.default_recipe, overrides))
     return length_overrides(cfg, trainer.kind, overrides)
