@@ -81,7 +81,7 @@ def derived_overrides(cfg: Any, trainer: str, overrides: list[str] | tuple[str, 
                 out += [f"{r_key}={r}"] if response is None else []
         if MAX_MODEL_LEN not in user:
             out.append(f"{MAX_MODEL_LEN}={n}")
-    cp = max(int(_get(cfg, "ds4.mesh.cp", 1) or 1), 1)
+    cp = max(int(_get(cfg, "ds4.mesh.cp") or 1), 1)  # the mesh always names it; 1 for a bare test config
     need = -(-n // cp)
     budgets = ["ds4.max_token_len_per_gpu"] + ([] if trainer == "sft" else ["ds4.infer_max_token_len_per_gpu"])
     for key in budgets:
