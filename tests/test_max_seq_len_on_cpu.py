@@ -102,6 +102,12 @@ def test_model_facts_carry_max_position_embeddings():
         assert DS4ModelFacts.from_hf_config({"model_type": "deepseek_v4", "max_position_embeddings": 4096}, "cfg.json",
                                             facts).max_position_embeddings == 4096  # config.json wins
         assert DS4ModelFacts.from_hf_config({"model_type": "deepseek_v4"}, "cfg.json", facts).max_position_embeddings == 1048576
+    from verl_ds4.models.ds41.provider import load_ds41_model_facts
+
+    block = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "ds4_model" / "v41_flash.yaml"))
+    assert load_ds41_model_facts(None, block, "recipe").max_position_embeddings == 1048576
+    block.pop("max_position_embeddings")  # negative control: a block without it gives no limit
+    assert load_ds41_model_facts(None, block, "recipe").max_position_embeddings is None
 
 
 # ------------------------------------------------------------------ composed recipes
