@@ -68,8 +68,14 @@ ROUTER_REPLAY=${ROUTER_REPLAY:-disabled}
 # Rollout indexer replay (true/false): the actor replays the rollout's sparse-attention top-k choices. Off until
 # the rollout engine returns them (vLLM, SGLang do not yet: the validator refuses it with them).
 INDEXER_REPLAY=${INDEXER_REPLAY:-false}
-MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-1024}
-MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-2048}
+# The longest sequence, prompt + response, in tokens (ds4.max_seq_len); empty: the recipe's (1024 + 2048). Set, it
+# derives the prompt (min(N/4, 8192)) and response (the rest) lengths, vLLM's max_model_len and, when the mesh's
+# budget x CP is shorter, the token budgets (docs/gpu-clusters.md, "Long sequences").
+MAX_SEQ_LEN=${MAX_SEQ_LEN:-}
+# data.max_prompt_length / data.max_response_length; empty: the recipe's, or derived from MAX_SEQ_LEN (a value
+# set here is kept and checked against it).
+MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-}
+MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
 # Token budget per GPU (ds4.max_token_len_per_gpu); empty: the mesh's, sized so the peak fits (docs/memory.md).
 TOKENS_PER_GPU=${TOKENS_PER_GPU:-}
@@ -114,10 +120,11 @@ if [ -n "$ROLLOUT_QUANT" ]; then ROLLOUT+=("ds4.rollout.quantization=$ROLLOUT_QU
 DATA=(
     "data.train_files=$TRAIN_FILES"
     "data.val_files=$VAL_FILES"
-    "data.max_prompt_length=$MAX_PROMPT_LENGTH"
-    "data.max_response_length=$MAX_RESPONSE_LENGTH"
     "data.train_batch_size=$TRAIN_BATCH_SIZE"
 )
+if [ -n "$MAX_SEQ_LEN" ]; then DATA+=("ds4.max_seq_len=$MAX_SEQ_LEN"); fi
+if [ -n "$MAX_PROMPT_LENGTH" ]; then DATA+=("data.max_prompt_length=$MAX_PROMPT_LENGTH"); fi
+if [ -n "$MAX_RESPONSE_LENGTH" ]; then DATA+=("data.max_response_length=$MAX_RESPONSE_LENGTH"); fi
 
 TRAINER=(
     "trainer.project_name=$PROJECT_NAME"
@@ -136,7 +143,11 @@ if [ "$DRY_RUN" = 1 ]; then
     exec "$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --dry-run -- "${ALL[@]}"
 fi
 
-# Validate (seconds, no GPU) before Ray schedules any worker.
-"$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --shell-env -- "${ALL[@]}" >/dev/null
+# Validate (seconds, no GPU) before Ray schedules any worker; read back the overrides MAX_SEQ_LEN derives
+# (DS4_DERIVED_OVERRIDES: lengths, vLLM's max_model_len, budgets; empty without it) for the trainer.
+DS4_DERIVED_OVERRIDES=()
+LAUNCH_ENV=$("$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --shell-env -- "${ALL[@]}")
+eval "$LAUNCH_ENV"
+ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${ROLLOUT[@]}" "${DATA[@]}" "${TRAINER[@]}" "${DS4_DERIVED_OVERRIDES[@]}" "${PASSTHROUGH[@]}")
 
 exec "$PYTHON" -m verl.trainer.main_ppo "${ALL[@]}"

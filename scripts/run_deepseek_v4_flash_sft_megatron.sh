@@ -51,7 +51,11 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-}
 PP=${PP:-}
 EP=${EP:-}
 CP=${CP:-}
-MAX_LENGTH=${MAX_LENGTH:-4096}
+# The longest sequence in tokens (ds4.max_seq_len); empty: the recipe's (data.max_length 4096). Set, it derives
+# data.max_length and, when the mesh's budget x CP is shorter, the token budget (docs/gpu-clusters.md, "Long sequences").
+MAX_SEQ_LEN=${MAX_SEQ_LEN:-}
+# data.max_length; empty: the recipe's, or MAX_SEQ_LEN when set (a value here is kept and checked against it).
+MAX_LENGTH=${MAX_LENGTH:-}
 # Token budget per GPU (ds4.max_token_len_per_gpu); empty: the mesh's, sized so the peak fits (docs/memory.md).
 TOKENS_PER_GPU=${TOKENS_PER_GPU:-}
 MTP=${MTP:-true}
@@ -92,8 +96,9 @@ MODEL=(
 DATA=(
     "data.train_files=$TRAIN_FILES"
     "data.val_files=$VAL_FILES"
-    "data.max_length=$MAX_LENGTH"
 )
+if [ -n "$MAX_SEQ_LEN" ]; then DATA+=("ds4.max_seq_len=$MAX_SEQ_LEN"); fi
+if [ -n "$MAX_LENGTH" ]; then DATA+=("data.max_length=$MAX_LENGTH"); fi
 
 if [ -n "$TOKENS_PER_GPU" ]; then DATA+=("ds4.max_token_len_per_gpu=$TOKENS_PER_GPU"); fi
 
@@ -114,9 +119,12 @@ if [ "$DRY_RUN" = 1 ]; then
     exec "$PYTHON" -m verl_ds4.cli recipe sft --dry-run -- "${ALL[@]}"
 fi
 
-# Validate (seconds, no GPU) and read back the resolved NNODES / GPUS_PER_NODE for torchrun.
+# Validate (seconds, no GPU) and read back the resolved NNODES / GPUS_PER_NODE for torchrun and the
+# overrides MAX_SEQ_LEN derives (DS4_DERIVED_OVERRIDES: lengths and budgets; empty without it).
+DS4_DERIVED_OVERRIDES=()
 LAUNCH_ENV=$("$PYTHON" -m verl_ds4.cli recipe sft --shell-env -- "${ALL[@]}")
 eval "$LAUNCH_ENV"
+ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${DATA[@]}" "${TRAINER[@]}" "${DS4_DERIVED_OVERRIDES[@]}" "${PASSTHROUGH[@]}")
 
 exec torchrun \
     --nnodes="$NNODES" \

@@ -11,13 +11,16 @@ exactly what the trainer receives; the search path and +recipe= are added when m
 --dry-run prints the plan and exits 0 when the config is valid (missing model/data paths are
 reported as warnings). Without it, missing paths are errors; the plan goes to stderr and, with
 --shell-env, NNODES=/GPUS_PER_NODE= lines go to stdout for the launcher. Exit status 1 means the
-configuration was rejected; every error names the setting and the fix.
+configuration was rejected; every error names the setting and the fix. --shell-env also prints
+DS4_DERIVED_OVERRIDES=(...): the lengths and budgets ds4.max_seq_len derives (verl_ds4/recipes/seq_len.py),
+which the launchers pass to the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from verl_ds4.recipes.compose import TRAINERS
@@ -33,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shell-env",
         action="store_true",
-        help="after a successful validation print NNODES=<n> and GPUS_PER_NODE=<g> on stdout (plan on stderr)",
+        help="after a successful validation print NNODES=<n>, GPUS_PER_NODE=<g> and DS4_DERIVED_OVERRIDES=(...) (what "
+        "ds4.max_seq_len derives, for the trainer's command line) on stdout (plan on stderr)",
     )
     parser.add_argument(
         "--json",
@@ -107,6 +111,13 @@ def run(args: argparse.Namespace) -> int:
     unread, on_purpose = check_added_keys(compose_without_added(compose, overrides, cfg), cfg, overrides)
     report.errors[:0] = unread
     report.notes += on_purpose
+    from omegaconf import OmegaConf
+
+    from verl_ds4.recipes.compose import derived_length_overrides
+
+    derived = derived_length_overrides(args.kind, overrides) if OmegaConf.select(cfg, "ds4.max_seq_len") is not None else []
+    if derived:
+        report.notes.append(f"ds4.max_seq_len derived (a key you set is kept): {' '.join(derived)}")
     if getattr(args, "json", False):
         print(json.dumps(plan_json(args.kind, report), indent=1))
         return 1 if report.errors else 0
@@ -125,4 +136,5 @@ def run(args: argparse.Namespace) -> int:
     if args.shell_env and not args.dry_run:
         print(f"NNODES={report.nnodes}")
         print(f"GPUS_PER_NODE={report.gpus_per_node}")
+        print(f"DS4_DERIVED_OVERRIDES=({' '.join(shlex.quote(o) for o in derived)})")
     return 0

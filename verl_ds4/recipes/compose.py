@@ -86,20 +86,44 @@ def compose_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = (), res
     Returns:
         The composed config (struct mode off, like verl's ``main`` receives it).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     if recipe not in TRAINERS:
         raise ValueError(f"Unknown recipe kind {recipe!r}; expected one of {sorted(TRAINERS)}.")
     trainer = TRAINERS[recipe]
     all_overrides = recipe_overrides(trainer.default_recipe, overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
-            cfg = compose(config_name=trainer.config_name, overrides=all_overrides)
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = _compose(trainer, all_overrides)
+    derived = length_overrides(cfg, trainer.kind, overrides)
+    if derived:  # ds4.max_seq_len is set: the lengths it derives (verl_ds4.recipes.seq_len), then the config again
+        cfg = _compose(trainer, all_overrides + derived)
     OmegaConf.set_struct(cfg, False)
     if resolve:
         OmegaConf.resolve(cfg)
     return cfg
+
+
+def _compose(trainer: Trainer, overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
+            return compose(config_name=trainer.config_name, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def length_overrides(cfg: DictConfig, kind: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The overrides ``ds4.max_seq_len`` derives for a composed ``cfg`` (empty when it is null)."""
+    from verl_ds4.recipes.seq_len import derived_overrides
+
+    if OmegaConf.select(cfg, "ds4.max_seq_len") is None:
+        return []
+    return derived_overrides(OmegaConf.to_container(cfg, resolve=True), kind, list(overrides))
+
+
+def derived_length_overrides(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """What :func:`compose_recipe` appends to ``overrides`` for recipe ``recipe``'s ``ds4.max_seq_len`` (the
+    launchers pass the same to the trainer: ``verl-ds4 recipe KIND --shell-env`` prints them)."""
+    trainer = TRAINERS[recipe]
+    cfg = _compose(trainer, recipe_overrides(trainer.default_recipe, overrides))
+    return length_overrides(cfg, trainer.kind, overrides)

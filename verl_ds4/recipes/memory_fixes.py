@@ -153,6 +153,16 @@ def describe_peak(rm) -> str:
     )
 
 
+def _shorter_hint(cfg, report) -> str:
+    """The length lever: a shorter ``ds4.max_seq_len`` (when it is set, it is what raised the budgets)."""
+    from verl_ds4.recipes.roles import _get
+
+    knob = _get(cfg, "ds4.max_seq_len")
+    if knob is None:
+        return ""
+    return f" Or train shorter sequences: lower ds4.max_seq_len (now {int(knob)}; launcher MAX_SEQ_LEN)."
+
+
 def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_sm90: bool = False) -> tuple[list[Problem], list[str]]:
     """Problems (peaks over the limit, roles that do not fit together, the rollout, host RAM) and notes."""
     problems, notes = [], []
@@ -165,7 +175,8 @@ def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_
                 f"{rm.role} memory",
                 f"{describe_peak(rm)} exceeds {limit:.1f} GiB, the {cap:.1f} GiB of one {hw} less the headroom "
                 f"{memory.headroom:g} (ds4.memory_headroom){before}.",
-                ("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory, rm),
+                (("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory, rm))
+                + _shorter_hint(cfg, report),
             ))
     trainers = list(memory.roles)
     if len(trainers) > 1:  # verl colocates the roles on the same GPUs: every pass runs beside the others' resident states

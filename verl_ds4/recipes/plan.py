@@ -7,6 +7,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
+from verl_ds4.recipes import seq_len
 from verl_ds4.recipes.roles import _get
 from verl_ds4.recipes.validate import ValidationReport
 
@@ -70,6 +71,7 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
         f"cluster : {report.nnodes} nodes x {report.gpus_per_node} GPUs = {report.world_size} GPUs"
         f"  [named mesh {_fmt(mesh.get('name'))} ({_fmt(mesh.get('hardware'))}){_mesh_changes(mesh)}]",
         f"max sequence length: {report.max_seq_len} tokens",
+        seq_len.describe(cfg, report.trainer),
         "",
         "engines (resolved):",
     ]

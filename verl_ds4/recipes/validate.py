@@ -42,6 +42,7 @@ from omegaconf import DictConfig, ListConfig
 from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
 from verl_ds4.models.ds41.provider import DS41ModelFacts, is_v41_block, load_ds41_model_facts
+from verl_ds4.recipes import seq_len
 from verl_ds4.recipes.checkpoint_check import check_checkpoint_format, check_ds41_checkpoint_format
 from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
 
@@ -516,10 +517,7 @@ def validate_recipe(
     block = _get(cfg, "ds4.model")
     load = load_ds41_model_facts if is_v41_block(block) else load_model_facts
     facts = load(_get(cfg, model_key), block, "recipe ds4.model (configs/ds4_model)")
-    if trainer == "sft":
-        max_seq_len = int(_get(cfg, "data.max_length", 0))
-    else:
-        max_seq_len = int(_get(cfg, "data.max_prompt_length", 0)) + int(_get(cfg, "data.max_response_length", 0))
+    max_seq_len = seq_len.longest_sequence(cfg, trainer)  # ds4.max_seq_len, else the data lengths
     roles = collect_roles(cfg, trainer)
     report = ValidationReport(
         recipe=str(_get(cfg, "ds4.recipe", trainer)),
@@ -572,6 +570,7 @@ def validate_recipe(
                     "disable one of them explicitly.",
                 )
             )
+    report.errors += seq_len.check_lengths(cfg, trainer, facts.max_position_embeddings, facts.source)
     _check_agreement(roles, cfg, report)
     if trainer == "ppo":
         _check_rollout(cfg, report)

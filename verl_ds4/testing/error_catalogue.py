@@ -61,6 +61,7 @@ SCOPE = (
     "verl_ds4/recipes/peak.py",
     "verl_ds4/recipes/checkpoint_check.py",
     "verl_ds4/recipes/compose.py",
+    "verl_ds4/recipes/seq_len.py",
     "verl_ds4/recipes/resume_check.py",
     "verl_ds4/recipes/ckpt_resume.py",
     "verl_ds4/engine/checkpoint.py",

@@ -44,6 +44,7 @@ class DS4ModelFacts:
         index_topk: compressed blocks a CSA query selects.
         compress_ratios: per decoder layer (MTP excluded): 0 window only, 4 CSA, 128 HCA.
         source: where these numbers were read from.
+        max_position_embeddings: the longest sequence the checkpoint's positions cover (recipes refuse longer).
         sizes: the numbers the parameter count and the memory model need (:class:`~.sizes.DS4Sizes`),
             or ``None`` when the source lacks one (``sizes_missing`` then says which).
     """
@@ -62,6 +63,8 @@ class DS4ModelFacts:
     source: str
     sizes: DS4Sizes | None = None
     sizes_missing: str | None = None
+    #: the longest position the model is built for (config.json's ``max_position_embeddings``); None: unknown
+    max_position_embeddings: int | None = None
 
     def __post_init__(self):
         ds4_facts.check_compress_ratios(self.compress_ratios, self.num_layers)
@@ -88,6 +91,7 @@ class DS4ModelFacts:
             index_topk=int(block["index_topk"]),
             compress_ratios=tuple(int(r) for r in block["compress_ratios"]),
             source=source,
+            max_position_embeddings=_positions(block.get("max_position_embeddings")),
             **_sizes({}, source, block),
         )
 
@@ -115,8 +119,14 @@ class DS4ModelFacts:
             index_topk=int(text.get("index_topk", fallback.index_topk)),
             compress_ratios=ratios,
             source=source,
+            max_position_embeddings=_positions(text.get("max_position_embeddings", fallback.max_position_embeddings)),
             **_sizes(config, source, _sizes_fallback(fallback)),
         )
+
+
+def _positions(value: Any) -> int | None:
+    """``max_position_embeddings`` as an int, None when absent."""
+    return None if value is None else int(value)
 
 
 def _sizes(config: Mapping[str, Any], source: str, fallback: Mapping[str, Any]) -> dict[str, Any]:

@@ -60,6 +60,8 @@ class DS41ModelFacts:
     #: V4.1 has no MTP layer: its ``mtp.*`` stages are a DSpark drafter, which these recipes do not train
     mtp_layers: int = 0
     family: str = "ds41"
+    #: the longest position the model is built for (``max_position_embeddings``); None: unknown
+    max_position_embeddings: int | None = None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str, name: str, tokenizer_files: list[str] | None = None,
@@ -103,6 +105,7 @@ class DS41ModelFacts:
             sizes=sizes,
             sizes_missing=missing,
             violations=tuple(violations),
+            max_position_embeddings=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None,
         )
 
 
