@@ -56,7 +56,9 @@ def test_yaml_model_files_carry_the_facts(name, ratios):
     from verl_ds4.models.ds4.sizes import DS4Sizes
 
     read = {"name", "hf_model_type", "num_layers", "mtp_layers", "hidden_size", "num_attention_heads",
-            "n_routed_experts", "num_experts_per_tok", "csa_window_size", "index_topk", "compress_ratios"}  # fmt: skip
+            "n_routed_experts", "num_experts_per_tok", "csa_window_size", "index_topk", "compress_ratios",
+            "max_position_embeddings"}  # fmt: skip
+    assert facts.max_position_embeddings == block["max_position_embeddings"]  # read: ds4.max_seq_len's limit
     read |= {f.name for f in dataclasses.fields(DS4Sizes)}
     read |= {"qk_rope_head_dim", "routed_scaling_factor", "num_hash_layers", "published_total_billions",
              "published_activated_billions"}  # fmt: skip
