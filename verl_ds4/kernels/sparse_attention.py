@@ -70,6 +70,12 @@ def chunk_rows_for(heads: int, head_dim: int, keys: int, dtype: torch.dtype, bud
     return max(1, int(budget_bytes) // max(per_row, 1))
 
 
+def _id_range(ids: torch.Tensor) -> tuple[int, int]:
+    """The smallest and the largest id (one device-to-host read)."""
+    low, high = torch.aminmax(ids)
+    return tuple(int(v) for v in torch.stack((low, high)).tolist())
+
+
 def _check_inputs(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, ids: torch.Tensor) -> None:
     rows, heads, dim = q.shape
     if kv.ndim != 2 or kv.shape[1] != dim:
@@ -81,7 +87,7 @@ def _check_inputs(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, ids: to
     if sink.numel() != heads:
         raise ValueError(f"sparse attention: attn_sink must hold one value per head ({heads}), got {tuple(sink.shape)}.")  # error-catalogue: internal: the attention layer passes its own sink
     if ids.numel():
-        low, high = int(ids.min()), int(ids.max())
+        low, high = _id_range(ids)
         if low < -1 or high >= kv.shape[0]:
             bad = low if low < -1 else high
             raise ValueError(
@@ -174,8 +180,9 @@ def _to_flat(query, kv_full, topk_indices):
     n_kv = kv_full.shape[0]
     if topk_indices.ndim != 3 or topk_indices.shape[:2] != (b, sq):
         raise ValueError(f"sparse attention: SBHD topk_indices must be [{b}, {sq}, topk], got {tuple(topk_indices.shape)}.")  # error-catalogue: internal: the attention layer passes matching shapes
-    if topk_indices.numel() and (int(topk_indices.min()) < -1 or int(topk_indices.max()) >= n_kv):
-        bad = int(topk_indices.min()) if int(topk_indices.min()) < -1 else int(topk_indices.max())
+    low, high = _id_range(topk_indices) if topk_indices.numel() else (-1, -1)
+    if low < -1 or high >= n_kv:
+        bad = low if low < -1 else high
         raise ValueError(f"sparse attention: key id {bad} is outside the per-batch KV buffer: SBHD ids must be -1 or in [0, {n_kv}).")  # error-catalogue: internal: Megatron's layers build ids inside the buffer
     q_flat = query.permute(1, 0, 2, 3).reshape(b * sq, heads, dim)
     kv_flat = kv_full.permute(1, 0, 2).reshape(b * n_kv, dim)

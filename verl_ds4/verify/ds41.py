@@ -294,9 +294,9 @@ def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = 
         cp_rank = parallel_state.get_context_parallel_rank()
         model = case.build(world)
         if sparse_core != "dense":
-            from verl_ds4.models.ds4.attention import use_sparse_core
+            from verl_ds4.kernels import set_sparse_core
 
-            use_sparse_core(model, sparse_core)
+            set_sparse_core(model, sparse_core)
         ids = case.nested_ids()
         model.zero_grad(set_to_none=True)
         flat, loss, logits = _step(model, ids, cp_rank, world, logits_too=True)

@@ -360,10 +360,10 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
             actor = models.build(dtype, device=device, overrides=overrides)
             critic = models.build(dtype, value_head=True, device=device, overrides=overrides)
             if opts.sparse_core != "dense":
-                from verl_ds4.models.ds4.attention import use_sparse_core
+                from verl_ds4.kernels import set_sparse_core
 
                 for built in (actor, critic):
-                    use_sparse_core(built, opts.sparse_core)
+                    set_sparse_core(built, opts.sparse_core)
                 if opts.linear_chunk_rows:
                     seqlen.use_linear_chunk_rows(opts.linear_chunk_rows)
             min_rows = models.min_local_rows(actor)

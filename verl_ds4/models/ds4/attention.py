@@ -38,12 +38,12 @@ from torch import nn
 
 from verl_ds4 import ds4_facts
 
-from verl_ds4.kernels import SPARSE_CORES, linear_sparse_attn, set_sparse_core
+from verl_ds4.kernels import linear_sparse_attn
 
 from .cp_comm import all_gather_rows, exchange_left_halo
 from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 
-__all__ = ["DS4AttentionSpec", "DS4HybridAttention", "SPARSE_CORES", "block_ids", "layer_kind_for_ratio", "use_sparse_core", "CSA_RATIO"]
+__all__ = ["DS4AttentionSpec", "DS4HybridAttention", "block_ids", "layer_kind_for_ratio", "CSA_RATIO"]
 
 CSA_RATIO = ds4_facts.CSA_RATIO
 LayerKind = Literal["sliding", "csa", "hca"]
@@ -56,11 +56,6 @@ def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
     width = int(count.max()) if chosen.numel() else 0
     order = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
     return torch.where(torch.arange(width, device=chosen.device) < count.unsqueeze(1), order + offset, -1)
-
-
-def use_sparse_core(model: nn.Module, core: str) -> int:
-    """Set every DS4 / V4.1 attention of ``model`` to ``core`` (one of :data:`SPARSE_CORES`); returns how many."""
-    return set_sparse_core(model, core)
 
 
 def layer_kind_for_ratio(ratio: int) -> LayerKind:
@@ -266,7 +261,7 @@ class DS4HybridAttention(nn.Module):
         self.linear_proj = nn.Linear(spec.o_groups * spec.o_lora_rank, h, bias=False, dtype=dtype)
         self.core_attention = CoreAttention(spec, dtype=dtype)
         self.last_indexer_loss: torch.Tensor | None = None  # global over CP, detached (indexer_loss_report)
-        self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels; set by use_sparse_core)
+        self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels.set_sparse_core)
         if spec.kind == "sliding":
             inv_freq = default_inv_freq(spec.rope_dim, spec.rope_theta)
         elif spec.yarn_factor is None:
@@ -385,9 +380,9 @@ class DS4HybridAttention(nn.Module):
         if self.compressor is not None:
             comp, comp_visible, loss_inputs = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
         if self.sparse_core == "linear":
-            out = self._attend_linear(q, kv, key_rows, win_visible, comp, comp_visible, scale)
+            out, win_logits = self._attend_linear(q, kv, key_rows, win_visible, comp, comp_visible, scale), None
         else:
-            out = self._attend_dense(q, kv, key_rows, win_visible, comp, comp_visible, scale)
+            out, win_logits = self._attend_dense(q, kv, key_rows, win_visible, comp, comp_visible, scale)
         out = apply_interleaved_rope(out, cos_q.unsqueeze(1), -sin_q.unsqueeze(1))
 
         # Grouped low-rank output projection.
@@ -411,7 +406,8 @@ class DS4HybridAttention(nn.Module):
                 lengths, queries = real_seqlens
                 real = q_pos < lengths.to(device=q_pos.device, dtype=torch.long)[rows.seq[halo:].clamp(max=lengths.numel() - 1)]
                 all_visible = all_visible & real.unsqueeze(1)
-            win_logits = self._window_logits(q, kv[key_rows.clamp(min=0)], win_visible, scale)
+            if win_logits is None:  # the linear core computes no window logits of its own
+                win_logits = self._window_logits(q, kv[key_rows.clamp(min=0)], win_visible, scale)
             kl = indexer_kl_sum(q, comp, win_logits, self.attn_sink, all_visible, index_scores, scale)
             loss = spec.indexer_loss_coeff * kl / max(int(queries), 1)
             report = loss.detach().clone()
@@ -426,8 +422,9 @@ class DS4HybridAttention(nn.Module):
         """``[T, n, W]`` scaled logits of each query over its window keys ``kv_win [T, W, d]`` (-inf where not visible)."""
         return torch.einsum("tnd,twd->tnw", q, kv_win).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale
 
-    def _attend_dense(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> torch.Tensor:
-        """``[T, n, d]``: softmax over [window keys, every compressed block of the buffer (masked), sink]."""
+    def _attend_dense(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([T, n, d], the window logits [T, n, W])``: softmax over [window keys, every compressed block of the buffer
+        (masked), sink]; the window logits are the indexer loss's too."""
         local_rows, n, _ = q.shape
         kv_win = kv[key_rows.clamp(min=0)]  # [T, W, d], gathered once for the logits and the output
         logits = [self._window_logits(q, kv_win, win_visible, scale)]
@@ -439,7 +436,7 @@ class DS4HybridAttention(nn.Module):
         out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv_win)
         if comp is not None:
             out = out + torch.einsum("tnb,bd->tnd", probs[..., w:-1], comp)
-        return out
+        return out, logits[0]
 
     def _attend_linear(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> torch.Tensor:
         """``[T, n, d]`` from :func:`verl_ds4.kernels.linear_sparse_attn` over ``[kv ; comp]`` with each query's ids:

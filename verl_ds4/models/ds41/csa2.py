@@ -178,7 +178,7 @@ class DS41Attention(nn.Module):
         self.linear_o_group_proj = nn.Parameter(torch.zeros(self.o_groups * self.o_lora, n * d // self.o_groups, dtype=dtype))
         self.linear_proj = nn.Linear(self.o_groups * self.o_lora, h, bias=False, dtype=dtype)
         self.core_attention = _Core(text, self.role, dtype=dtype, qdq=cache_qdq)
-        self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels; ds4.attention.use_sparse_core)
+        self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels.set_sparse_core)
         rope_dim = int(get("qk_rope_head_dim"))
         if self.role.ratio == 0:
             inv_freq = default_inv_freq(rope_dim, float(get("rope_theta")))
