@@ -36,12 +36,15 @@ __all__ = [
     "read_manifest",
     "manifest_since",
     "mark_manifests_since",
+    "TRACKER_NAME",
     "step_folders",
+    "step_of",
     "verify_folder",
     "write_manifest",
 ]
 
 MANIFEST_NAME = "verl_ds4_manifest.json"
+TRACKER_NAME = "latest_checkpointed_iteration.txt"  # verl's tracker (verl.utils.checkpoint.checkpoint_manager)
 MARKER_NAME = "verl_ds4_manifests.json"  # in trainer.default_local_dir: {"since_step": S}
 FORMAT = "verl-ds4 checkpoint manifest"
 VERSION = 1
@@ -228,6 +231,12 @@ def verify_folder(folder: str | Path, *, full: bool = False, require_manifest: b
 
 def has_manifest(folder: str | Path) -> bool:
     return (Path(folder) / MANIFEST_NAME).is_file()
+
+
+def step_of(folder: str | Path) -> int | None:
+    """``N`` of a ``global_step_N`` folder (None for any other name)."""
+    match = _STEP.match(Path(folder).name)
+    return int(match.group(1)) if match else None
 
 
 def step_folders(ckpt_dir: str | Path) -> dict[int, Path]:

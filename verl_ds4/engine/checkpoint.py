@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from verl_ds4.ckpt_manifest import CheckpointDamagedError, mark_manifests_since, verify_folder, write_manifest
+from verl_ds4.ckpt_manifest import TRACKER_NAME, CheckpointDamagedError, mark_manifests_since, verify_folder, write_manifest
 
 __all__ = [
     "ManifestCheckpointEngine",
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 PENDING_SUFFIX = ".verl_ds4_pending"
-TRACKER_NAME = "latest_checkpointed_iteration.txt"  # verl's tracker (verl.utils.checkpoint.checkpoint_manager)
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
 
 

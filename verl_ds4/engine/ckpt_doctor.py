@@ -14,7 +14,6 @@ Standard library and :mod:`verl_ds4.ckpt_manifest` only: no verl, no model, seco
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
@@ -26,12 +25,11 @@ from verl_ds4.ckpt_manifest import (
     manifest_since,
     read_manifest,
     step_folders,
+    step_of,
     verify_folder,
 )
 
-__all__ = ["check_checkpoints", "file_results"]
-
-_STEP = re.compile(r"^global_step_(\d+)$")
+__all__ = ["check_checkpoints", "checkpoint_targets", "file_results"]
 
 
 def file_results(folder: Path, *, require_manifest: bool = False) -> list[tuple[Path, str | None]]:
@@ -50,14 +48,14 @@ def file_results(folder: Path, *, require_manifest: bool = False) -> list[tuple[
     return results
 
 
-def _targets(target: Path) -> tuple[Path, dict[int | None, Path]]:
+def checkpoint_targets(target: Path) -> tuple[Path, dict[int | None, Path]]:
     """(the checkpoint folder, {step: folder}) for a default_local_dir, one global_step_N, or any folder."""
     steps = step_folders(target)
     if steps:
         return target, dict(steps)
-    match = _STEP.match(target.name)
-    if match:
-        return target.parent, {int(match.group(1)): target}
+    step = step_of(target)
+    if step is not None:
+        return target.parent, {step: target}
     if has_manifest(target):
         return target.parent, {None: target}
     return target, {}
@@ -68,7 +66,7 @@ def check_checkpoints(target: str | Path, out=None) -> int:
     out = out or sys.stdout
     target = Path(target).expanduser().absolute()
     t0 = time.perf_counter()
-    ckpt_dir, folders = _targets(target)
+    ckpt_dir, folders = checkpoint_targets(target)
     if not folders:
         print(f"verl-ds4 doctor: {target}: no checkpoint to check (expected a trainer.default_local_dir with "
               f"global_step_N folders, one global_step_N, or a folder holding {MANIFEST_NAME}); fix the path",

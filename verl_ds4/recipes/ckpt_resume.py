@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from verl_ds4.ckpt_manifest import CheckpointDamagedError, has_manifest, manifest_since, step_folders, verify_step
+from verl_ds4.ckpt_manifest import TRACKER_NAME as TRACKER
+from verl_ds4.ckpt_manifest import CheckpointDamagedError, has_manifest, manifest_since, step_folders, step_of, verify_step
 
 __all__ = ["CheckpointDamagedError", "Resume", "choose_resume", "main"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclasses.dataclass
@@ -78,7 +78,7 @@ def _legacy_note(folder: Path, ckpt_dir: Path) -> str | None:
 
 def _explicit(path: Path, full: bool) -> Resume:
     ckpt_dir = path.parent
-    step = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("global_step_") and path.name.rsplit("_", 1)[-1].isdigit() else None
+    step = step_of(path)
     problems = verify_step(ckpt_dir, step if step is not None else -1, path, full=full)
     if problems:
         intact = [s for s in reversed(step_folders(ckpt_dir)) if s != step and not verify_step(ckpt_dir, s, full=full)]
@@ -194,8 +194,8 @@ def _check_only(target: Path) -> int:
     t0 = time.perf_counter()
     steps = step_folders(target)
     ckpt_dir = target
-    if not steps and target.name.startswith("global_step_") and target.name.rsplit("_", 1)[-1].isdigit():
-        ckpt_dir, steps = target.parent, {int(target.name.rsplit("_", 1)[-1]): target}
+    if not steps and step_of(target) is not None:
+        ckpt_dir, steps = target.parent, {step_of(target): target}
     if not steps:
         print(f"verl-ds4: {target}: no global_step_N folder to check (expected trainer.default_local_dir or one "
               "global_step_N in it)", file=sys.stderr)
