@@ -48,7 +48,9 @@ def _chunk_kl(h: _Helpers, spec: dict, q, weights, k, start: int, end: int) -> t
     if spec["use_relu"]:
         index = torch.relu(index)
     index = (index * weights.unsqueeze(-1)).sum(dim=2).transpose(0, 1)  # [1, c, K]
-    attn = torch.einsum("snd,knd->nsk", spec["query"][start:end].float(), spec["key"].float()) * spec["scale"]
+    key = spec["key"]  # float32, [K, d] (one key for every head: Megatron's CP 1 call expands it) or [K, h, d]
+    pattern = "snd,kd->nsk" if key.ndim == 2 else "snd,knd->nsk"
+    attn = torch.einsum(pattern, spec["query"][start:end].float(), key) * spec["scale"]
     attn = attn.unsqueeze(0)  # [1, n_h, c, K]
     positions = spec["positions"]
     valid = (positions.unsqueeze(0) >= spec["starts"][start:end].unsqueeze(1)) & (positions.unsqueeze(0) < spec["ends"][start:end].unsqueeze(1))
@@ -75,6 +77,12 @@ def _chunk_kl(h: _Helpers, spec: dict, q, weights, k, start: int, end: int) -> t
     if spec["valid_rows"] is not None:
         rows = rows * spec["valid_rows"][:, start:end].float()
     return rows.sum()
+
+
+def _teacher_keys(key: torch.Tensor) -> torch.Tensor:
+    """The teacher's keys in float32, once per call: ``[K, d]`` when ``key [K, h, d]`` repeats one key over the
+    heads (a stride-0 expand, as Megatron passes the compressed KV), else ``[K, h, d]``."""
+    return (key[:, 0] if key.shape[1] > 1 and key.stride(1) == 0 else key).detach().float()
 
 
 class _ChunkedIndexerLoss(torch.autograd.Function):
@@ -129,7 +137,7 @@ def chunked_indexer_loss(csa, original, chunk_rows: int | None = None):
             valid_rows = helpers.masking.normalize_query_valid_rows(query_valid_rows, b=1, sq=q.shape[0], device=q.device)
             tp = getattr(pg_collection, "tp", None)
             spec = {
-                "query": query, "key": key, "scale": float(softmax_scale), "sparse_loss": bool(sparse_loss), "topk": ids,
+                "query": query, "key": _teacher_keys(key), "scale": float(softmax_scale), "sparse_loss": bool(sparse_loss), "topk": ids,
                 "starts": varlen_starts.to(q.device, torch.int64), "ends": varlen_ends.to(q.device, torch.int64),
                 "positions": positions, "lse": non_compressed_lse, "valid_rows": valid_rows, "use_relu": bool(use_relu),
                 "tp_group": tp if tp is not None and tp.size() > 1 else None,
