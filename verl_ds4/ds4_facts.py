@@ -183,6 +183,17 @@ class Violation:
         return self.engine_message()
 
 
+#: Who computes the unfused DS4 sparse attention (the engine's ``sparse_attention``, recipe knob
+#: ``ds4.sparse_attention``): Megatron-LM dev's own core, or verl-ds4's memory-linear one.
+SPARSE_ATTENTION_CHOICES = ("megatron", "linear")
+
+
+def sparse_attention_applies(sparse_attention: str | None, dsa_kernel_backend: str | None) -> bool:
+    """Whether the ``sparse_attention`` choice runs on ``dsa_kernel_backend``: ``linear`` replaces functions of the
+    unfused path only (backend ``none``); the fused kernels never call them."""
+    return sparse_attention != "linear" or str(dsa_kernel_backend or "none") == "none"
+
+
 def check_tensor_parallel(tp_size: int) -> Violation | None:
     if tp_size == TENSOR_PARALLEL_SIZE:
         return None

@@ -33,7 +33,7 @@ from verl_ds4.layout.cost import COST_MODELS, DS4CostShape, TokenCostModel, ds4_
 __all__ = ["CP_BALANCE_CHOICES", "SPARSE_ATTENTION_CHOICES", "check_sparse_attention_backend", "refuse_model_without_sparse_attention", "sparse_attention_of", "DS4McoreEngineConfig", "cp_balance_cost_model", "cp_balance_of", "ds4_cost_shape"]
 
 CP_BALANCE_CHOICES = tuple(COST_MODELS)  # the cost models PlanOptions.balance accepts
-SPARSE_ATTENTION_CHOICES = ("megatron", "linear")  # who computes the unfused DS4 sparse attention
+SPARSE_ATTENTION_CHOICES = ds4_facts.SPARSE_ATTENTION_CHOICES  # who computes the unfused DS4 sparse attention
 
 
 def _check_sparse_attention(value) -> str:
@@ -90,11 +90,9 @@ def sparse_attention_of(engine_config) -> str:
 
 def check_sparse_attention_backend(engine_config) -> None:
     """``sparse_attention=linear`` replaces the unfused path only: refused with ``dsa_kernel_backend`` other than none."""
-    if sparse_attention_of(engine_config) != "linear":
-        return
     overrides = dict(getattr(engine_config, "override_transformer_config", None) or {})
     backend = str(overrides.get("dsa_kernel_backend") or "none")
-    if backend != "none":
+    if not ds4_facts.sparse_attention_applies(sparse_attention_of(engine_config), backend):
         raise ValueError(
             f"engine sparse_attention='linear' replaces Megatron-LM dev's unfused DS4 sparse attention, but "
             f"dsa_kernel_backend={backend!r} runs the fused kernels, which do not use it. Set ds4.sparse_attention=megatron "

@@ -72,20 +72,19 @@ def _backend(otc: Any, where: str, hardware: Any, has_csa: bool, out: list[Probl
 
 def _sparse_attention(engine: Any, otc: Any, where: str, out: list[Problem]) -> None:
     """The engine's ``sparse_attention``: a known core, and ``linear`` only on the unfused backend that calls it."""
-    from verl_ds4.engine.config import SPARSE_ATTENTION_CHOICES
-
     value = engine.get("sparse_attention")
     if value is None:  # verl's own engine config (no field): Megatron's core
         return
     key = f"{where}.sparse_attention"
-    if value not in SPARSE_ATTENTION_CHOICES:
-        out.append(Problem(key, f"is {value!r}; expected one of {list(SPARSE_ATTENTION_CHOICES)} (megatron: Megatron-LM dev's "
+    if value not in ds4_facts.SPARSE_ATTENTION_CHOICES:
+        out.append(Problem(key, f"is {value!r}; expected one of {list(ds4_facts.SPARSE_ATTENTION_CHOICES)} (megatron: Megatron-LM dev's "
                            "unfused core, backward quadratic in a GPU's tokens; linear: verl-ds4's memory-linear core).",
                            "set ds4.sparse_attention=linear or megatron."))
         return
-    if value == "linear" and str(otc.get("dsa_kernel_backend") or "none") == "cudnn":
+    backend = str(otc.get("dsa_kernel_backend") or "none")
+    if not ds4_facts.sparse_attention_applies(value, backend):
         out.append(Problem(
-            key, "is linear with dsa_kernel_backend=cudnn: the fused kernels (FlashMLA + cuDNN frontend) never call the "
+            key, f"is linear with dsa_kernel_backend={backend}: the fused kernels (FlashMLA + cuDNN frontend) never call the "
             "unfused core that linear replaces, so the setting would do nothing.",
             "set ds4.sparse_attention=megatron to keep the fused kernels, or ds4.dsa_kernel_backend=none to run the linear core.",
         ))
