@@ -38,12 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import importlib
 import functools
 import logging
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import verl.models.mcore as _verl_mcore
@@ -54,6 +51,8 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
 from verl_ds4.engine import sparse_attention
+from verl_ds4.engine.verl_hook import Installed as _Installed
+from verl_ds4.engine.verl_hook import VerlHook
 from verl_ds4.engine.micro_batches import SeedingIterator as _SeedingIterator
 from verl_ds4.engine.config import cp_balance_cost_model, cp_balance_of
 from verl_ds4.mcore import batch_plans, indexer_replay, resolver
@@ -277,26 +276,6 @@ class ResolvedDynamicCPScheduler(_transformer_impl.DynamicCPScheduler):
         return micro_batches
 
 
-@dataclasses.dataclass(frozen=True)
-class VerlHook:
-    """One verl module attribute that verl-ds4 replaces while its hooks are installed."""
-
-    label: str  # the key of :func:`hooks_installed`
-    # the object holding the attribute, or "module.path:Attr" resolved when the hooks are installed (verl modules
-    # that import the plugin's entry point while they initialise: importing them here would be circular)
-    module: types.ModuleType | str
-    name: str
-    make: Callable[[Any], Any]  # verl's original -> our replacement
-
-    @property
-    def target(self) -> Any:
-        if not isinstance(self.module, str):
-            return self.module
-        module_name, _, attr = self.module.partition(":")
-        owner = importlib.import_module(module_name)
-        return getattr(owner, attr) if attr else owner
-
-
 #: Every verl call site :func:`install_verl_hooks` replaces (the table in the module docstring).
 VERL_HOOKS: tuple[VerlHook, ...] = (
     VerlHook(
@@ -335,12 +314,6 @@ VERL_HOOKS: tuple[VerlHook, ...] = (
         handler_save_checkpoint,
     ),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Installed:
-    original: Any  # verl's object, restored by uninstall_verl_hooks()
-    replacement: Any  # what install_verl_hooks() put there
 
 
 #: While the hooks are installed: hook label -> verl's original and our replacement.
