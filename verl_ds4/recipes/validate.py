@@ -172,6 +172,18 @@ def _add(report: ValidationReport, engine_key: str, violation: ds4_facts.Violati
         report.errors.append(Problem(f"{engine_key}.{key}", message, fix))  # error-catalogue: a ds4_facts.Violation, a site where it is built
 
 
+def _check_fused_kernels(cfg: DictConfig, role, report: ValidationReport) -> None:
+    """``use_fused_kernels=true`` where verl 0.9.1 would turn it off with only a warning is refused."""
+    key = f"{role.model_key}.use_fused_kernels"
+    on = bool(_get(cfg, key, False))
+    why = "the critic is a value model" if role.role == "critic" else "MTP is enabled" if role.mtp else None
+    why = why or (None if role.thd else "use_remove_padding is False")
+    if on and why and not any(p.setting == key for p in report.errors):  # actor and ref share the model block
+        report.errors.append(Problem(key, f"is True but {why}: verl 0.9.1's Megatron engine would turn the fused "
+                                     "log-prob kernel off with only a warning (the logits then cost the non-fused "
+                                     "path's memory).", f"set {key}=false, or turn MTP off / use_remove_padding on."))  # fmt: skip
+
+
 def _check_role(role: RoleMesh, report: ValidationReport) -> None:
     _add(report, role.engine_key, ds4_facts.check_tensor_parallel(role.tp))
     if not _check_sizes(role, report):
@@ -562,14 +574,7 @@ def validate_recipe(
                     f"set {role.model_key}.use_remove_padding instead.",
                 )
             )
-        if role.role != "critic" and role.mtp and bool(_get(cfg, f"{role.model_key}.use_fused_kernels", False)):
-            report.warnings.append(
-                Problem(
-                    f"{role.model_key}.use_fused_kernels",
-                    "is True with MTP enabled; verl 0.9.1 turns fused kernels off for MTP models.",
-                    "disable one of them explicitly.",
-                )
-            )
+        _check_fused_kernels(cfg, role, report)
     report.errors += seq_len.check_lengths(cfg, trainer, facts.max_position_embeddings, facts.source)
     _check_agreement(roles, cfg, report)
     if trainer == "ppo":
