@@ -279,13 +279,16 @@ def _kill_ranks_inside_the_save(slurm, job_id: str, marker: str, step_dir: Path,
         assert state not in FINAL_STATES, f"job {job_id} ended ({state}) before the save of {step_dir.name}"
         assert time.monotonic() < deadline, f"no save of {step_dir.name} in time"
         time.sleep(0.01)
+    # torchrun's workers, `python -u -m verl.trainer.sft_trainer ...` (not torchrun, not the console above it), and
+    # any process a worker forked for the save (the same command line)
     ranks = [line for line in _marked_processes(marker)
-             if "verl.trainer.sft_trainer" in line and "torch.distributed.run" not in line]
+             if line.split()[2:5] == ["-u", "-m", "verl.trainer.sft_trainer"]]
     pids = [int(line.split()[0]) for line in ranks]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
-        assert len(pids) == 2, "expected one trainer rank per node:\n" + "\n".join(ranks)
+        nodes = {node for line in ranks for node in ("node0", "node1") if f"/assets/{node}/" in line}
+        assert nodes == {"node0", "node1"}, "expected a trainer rank on each node:\n" + "\n".join(ranks)
         assert not (step_dir / MANIFEST_NAME).exists(), "the ranks were stopped after the manifest, not in the save"
         assert tracker.read_text().strip() == "2", "the tracker moved before the step was complete"
         return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
