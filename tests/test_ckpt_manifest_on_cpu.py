@@ -207,7 +207,13 @@ def test_the_launcher_check_cli(two_steps, capsys):
 
 
 def test_the_full_check_cli_reports_and_changes_nothing(two_steps, capsys):
+    """``ckpt_resume --check DIR`` is the doctor's full check (one implementation, the same report)."""
+    import re
+
+    from verl_ds4.engine.ckpt_doctor import check_checkpoints
+
     assert cr.main(["--check", str(two_steps)]) == 0  # control: intact
+    capsys.readouterr()
     shard = _shard(two_steps)
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # same size: only the checksum sees it
@@ -215,7 +221,13 @@ def test_the_full_check_cli_reports_and_changes_nothing(two_steps, capsys):
     assert cr.choose_resume(two_steps, "auto", apply=False).step == 80  # the cheap check passes it
     assert cr.main(["--check", str(two_steps)]) == 1
     out = capsys.readouterr().out
-    assert "DAMAGED" in out and str(shard) in out and "1 damaged" in out
+    rel = shard.relative_to(two_steps / "global_step_80").as_posix()
+    assert f"{two_steps / 'global_step_80'}: DAMAGED" in out and f"DAMAGED {rel}: its bytes differ" in out
+    assert "1 damaged" in out
+    assert check_checkpoints(two_steps) == 1
+    untimed = lambda text: re.sub(r"in [0-9.]+ s", "in T s", text)  # noqa: E731
+    assert untimed(capsys.readouterr().out) == untimed(out)  # the doctor's own report, line for line
     assert (two_steps / "global_step_80").is_dir() and (two_steps / TRACKER).read_text() == "80"
     assert cr.main(["--check", str(two_steps / "global_step_40")]) == 0
-    assert cr.main(["--check", str(two_steps / "nothing")]) == 2
+    assert cr.main(["--check", str(two_steps / "nothing")]) == 1
+    assert "no checkpoint to check" in capsys.readouterr().err

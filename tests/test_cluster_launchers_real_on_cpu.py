@@ -6,9 +6,10 @@ verl's own trainers. The launchers are the ones a user submits on GPUs, with the
 ``DS4_DEVICE=cpu`` (device, local launcher and process counts; nothing else):
 
 * ``slurm_submit.sh sft``: the tiny DS4 SFT job (the CPU main job's settings, CP=2 contiguous) on 2
-  nodes x 1 process, torchrun's rendezvous from the job's node list; an uninterrupted run, then a run
-  ``scancel``-ed after a checkpoint and submitted again with the same command: the steps after the
-  checkpoint equal the uninterrupted run's, and nothing of the cancelled job survives.
+  nodes x 1 process, torchrun's rendezvous from the job's node list; an uninterrupted run, then a run whose
+  ranks are SIGKILLed inside its step-4 save and that is ``scontrol requeue``d (it resumes from step 2, the
+  last intact step), ``scancel``-ed after a checkpoint and submitted again with the same command: the steps
+  after each checkpoint equal the uninterrupted run's, and nothing of the cancelled job survives.
 * ``ray_cluster.sh``: a head and a worker node on this host (own ports, temp dir, logical resources),
   ``wait-nodes 2``, ``submit ppo``: actor and rollout workers ran on both nodes (by node id, from Ray's
   state API); a third node that never joins makes ``wait-nodes`` time out naming the count and the
@@ -30,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -266,33 +268,77 @@ def _wait_for_checkpoint(slurm, job_id: str, tracker: Path, step: int) -> None:
         time.sleep(0.2)
 
 
-def test_requeue_then_scancel_then_the_same_submission_resume_exactly(slurm, sft_reference, tmp_path):
-    """Two interruptions of one 6-step run (checkpoints every 2 steps): ``scontrol requeue`` after step 2 (Slurm
-    kills the job and runs its batch script again), then ``scancel`` after step 4 and the same ``slurm_submit.sh``
-    command again. Each continuation starts at the step after the last checkpoint, and every step equals the
-    uninterrupted run's."""
+def _kill_ranks_inside_the_save(slurm, job_id: str, marker: str, step_dir: Path, tracker: Path) -> list[str]:
+    """Poll until ``step_dir`` holds files (the save of that step began), freeze every trainer rank of the job
+    (SIGSTOP), check the step's manifest is not there yet (so the point is inside the save), SIGKILL them."""
+    from verl_ds4.ckpt_manifest import MANIFEST_NAME
+
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (step_dir.is_dir() and any(p.is_file() for p in step_dir.rglob("*"))):
+        state = slurm.job(job_id).get("JobState")
+        assert state not in FINAL_STATES, f"job {job_id} ended ({state}) before the save of {step_dir.name}"
+        assert time.monotonic() < deadline, f"no save of {step_dir.name} in time"
+        time.sleep(0.01)
+    # torchrun's workers, `python -u -m verl.trainer.sft_trainer ...` (not torchrun, not the console above it), and
+    # any process a worker forked for the save (the same command line)
+    ranks = [line for line in _marked_processes(marker)
+             if line.split()[2:5] == ["-u", "-m", "verl.trainer.sft_trainer"]]
+    pids = [int(line.split()[0]) for line in ranks]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        nodes = {node for line in ranks for node in ("node0", "node1") if f"/assets/{node}/" in line}
+        assert nodes == {"node0", "node1"}, "expected a trainer rank on each node:\n" + "\n".join(ranks)
+        assert not (step_dir / MANIFEST_NAME).exists(), "the ranks were stopped after the manifest, not in the save"
+        assert tracker.read_text().strip() == "2", "the tracker moved before the step was complete"
+        return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_requeue_after_a_kill_inside_a_save_then_scancel_then_the_same_submission_resume_exactly(
+        slurm, sft_reference, tmp_path):
+    """Two interruptions of one 6-step run (checkpoints every 2 steps). First, both ranks are SIGKILLed inside
+    the step-4 save (frozen by the test where ``global_step_4`` holds files and no manifest, then killed: a node
+    or a rank lost during a save) and the job is ``scontrol requeue``d: Slurm runs its batch script again, and
+    the launcher's start-up check names the unfinished step 4, renames it aside and resumes from step 2, the
+    last intact step. Then ``scancel`` after the requeued run's step-4 checkpoint and the same
+    ``slurm_submit.sh`` command again. Each continuation starts at the step after the last intact checkpoint,
+    and every step equals the uninterrupted run's bit for bit."""
     ref = sft_reference["losses"]
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
     env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut")
-    tracker = work / "checkpoints" / "latest_checkpointed_iteration.txt"
+    ckpt = work / "checkpoints"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
     seen: dict[str, dict[int, float]] = {}
 
     job_id, _ = slurm.submit(["sft"], env)
-    _wait_for_checkpoint(slurm, job_id, tracker, 2)
-    assert _run(["scontrol", "requeue", job_id], env).returncode == 0
-    # Slurm holds a requeued job for its credential lifetime (local_slurm.sh: cred_expire=15 s), then runs it again.
-    deadline = time.monotonic() + 60
-    while slurm.job(job_id).get("JobState") != "PENDING":
-        assert time.monotonic() < deadline, slurm.job(job_id)
-        time.sleep(0.2)
-    seen["first run"] = _node0_losses(work)
-    _wait_for_checkpoint(slurm, job_id, tracker, 4)
-    info = slurm.job(job_id)
-    assert info.get("Restarts") == "1", info
-    cancel = _run(["scancel", job_id], env)
-    assert cancel.returncode == 0, cancel.stderr
-    info = slurm.wait(job_id, timeout=120)
+    try:
+        written = _kill_ranks_inside_the_save(slurm, job_id, marker, ckpt / "global_step_4", tracker)
+        print(f"\nranks killed inside the step-4 save, {len(written)} file(s) written: {written[:6]}")
+        requeue = _run(["scontrol", "requeue", job_id], env)
+        assert requeue.returncode == 0, requeue.stderr
+        # Slurm holds a requeued job for its credential lifetime (local_slurm.sh: cred_expire=15 s), then runs it.
+        deadline = time.monotonic() + 60
+        while slurm.job(job_id).get("JobState") != "PENDING":
+            assert time.monotonic() < deadline, slurm.job(job_id)
+            time.sleep(0.2)
+        seen["first run"] = _node0_losses(work)
+        _wait_for_checkpoint(slurm, job_id, tracker, 4)
+        info = slurm.job(job_id)
+        assert info.get("Restarts") == "1", info
+        node0 = (work / "slurm" / f"ds4-sft-cut-{job_id}" / "node0.log").read_text(errors="replace")
+        assert f"checkpoint {ckpt / 'global_step_4'} is damaged or unfinished" in node0, node0[-3000:]
+        assert (f"resume_mode=auto: resuming from {ckpt / 'global_step_2'} (step 2), the newest intact checkpoint"
+                in node0), node0[-3000:]
+        assert [p.name.startswith("damaged_global_step_4_") for p in ckpt.iterdir()].count(True) == 1
+        cancel = _run(["scancel", job_id], env)
+        assert cancel.returncode == 0, cancel.stderr
+        info = slurm.wait(job_id, timeout=120)
+    finally:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True)
     assert info["JobState"] == "CANCELLED", info
     _assert_nothing_left(marker, f"the cancelled job {job_id}")
     last = int(tracker.read_text().strip())
@@ -303,7 +349,10 @@ def test_requeue_then_scancel_then_the_same_submission_resume_exactly(slurm, sft
 
     # The same command again: the launcher's resume_mode=auto continues from the last checkpoint.
     job2, _ = slurm.submit(["sft"], env)
-    info2 = slurm.wait(job2)
+    try:
+        info2 = slurm.wait(job2)
+    finally:
+        subprocess.run(["scancel", job2], env=env, capture_output=True)
     out2 = (work / "slurm" / f"ds4-sft-cut-{job2}.out").read_text(errors="replace")
     assert info2["JobState"] == "COMPLETED", (info2, out2)
     seen["resubmitted"] = _node0_losses(work)
@@ -312,7 +361,7 @@ def test_requeue_then_scancel_then_the_same_submission_resume_exactly(slurm, sft
                             for name, losses in seen.items()))
     print("  uninterrupted: " + ", ".join(f"step {s} {v!r}" for s, v in sorted(ref.items())))
     assert sorted(seen["first run"])[:2] == [1, 2]
-    assert sorted(seen["requeued"])[0] == 3, "the requeued job should start at step 3"
+    assert sorted(seen["requeued"])[0] == 3, "the requeued job should start at step 3 (step 4 was unfinished)"
     assert sorted(seen["resubmitted"]) == list(range(last + 1, 7)), seen["resubmitted"]
     for losses in seen.values():
         assert {s: ref[s] for s in losses} == losses

@@ -8,8 +8,11 @@ checkpoint folder, DS4 chat encoding of the data.
 * CP parity: the tiny DS4 at CP=2 (contiguous THD, DP=1) and at CP=1 (DP=2) see the same global
   batches and give the same first losses to fp32 tolerance. Parameters are fp32 through
   ``CPUMcoreEngineConfig`` (verl's own Megatron engine config accepts only bf16/fp16).
-* Kill and resume: a CP=2 run is SIGKILLed after its step-2 checkpoint; re-running resumes from it
-  and continues with exactly the losses of an uninterrupted run.
+* Kill and resume (issue 39): a CP=2 run is SIGKILLed inside its step-4 save; the start-up check falls
+  back to step 2, and the resumed run continues with exactly the losses of an uninterrupted run. Each
+  other fault (a shard cut short, a folder missing, a tracker naming a missing step, a write failing for
+  lack of space, a save stopped before its manifest, a lying manifest) is injected into a copy of the
+  uninterrupted run's checkpoints and checked by the start-up check (no trainer run).
 * Value head: verl's ``TrainingWorker(model_type="value_model")`` (the PPO critic) on the CPU engine
   gives the same per-token values at CP=2 as at CP=1 (a batch padded up to the DS4's
   128 rows per CP rank).
@@ -17,6 +20,7 @@ checkpoint folder, DS4 chat encoding of the data.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -43,13 +47,20 @@ def assets(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(assets, tmp_path_factory):
-    """Uninterrupted CP=2 run, 4 steps, nothing but the dataloader state saved."""
+def reference_run(assets, tmp_path_factory):
+    """Uninterrupted CP=2 run, 4 steps, a full checkpoint at steps 2 and 4 (each ends with its manifest)."""
     work = tmp_path_factory.mktemp("reference")
-    cmd = sft_command(assets, ckpt_dir=work / "ckpt", steps=4, cp=2, extra=["checkpoint.save_contents=[]"])
-    losses = _run(cmd, work / "log.txt")
+    start = time.monotonic()
+    losses = _run(sft_command(assets, ckpt_dir=work / "ckpt", steps=4, cp=2, save_freq=2), work / "log.txt")
+    print(f"\nreference run: {losses} in {time.monotonic() - start:.1f} s")
     assert sorted(losses) == [1, 2, 3, 4], losses
-    return losses
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    return {"losses": losses, "ckpt": work / "ckpt"}
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run["losses"]
 
 
 def test_cp1_and_cp2_give_the_same_first_losses(assets, reference, tmp_path):
@@ -65,40 +76,73 @@ def test_cp1_and_cp2_give_the_same_first_losses(assets, reference, tmp_path):
     assert reference[2] < reference[1] and losses_cp1[2] < losses_cp1[1]
 
 
-def test_kill_after_checkpoint_then_resume_matches_uninterrupted_run(assets, reference, tmp_path):
+def _step_files(folder: Path) -> bool:
+    return folder.is_dir() and any(p.is_file() for p in folder.rglob("*"))
+
+
+def test_sigkill_of_the_ranks_inside_a_save_then_resume_matches_uninterrupted_run(assets, reference_run, tmp_path):
+    """Issue 39, the real fault: the same 4-step run (checkpoints at steps 2 and 4) is SIGKILLed inside its
+    step-4 save: the test polls the filesystem until ``global_step_4`` holds files, freezes every rank
+    (SIGSTOP) and checks that the step's manifest is not there yet (so the point is inside the save, exactly),
+    then SIGKILLs torchrun and the ranks. The tracker is still on step 2 (it only moves after the manifest);
+    the launcher's start-up check renames the unfinished ``global_step_4`` aside and resumes from step 2; the
+    resumed run's losses equal the uninterrupted run's bit for bit (repr-exact floats from verl's console)."""
+    import psutil
+
+    from verl_ds4 import ckpt_manifest as cm
+    from verl_ds4.recipes.ckpt_resume import choose_resume
+
+    reference = reference_run["losses"]
     ckpt = tmp_path / "ckpt"
-    tracker = ckpt / "latest_checkpointed_iteration.txt"
-    cmd = sft_command(assets, ckpt_dir=ckpt, steps=6, cp=2, save_freq=2)
+    tracker = ckpt / cm.TRACKER_NAME
+    step4 = ckpt / "global_step_4"
     log = tmp_path / "killed.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=cpu_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(sft_command(assets, ckpt_dir=ckpt, steps=4, cp=2, save_freq=2), env=cpu_env(),
+                                stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S
-            while not (tracker.exists() and tracker.read_text().strip() == "2"):
-                assert proc.poll() is None, f"run ended before its step-2 checkpoint:\n{log.read_text()[-4000:]}"
-                assert time.monotonic() < deadline, "no step-2 checkpoint in time"
-                time.sleep(0.2)
+            while not _step_files(step4):
+                assert proc.poll() is None, f"run ended before its step-4 save:\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, "no step-4 save in time"
+                time.sleep(0.01)
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+            for rank in ranks:
+                rank.suspend()  # SIGSTOP: frozen where they are
+            manifest_then = (step4 / cm.MANIFEST_NAME).exists()
+            tracker_then = tracker.read_text()
+            files_then = sorted(p.relative_to(step4).as_posix() for p in step4.rglob("*") if p.is_file())
         finally:
-            kill_run(proc)  # SIGKILL torchrun and its workers, mid-training
+            kill_run(proc)  # SIGKILL torchrun and every rank, stopped inside the save
+    assert len(ranks) >= 2, ranks
+    assert not manifest_then, "the ranks were stopped after the step-4 manifest, not inside the save"
+    assert tracker_then == "2" and tracker.read_text() == "2", "the tracker moved before the step was complete"
+    print(f"\nkilled inside the step-4 save with {len(files_then)} file(s) written: {files_then[:6]}")
     killed = parse_losses(log.read_text())
-    assert killed[1] == reference[1] and killed[2] == reference[2], (killed, reference)
-    assert tracker.read_text().strip() == "2", "the interrupted run must not have recorded a later checkpoint"
-    assert (ckpt / "global_step_2").is_dir()
+    assert sorted(killed)[:2] == [1, 2] and killed == {s: reference[s] for s in killed}, (killed, reference)
 
+    checked = choose_resume(ckpt, "auto")  # what the launcher runs before torchrun
+    text = "\n".join(checked.messages)
+    print(f"start-up check: step {checked.step} in {checked.seconds * 1e3:.1f} ms\n{text}")
+    assert checked.step == 2 and f"{step4} is damaged or unfinished" in text, text
+    assert not step4.exists() and [p.name.startswith("damaged_global_step_4_") for p in ckpt.iterdir()].count(True) == 1
+    assert cm.verify_step(ckpt, 2, full=True) == [] and checked.seconds < 1.0
+    # The killed run's step-2 weights are the uninterrupted run's, byte for byte: the fault cases below fall back
+    # to the reference's own step 2, the same state this run resumes from. (The optimizer's and extra's shards
+    # differ in bytes: Megatron's metadata holds the run's paths.)
+    assert _weights_of(ckpt / "global_step_2") == _weights_of(reference_run["ckpt"] / "global_step_2")
+
+    start = time.monotonic()
     resumed = _run(
-        sft_command(
-            assets,
-            ckpt_dir=ckpt,
-            steps=4,
-            cp=2,
-            resume_mode="auto",
-            extra=["checkpoint.save_contents=[]", "checkpoint.load_contents=[model,optimizer,extra]"],
-        ),
+        sft_command(assets, ckpt_dir=ckpt, steps=4, cp=2, resume_mode="auto",
+                    extra=["checkpoint.save_contents=[]", "checkpoint.load_contents=[model,optimizer,extra]"]),
         tmp_path / "resumed.txt",
     )
+    print(f"resumed run: {resumed} in {time.monotonic() - start:.1f} s; uninterrupted: {reference}")
     assert sorted(resumed) == [3, 4], f"resume should continue at step 3, got {resumed}"
-    for step in (3, 4):
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-6), (step, resumed, reference)
+    assert resumed == {3: reference[3], 4: reference[4]}, (resumed, reference)  # bit for bit
+    assert len(set(reference.values())) == 4  # negative control: the compared losses are not one constant
+    assert any(p.name.startswith("damaged_global_step_4_") for p in ckpt.iterdir())  # nothing deleted
 
 
 def test_value_head_cp2_matches_cp1(assets, tmp_path):
@@ -129,37 +173,62 @@ def test_value_head_cp2_matches_cp1(assets, tmp_path):
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)  # fp32 model: fp32 tolerance
 
 
-@pytest.mark.slow
-def test_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(assets, reference, tmp_path):
-    """Issue 39 end to end: every real save ends with a manifest (tracker after it); a shard of the newest
-    checkpoint cut short is found by the start-up check in well under a second, which falls back to the
-    previous step; the resumed run continues with exactly the losses of an uninterrupted run."""
+def _weights_of(folder: Path) -> dict:
+    """{shard: (size, CRC-32 of the whole file)} of a checkpoint's model shards."""
+    from verl_ds4 import ckpt_manifest as cm
+
+    shards = sorted((folder / "model" / "dist_ckpt").glob("*.distcp"))
+    assert shards, folder
+    return {p.name: (p.stat().st_size, cm.full_crc32(p)) for p in shards}
+
+
+def test_each_fault_in_a_real_checkpoint_resumes_from_the_newest_intact_step(reference_run, tmp_path):
+    """Issue 39's faults, each injected into a copy of the real run's checkpoints (steps 2 and 4, the newest
+    damaged, :mod:`verl_ds4.testing.ckpt_faults`), then the launcher's start-up check: a fault in step 4 falls
+    back to step 2, loudly (the damaged file named), with the damaged folder renamed aside (nothing deleted),
+    and leaves exactly the state the real-SIGKILL test above resumes from bit for bit (step 2 intact, the
+    tracker on 2, no newer step); a tracker naming a missing step is set back to step 4, which leaves the
+    uninterrupted run's folder as it was. No trainer runs here: the one e2e resume per outcome is the test above
+    (step 2) and the uninterrupted folder itself (step 4). Negative controls: the copy without a fault resumes
+    from step 4, and verl alone (its ``find_latest_ckpt_path``) would start from scratch on the tracker fault."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
     from verl_ds4 import ckpt_manifest as cm
     from verl_ds4.recipes.ckpt_resume import choose_resume
+    from verl_ds4.testing.ckpt_faults import FAULTS, inject
 
-    ckpt = tmp_path / "ckpt"
-    first = _run(sft_command(assets, ckpt_dir=ckpt, steps=4, cp=2, save_freq=2), tmp_path / "first.txt")
-    assert sorted(first) == [1, 2, 3, 4]
-    assert cm.manifest_since(ckpt) == 2 and (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
-    for step in (2, 4):
-        assert cm.verify_step(ckpt, step, full=True) == [], step
-        assert "data_0.pt" in (ckpt / f"global_step_{step}" / cm.MANIFEST_NAME).read_text()  # written after verl's
-    assert "written in" in (tmp_path / "first.txt").read_text()
-    assert choose_resume(ckpt, "auto", apply=False).step == 4  # control: intact, the newest is used
-
-    shard = next((ckpt / "global_step_4" / "model" / "dist_ckpt").glob("*.distcp"))
-    with open(shard, "r+b") as f:
-        f.truncate(shard.stat().st_size // 2)
-    checked = choose_resume(ckpt, "auto")
-    assert checked.step == 2 and str(shard) in "\n".join(checked.messages), checked.messages
-    assert checked.seconds < 1.0, checked.seconds
-
-    resumed = _run(
-        sft_command(assets, ckpt_dir=ckpt, steps=4, cp=2, resume_mode="auto",
-                    extra=["checkpoint.save_contents=[]", "checkpoint.load_contents=[model,optimizer,extra]"]),
-        tmp_path / "resumed.txt",
-    )
-    assert sorted(resumed) == [3, 4], f"resume should continue at step 3, got {resumed}"
-    for step in (3, 4):
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-6), (step, resumed, reference)
-    assert (ckpt / "global_step_2").is_dir()  # nothing intact deleted
+    source = reference_run["ckpt"]
+    control = tmp_path / "none"
+    shutil.copytree(source, control)
+    assert choose_resume(control, "auto").step == 4 and (control / cm.TRACKER_NAME).read_text() == "4"
+    rows = []
+    for fault, (_, outcome) in FAULTS.items():
+        ckpt = tmp_path / fault
+        shutil.copytree(source, ckpt)
+        damaged = inject(fault, ckpt)
+        if fault == "tracker_names_missing_step":
+            assert find_latest_ckpt_path(str(ckpt)) is None  # verl alone: a silent start from scratch
+        checked = choose_resume(ckpt, "auto")
+        text = "\n".join(checked.messages)
+        rows.append(f"  {fault:32s} -> step {checked.step} in {checked.seconds * 1e3:.1f} ms")
+        assert checked.seconds < 1.0, (fault, checked.seconds)
+        if fault == "manifest_lies":  # sizes right, bytes wrong: the cheap check passes, the full one does not
+            assert checked.step == 4 and text == "", text
+            assert cm.verify_step(ckpt, 4) == [] and cm.verify_step(ckpt, 4, full=True) != []
+            continue
+        # The file named: the damaged one, or for a save that never reached its manifest, the missing manifest.
+        unfinished = fault in ("write_fails_for_lack_of_space", "stopped_before_manifest")
+        named = ckpt / "global_step_4" / cm.MANIFEST_NAME if unfinished else damaged
+        assert str(named) in text, (fault, text)
+        if outcome == "previous":
+            assert checked.step == 2 and f"{ckpt / 'global_step_4'} is damaged or unfinished" in text, (fault, text)
+            assert sorted(cm.step_folders(ckpt)) == [2] and (ckpt / cm.TRACKER_NAME).read_text() == "2"
+            assert cm.verify_step(ckpt, 2, full=True) == []
+            assert _weights_of(ckpt / "global_step_2") == _weights_of(source / "global_step_2")
+            assert [p.name.startswith("damaged_global_step_4_") for p in ckpt.iterdir()].count(True) == 1
+        else:
+            assert checked.step == 4 and sorted(cm.step_folders(ckpt)) == [2, 4], (fault, text)
+            assert (ckpt / cm.TRACKER_NAME).read_text() == (source / cm.TRACKER_NAME).read_text() == "4"
+            assert find_latest_ckpt_path(str(ckpt)) == str(ckpt / "global_step_4")
+        assert choose_resume(ckpt, "auto").messages == []  # the start after: quiet
+    print("\n" + "\n".join(rows))

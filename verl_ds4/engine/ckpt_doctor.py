@@ -6,7 +6,8 @@ re-read: its size, the CRC-32 of its sampled blocks and, where the manifest has 
 (``VERL_DS4_CKPT_CHECKSUM=full`` at save time), the whole file's CRC-32; so a manifest that lies (sizes right,
 bytes wrong) is caught here, where the start-up check (sizes only) passes it. Parts with their own manifest
 (``actor/``, ``critic/``) are checked the same way. A folder without a manifest (written before manifests
-existed) gets the structural checks only. Nothing is changed. Exit status 0 when every checkpoint is intact,
+existed) gets the structural checks only. Nothing is changed. ``python -m verl_ds4.recipes.ckpt_resume --check DIR``
+calls :func:`check_checkpoints` (the same report). Exit status 0 when every checkpoint is intact,
 1 otherwise (a damaged one, or nothing to check).
 
 Standard library and :mod:`verl_ds4.ckpt_manifest` only: no verl, no model, seconds.

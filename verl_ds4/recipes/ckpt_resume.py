@@ -16,6 +16,8 @@ later inside Megatron's loader. :func:`choose_resume` checks it against its mani
 ``python -m verl_ds4.recipes.ckpt_resume [--full] -- OVERRIDES...`` is the launchers' start-up check
 (reads ``trainer.default_local_dir``, ``trainer.resume_mode``, ``trainer.resume_from_path`` from the
 trainer's overrides; no model, no process group); exit 2 with the reason on a refusal.
+``python -m verl_ds4.recipes.ckpt_resume --check DIR`` is ``verl-ds4 doctor --checkpoint DIR``
+(:func:`verl_ds4.engine.ckpt_doctor.check_checkpoints`): the same report, changes nothing.
 """
 
 from __future__ import annotations
@@ -190,37 +192,20 @@ def _override(overrides: list[str], key: str):
     return value
 
 
-def _check_only(target: Path) -> int:
-    t0 = time.perf_counter()
-    steps = step_folders(target)
-    ckpt_dir = target
-    if not steps and step_of(target) is not None:
-        ckpt_dir, steps = target.parent, {step_of(target): target}
-    if not steps:
-        print(f"verl-ds4: {target}: no global_step_N folder to check (expected trainer.default_local_dir or one "
-              "global_step_N in it)", file=sys.stderr)
-        return 2
-    damaged = 0
-    for step, folder in steps.items():
-        problems = verify_step(ckpt_dir, step, folder, full=True)
-        kind = "intact" if has_manifest(folder) else "no manifest (older checkpoint): structural checks only"
-        print(f"{folder}: " + (kind if not problems else "DAMAGED\n" + _problems_text(problems)))
-        damaged += bool(problems)
-    print(f"checked {len(steps)} checkpoint(s) in {time.perf_counter() - t0:.2f} s: {damaged} damaged")
-    return 1 if damaged else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description="Verify the checkpoint a start resumes from (before anything loads it).")
     parser.add_argument("--full", action="store_true", help="re-read the bytes (checksums), not only the sizes")
-    parser.add_argument("--check", metavar="DIR", help="only report: verify every global_step_N in DIR (or one "
-                        "global_step_N folder) with checksums, change nothing; exit 1 if any is damaged")
+    parser.add_argument("--check", metavar="DIR", help="only report: verl-ds4 doctor --checkpoint DIR (every "
+                        "global_step_N in DIR, or one checkpoint folder, file by file with checksums; changes "
+                        "nothing; exit 1 if one is damaged or there is nothing to check)")
     parser.add_argument("overrides", nargs="*", help="the trainer's Hydra overrides (after --)")
     args = parser.parse_args(argv)
     if args.check:
-        return _check_only(Path(args.check).expanduser().absolute())
+        from verl_ds4.engine.ckpt_doctor import check_checkpoints  # one full check: the doctor's
+
+        return check_checkpoints(args.check)
     ckpt_dir = _override(args.overrides, "trainer.default_local_dir")
     mode = _override(args.overrides, "trainer.resume_mode") or "auto"
     path = _override(args.overrides, "trainer.resume_from_path")
