@@ -198,7 +198,7 @@ def test_dataset_items_from_parquet(tok, tmp_path):
     assert right["input_ids"].shape == (16,) and right["attention_mask"].sum() == 13
     assert right["loss_mask"][13:].sum() == 0 and right["input_ids"][13:].tolist() == [tok.pad_token_id] * 3
 
-    with pytest.raises(ValueError, match="more than data.max_length=8"):
+    with pytest.raises(ValueError, match="2 of 2 rows are longer than data.max_length=8"):
         DS4ChatSFTDataset(str(path), tok, {"max_length": 8})[0]
     left = DS4ChatSFTDataset(str(path), tok, {"max_length": 8, "truncation": "left"})[0]
     assert left["input_ids"].tolist() == ids_of(expected)[-8:]

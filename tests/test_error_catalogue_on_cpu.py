@@ -40,7 +40,7 @@ def test_the_known_refusals_are_collected_with_their_words():
     examples = {s.example() for s in ec.all_sites()}
     assert ("MINI_BATCH=<...>, BATCH=<...>: expected positive integers with MINI_BATCH dividing BATCH "
             "(BATCH / MINI_BATCH actor/critic updates per step), e.g. BATCH=8 MINI_BATCH=4") in examples
-    assert any(e.startswith("data.filter_overlong_prompts: is True, but it calls tokenizer.apply_chat_template")
+    assert any(e.startswith("data.filter_overlong_prompts: is True with verl's RLHFDataset, whose filter calls")
                for e in examples)  # a Problem(setting, message, fix)
     assert any("DS4's hybrid attention does not support tensor parallelism" in e for e in examples)  # a Violation
     assert "verl-ds4 plan: --cp is required for a layout plan (or use --fit to find meshes)." in examples  # CLI

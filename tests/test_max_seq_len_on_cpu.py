@@ -134,8 +134,8 @@ def test_sft_and_v41_follow_the_knob():
     assert kept.data.max_length == 8192  # a user's explicit setting is never replaced
 
 
-def test_65536_on_the_default_mesh_is_refused_with_levers():
-    cfg = compose_recipe("grpo", ["ds4.max_seq_len=65536"])
+def test_65536_on_the_default_mesh_at_its_cp_is_refused_with_levers():
+    cfg = compose_recipe("grpo", ["ds4.max_seq_len=65536", "ds4.mesh.cp=2"])  # the CP is the user's: not derived
     report = validate_recipe(cfg, "ppo", dry_run=True, raise_on_error=False)
     memory = [str(e) for e in report.errors if e.setting == "actor memory"]
     assert memory and "ds4.mesh.cp=8" in memory[0] and "lower ds4.max_seq_len (now 65536" in memory[0]

@@ -120,7 +120,7 @@ def test_flash_recipes_compose_and_validate_with_real_paths(kind, mesh, assets):
         assert cfg.model_engine == "megatron"
         assert cfg.actor_rollout_ref.model.use_remove_padding is True
         assert cfg.actor_rollout_ref.model.mtp.enable is False
-        assert cfg.data.filter_overlong_prompts is False
+        assert cfg.data.filter_overlong_prompts is True and cfg.data.custom_cls.name == "DS4RLHFDataset"
     roles = [r.role for r in report.roles]
     assert roles == {"sft": ["sft"], "ppo": ["actor", "critic"], "grpo": ["actor", "ref"]}[kind]
     if kind == "ppo":
@@ -194,7 +194,7 @@ BAD_CASES = [
     ("dynamic_cp_cap", "sft", ["ds4.dynamic_cp=true", "ds4.max_seqlen_per_dp_cp_rank=64"], "max_seqlen_per_dp_cp_rank: is 64 with dynamic CP"),
     ("rollout_tp", "ppo", ["ds4.rollout.tp=3"], "actor_rollout_ref.rollout.tensor_model_parallel_size: rollout replicas of TPxDPxPP=3x1x1=3 GPUs do not divide the 64 GPUs"),
     ("r3_without_rollout_routes", "grpo", ["ds4.router_replay=R3"], "enable_rollout_routing_replay: is False while router_replay.mode=R3"),
-    ("filter_overlong", "ppo", ["data.filter_overlong_prompts=true"], "DS4 checkpoints ship no chat template"),
+    ("filter_overlong", "ppo", ["data.custom_cls.path=null", "data.custom_cls.name=null"], "DS4 checkpoints ship no chat template"),
     ("indexer_replay_with_vllm", "grpo", ["ds4.indexer_replay=true"], "indexer_replay: is True, but rollout.name=vllm returns no indexer choices"),
     ("resume_path_empty", "sft", ["trainer.resume_mode=resume_path"], "is empty while trainer.resume_mode=resume_path"),
     ("cp_zero", "sft", ["ds4.mesh.cp=0"], "engine.context_parallel_size: is 0; parallel sizes must be >= 1"),

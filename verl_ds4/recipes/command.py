@@ -62,17 +62,31 @@ def launch_line(kind: str, nnodes: int, gpus_per_node: int, n_overrides: int) ->
     return f"python -m {trainer.module} <{n_overrides} overrides> (Ray cluster of {nnodes} nodes x {gpus_per_node} GPUs)"
 
 
-def plan_json(kind: str, report) -> dict:
-    """The machine-readable plan of ``verl-ds4 recipe KIND --dry-run --json``."""
+def plan_json(kind: str, report, lengths=None, cfg=None) -> dict:
+    """The machine-readable plan of ``verl-ds4 recipe KIND --dry-run --json``; ``lengths``: what ``ds4.max_seq_len``
+    derived (:class:`verl_ds4.recipes.seq_cp.Derivation`; None when it is unset)."""
     return {
         "recipe": kind, "trainer": report.trainer, "model": report.facts.name, "nnodes": report.nnodes,
         "gpus_per_node": report.gpus_per_node, "world_size": report.world_size, "max_seq_len": report.max_seq_len,
         "engines": {r.role: {"tp": r.tp, "pp": r.pp, "vpp": r.vpp, "cp": r.cp, "ep": r.ep, "etp": r.etp,
                              "budgets": {b.key: b.tokens_per_gpu for b in r.budgets}} for r in report.roles},
+        "lengths": _lengths_json(cfg, report.trainer, lengths) if cfg is not None else None,
         "memory": report.memory.as_dict() if report.memory is not None else None,
         "errors": [str(p) for p in report.errors], "warnings": [str(p) for p in report.warnings],
         "valid": not report.errors,
     }
+
+
+def _lengths_json(cfg, trainer: str, lengths) -> dict:
+    """The lengths the trainer reads and what ``ds4.max_seq_len`` derived (overrides, CP and the peaks per CP judged)."""
+    from omegaconf import OmegaConf
+
+    keys = ["data.max_length"] if trainer == "sft" else [
+        "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.max_model_len"]
+    out = {"max_seq_len": OmegaConf.select(cfg, "ds4.max_seq_len"), **{k: OmegaConf.select(cfg, k) for k in keys}, "derived": None}
+    if lengths is not None and lengths.n is not None:
+        out["derived"] = lengths.as_dict()
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,13 +127,18 @@ def run(args: argparse.Namespace) -> int:
     report.notes += on_purpose
     from omegaconf import OmegaConf
 
-    from verl_ds4.recipes.compose import derived_length_overrides
+    from verl_ds4.recipes.compose import derivation
 
-    derived = derived_length_overrides(args.kind, overrides) if OmegaConf.select(cfg, "ds4.max_seq_len") is not None else []
+    lengths = derivation(args.kind, overrides) if OmegaConf.select(cfg, "ds4.max_seq_len") is not None else None
+    derived = list(lengths.overrides) if lengths else []
+    if lengths:
+        report.errors[:0] = lengths.problems  # a CP that cannot hold ds4.max_seq_len at peak (verl_ds4/recipes/seq_cp.py)
+        if lengths.describe():
+            report.notes.append(lengths.describe())
     if derived:
         report.notes.append(f"ds4.max_seq_len derived (a key you set is kept): {' '.join(derived)}")
     if getattr(args, "json", False):
-        print(json.dumps(plan_json(args.kind, report), indent=1))
+        print(json.dumps(plan_json(args.kind, report, lengths, cfg), indent=1))
         return 1 if report.errors else 0
     plan = format_plan(cfg, report, launch_line(args.kind, report.nnodes, report.gpus_per_node, len(overrides)))
     if args.dry_run:

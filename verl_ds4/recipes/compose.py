@@ -91,8 +91,8 @@ def compose_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = (), res
     trainer = TRAINERS[recipe]
     all_overrides = recipe_overrides(trainer.default_recipe, overrides)
     cfg = _compose(trainer, all_overrides)
-    derived = length_overrides(cfg, trainer.kind, overrides)
-    if derived:  # ds4.max_seq_len is set: the lengths it derives (verl_ds4.recipes.seq_len), then the config again
+    derived = derivation(recipe, overrides, base=cfg).overrides
+    if derived:  # ds4.max_seq_len is set: the CP and lengths it derives (recipes.seq_cp, recipes.seq_len), then the config again
         cfg = _compose(trainer, all_overrides + derived)
     OmegaConf.set_struct(cfg, False)
     if resolve:
@@ -112,18 +112,31 @@ def _compose(trainer: Trainer, overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
 
 
-def length_overrides(cfg: DictConfig, kind: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """The overrides ``ds4.max_seq_len`` derives for a composed ``cfg`` (empty when it is null)."""
-    from verl_ds4.recipes.seq_len import derived_overrides
+_DERIVATIONS: dict[tuple[str, tuple[str, ...]], "Derivation"] = {}
 
-    if OmegaConf.select(cfg, "ds4.max_seq_len") is None:
-        return []
-    return derived_overrides(OmegaConf.to_container(cfg, resolve=True), kind, list(overrides))
+
+def derivation(recipe: str, overrides: list[str] | tuple[str, ...] = (), base: DictConfig | None = None) -> "Derivation":
+    """What ``ds4.max_seq_len`` derives for recipe ``recipe`` and the user's ``overrides``: the CP
+    (:mod:`verl_ds4.recipes.seq_cp`, judged at peak by the start-up check), the lengths and budgets
+    (:mod:`verl_ds4.recipes.seq_len`), and the refusals of a CP that cannot hold it. ``base``: the config composed
+    from ``overrides`` alone (composed here when not given). Cached per (recipe, overrides) for one process."""
+    from verl_ds4.recipes.seq_cp import Derivation, derive
+
+    key = (recipe, tuple(overrides))
+    if key not in _DERIVATIONS:
+        if base is None:
+            trainer = TRAINERS[recipe]
+            base = _compose(trainer, recipe_overrides(trainer.default_recipe, overrides))
+        if OmegaConf.select(base, "ds4.max_seq_len") is None:
+            return Derivation()
+        if len(_DERIVATIONS) > 64:
+            _DERIVATIONS.clear()
+        _DERIVATIONS[key] = derive(base, TRAINERS[recipe].kind, list(overrides))
+    return _DERIVATIONS[key]
 
 
 def derived_length_overrides(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What :func:`compose_recipe` appends to ``overrides`` for recipe ``recipe``'s ``ds4.max_seq_len`` (the
-    launchers pass the same to the trainer: ``verl-ds4 recipe KIND --shell-env`` prints them)."""
-    trainer = TRAINERS[recipe]
-    cfg = _compose(trainer, recipe_overrides(trainer.default_recipe, overrides))
-    return length_overrides(cfg, trainer.kind, overrides)
+    launchers pass the same to the trainer: ``verl-ds4 recipe KIND --shell-env`` prints them): ``ds4.mesh.cp``
+    when it is derived, then the lengths and budgets."""
+    return list(derivation(recipe, overrides).overrides)

@@ -15,7 +15,8 @@ budgets (``ds4.max_token_len_per_gpu`` x CP must hold one whole sequence: verl n
 - both: ``ds4.max_token_len_per_gpu`` (and RL's ``ds4.infer_max_token_len_per_gpu``) raised to
   ``ceil(N / CP)`` when the mesh's budget x CP is shorter than ``N``; the memory check then judges the peak.
 
-A key the user sets on the command line is never replaced; :func:`check_lengths` refuses one that does not
+The CP is derived first when the user sets none (:mod:`verl_ds4.recipes.seq_cp`: the mesh's CP size that holds
+``N`` at peak), and the budgets follow it. A key the user sets on the command line is never replaced; :func:`check_lengths` refuses one that does not
 fit ``N`` (and ``N`` above the model's ``max_position_embeddings``). ``ds4.max_seq_len=null`` (the default)
 derives nothing: the recipe's own lengths stand (SFT 4,096; RL 1,024 + 2,048).
 """

@@ -24,7 +24,7 @@ contract behind them: docs/ds4-context-parallel.md sections 1, 3, 4):
 - a local checkpoint's format is noted; MTP on a DSpark drafter checkpoint is refused
   (:mod:`verl_ds4.recipes.checkpoint_check`);
 - the rollout world (TP x DP x PP) divides the GPU count; router replay settings agree;
-  prompt-length filtering (needs a chat template DS4 does not ship) is off;
+  prompt-length filtering runs on DS4's encoder (DS4RLHFDataset; verl's own needs a chat template);
 - every role's weights + gradients + optimizer states fit on its GPUs, alone and beside the roles
   verl colocates with it, and the rollout's weights fit its memory share
   (:mod:`verl_ds4.recipes.memory_check`; ``ds4.memory_check=error|warn|off``).
@@ -482,12 +482,15 @@ def _check_rollout(cfg: DictConfig, report: ValidationReport) -> None:
                 "the engine returns them (docs/rl-on-a-laptop.md, 'Indexer replay').",
             )
         )
-    if bool(_get(cfg, "data.filter_overlong_prompts", False)):
+    if bool(_get(cfg, "data.filter_overlong_prompts", False)) and str(_get(cfg, "data.custom_cls.name")) != "DS4RLHFDataset":
         report.errors.append(
             Problem(
                 "data.filter_overlong_prompts",
-                "is True, but it calls tokenizer.apply_chat_template and DS4 checkpoints ship no chat template.",
-                "set data.filter_overlong_prompts=false (keep prompts within data.max_prompt_length when preparing data).",
+                "is True with verl's RLHFDataset, whose filter calls tokenizer.apply_chat_template; DS4 checkpoints ship "
+                "no chat template.",
+                "select verl-ds4's DS4RLHFDataset (data.custom_cls.path=pkg://verl_ds4.models.ds4.rl_dataset "
+                "data.custom_cls.name=DS4RLHFDataset; the DS4 recipes do), which measures prompts with DS4's encoder, or "
+                "set data.filter_overlong_prompts=false.",
             )
         )
 

@@ -17,7 +17,11 @@ Columns: ``messages`` (list of OpenAI-style messages; key from ``data.messages_k
 ``data.thinking_mode_key``) / ``reasoning_effort``. Options: ``data.enable_thinking_default``,
 ``data.drop_thinking`` (default true), ``data.reasoning_effort``, ``data.max_length``,
 ``data.truncation`` (error | left | right), ``data.pad_mode`` (no_padding | right),
-``data.drop_malformed_rows`` (default false).
+``data.drop_malformed_rows`` (default false), ``data.drop_overlong_rows`` (default false).
+
+Every row is tokenized when the dataset is built and the rows longer than ``data.max_length`` are counted
+(printed at start-up): with ``data.drop_overlong_rows=true`` they are dropped, with ``data.truncation=error`` (the
+default) the dataset refuses to build naming their count, with ``left`` / ``right`` they are cut when read.
 
 Every row is checked when the dataset is built, so a malformed row fails before training starts
 with an error that names it. With ``drop_malformed_rows=true`` such rows are dropped instead, and
@@ -93,6 +97,7 @@ class DS4ChatSFTDataset(Dataset):
         self.truncation = get("truncation", "error")
         self.pad_mode = get("pad_mode", "no_padding")
         self.drop_malformed_rows = bool(get("drop_malformed_rows", False))
+        self.drop_overlong_rows = bool(get("drop_overlong_rows", False))
         self.shuffle = bool(get("shuffle", False))
         self.seed = get("seed", None)
         if self.truncation not in ("error", "left", "right"):
@@ -149,6 +154,34 @@ class DS4ChatSFTDataset(Dataset):
         self.rows = rows
         self.num_dropped = len(dropped)
         self.dropped_reasons = dropped
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        """Count the rows longer than ``data.max_length`` at start-up (printed): drop them with
+        ``data.drop_overlong_rows=true``, refuse them with ``data.truncation=error``, else say they are truncated."""
+        lengths = [len(self.encode(i)[0]) for i in range(len(self.rows))]
+        over = [i for i, n in enumerate(lengths) if n > self.max_length]
+        self.num_rows, self.num_overlong, self.longest = len(lengths), len(over), max(lengths)
+        self.num_overlong_dropped = 0
+        head = (f"DS4ChatSFTDataset: {len(over)} of {len(lengths)} rows are longer than data.max_length={self.max_length} "
+                f"tokens (longest {self.longest})")
+        if over and self.drop_overlong_rows:
+            if len(over) == len(lengths):
+                raise ValueError(f"{head}: data.drop_overlong_rows=true would drop them all. Fix: raise ds4.max_seq_len "
+                                 "(launcher MAX_SEQ_LEN) or data.max_length.")
+            dropped = set(over)
+            self.rows = [r for i, r in enumerate(self.rows) if i not in dropped]
+            self.num_overlong_dropped = len(over)
+            print(f"{head}: dropped them (data.drop_overlong_rows=true); {len(self.rows)} left.", flush=True)
+            return
+        if over and self.truncation == "error":
+            raise ValueError(
+                f"{head}, with data.truncation=error (first: rows {over[:5]}). Fix: raise ds4.max_seq_len (launcher "
+                "MAX_SEQ_LEN) or data.max_length, set data.drop_overlong_rows=true (drop them, counted) or "
+                "data.truncation=left|right (cut them)."
+            )
+        print(head + (f": each is cut to its {'last' if self.truncation == 'left' else 'first'} {self.max_length} tokens "
+                      f"(data.truncation={self.truncation})." if over else "."), flush=True)
 
     def _prepare_row(self, record: Any, row_name: str) -> dict[str, Any]:
         messages = _to_python(record[self.messages_key])
