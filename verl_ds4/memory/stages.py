@@ -1,6 +1,6 @@
 """DS4's GPU memory per role and per GPU, in closed form from the model's config (pure Python).
 
-    from verl_ds4.recipes.memory import Mesh, OptimizerSettings, training_memory
+    from verl_ds4.memory.stages import Mesh, OptimizerSettings, training_memory
     stages = training_memory(sizes, Mesh(world=64, pp=4, ep=8), OptimizerSettings(), mtp=True, tokens_per_gpu=8192)
     worst = max(stages, key=lambda s: s.static_gib)       # the stage that decides whether a mesh fits
 
@@ -20,7 +20,7 @@ meta-device builds). What each GPU of a pipeline stage holds, TP = 1 (DS4 has no
   ``store_param_remainders`` (default), the fp32 master as a 16-bit remainder of the bf16 weight
   (2 bytes). Megatron's CPU optimizer offload moves ``optimizer_offload_fraction`` of the optimizer
   state (and an fp32 copy of its gradients) to host memory.
-* **what a step adds** (:mod:`verl_ds4.recipes.peak`): the activations every micro-batch in flight
+* **what a step adds** (:mod:`verl_ds4.memory.peak`): the activations every micro-batch in flight
   keeps for backward (``PP - stage`` under non-interleaved 1F1B, more chunks under interleaved 1F1B, or
   fewer when one update has fewer micro-batches: :mod:`.micro_batches` counts them the way verl packs the
   batch), for the recipe's attention kernel path and recompute, at the GPU's rows per micro-batch
@@ -30,7 +30,7 @@ meta-device builds). What each GPU of a pipeline stage holds, TP = 1 (DS4 has no
 
 verl's ``param_offload`` / ``optimizer_offload`` move a role's states to the host *between* phases
 and back for its update: they do not lower a role's own peak, only what sits beside another role
-(see :mod:`verl_ds4.recipes.memory_check`).
+(see :mod:`verl_ds4.memory.roles`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from verl_ds4 import ds4_facts
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
-from verl_ds4.recipes.micro_batches import in_flight as _in_flight
-from verl_ds4.recipes.peak import StepShape, step_peak
+from verl_ds4.memory.micro_batches import in_flight as _in_flight
+from verl_ds4.memory.peak import StepShape, step_peak
 
 __all__ = [
     "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "gpu_memory_gib",
@@ -134,7 +134,7 @@ class OptimizerSettings:
 class StageMemory:
     """What one GPU of pipeline stage ``stage`` holds at its peak (GiB), and host memory it offloads to.
 
-    The dynamic terms (:mod:`verl_ds4.recipes.peak`): ``activations_gib`` kept for backward by every
+    The dynamic terms (:mod:`verl_ds4.memory.peak`): ``activations_gib`` kept for backward by every
     micro-batch in flight, ``transient_gib`` the largest one-off allocation (a layer's backward, or the
     logits' loss buffers, ``logits_gib`` of which), ``a2a_gib`` the expert-parallel all-to-all buffers,
     ``margin_gib`` the allocator margin."""
@@ -221,9 +221,9 @@ def training_memory(
     reference model, weights only). ``training``: the pass is a training step (default: ``trainable``);
     ``False`` for a forward-only pass (log-probs, values) of a trainable engine. ``recompute``: the
     recomputed modules (``None``: full recompute). ``path``: the attention kernel path
-    (:data:`verl_ds4.recipes.peak.ATTENTION_PATHS`). ``micro_batches``: an upper bound on the
+    (:data:`verl_ds4.memory.peak.ATTENTION_PATHS`). ``micro_batches``: an upper bound on the
     micro-batches of one update (fewer than ``PP`` caps the ones in flight). ``logits_kind``: the pass's
-    loss buffers (:data:`verl_ds4.recipes.peak.LOGITS_BYTES`; default ``sft`` for training, ``logprob``
+    loss buffers (:data:`verl_ds4.memory.peak.LOGITS_BYTES`; default ``sft`` for training, ``logprob``
     for a forward). ``max_seq_len``: the longest sequence (default: the budget x CP)."""
     optimizer = optimizer or OptimizerSettings()
     training = trainable if training is None else training

@@ -2,16 +2,16 @@
 
 :func:`check_memory` reads the resolved config (meshes, optimizer settings, offload flags, token
 budgets, the rollout) and the model's sizes, computes per role and per GPU what
-:mod:`verl_ds4.recipes.memory` says, and adds to the validation report:
+:mod:`verl_ds4.memory.stages` says, and adds to the validation report:
 
 * an **error** (``ds4.memory_check=error``, the default) when a role's *peak* on one of its passes
-  (:mod:`verl_ds4.recipes.peak`: states + activations for the recipe's attention kernel path and
+  (:mod:`verl_ds4.memory.peak`: states + activations for the recipe's attention kernel path and
   recompute + the peak moment + the all-to-all buffers + the allocator margin) exceeds the GPU less the
   headroom (``ds4.memory_headroom``, default 0.1: the same rule as ``plan --fit``), when the roles that
   share the GPUs (verl colocates actor, reference and critic) exceed it together in one phase, when the
   rollout's weights exceed vLLM's share (``gpu_memory_utilization``), or when a node's host RAM is
-  short (:mod:`.memory_host`). Each names the role, the pass, the stage, the terms, the capacity and the
-  smallest changes that fit (:mod:`.memory_fixes`);
+  short (:mod:`.host`). Each names the role, the pass, the stage, the terms, the capacity and the
+  smallest changes that fit (:mod:`.fixes`);
 * the same findings as **warnings** with ``ds4.memory_check=warn`` (and a line saying so), nothing
   with ``off`` (and a line saying the check is off).
 
@@ -29,15 +29,15 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from verl_ds4.recipes.memory import (
+from verl_ds4.memory.stages import (
     OPTIM_KEYS, Mesh, OptimizerSettings, StageMemory, gpu_memory_gib, peak_stage, training_memory, worst_stage,
 )
-from verl_ds4.recipes.peak import DEFAULT_HEADROOM, check_headroom, path_of
-from verl_ds4.recipes.kernel_check import GPU_ARCH, dense_indexer_loss
-from verl_ds4.recipes.memory_fixes import findings
-from verl_ds4.recipes.memory_passes import pass_settings
-from verl_ds4.recipes.memory_table import format_memory  # re-exported
-from verl_ds4.recipes.micro_batches import micro_batches as count_micro_batches, static_rows
+from verl_ds4.memory.peak import DEFAULT_HEADROOM, check_headroom, path_of
+from verl_ds4.memory.kernels import GPU_ARCH, dense_indexer_loss
+from verl_ds4.memory.fixes import findings
+from verl_ds4.recipes.memory_inputs import pass_settings
+from verl_ds4.memory.table import format_memory  # re-exported
+from verl_ds4.memory.micro_batches import micro_batches as count_micro_batches, static_rows
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
 __all__ = ["MEMORY_CHECK_MODES", "RoleMemory", "MemoryReport", "check_memory", "format_memory", "optimizer_settings", "role_memory"]

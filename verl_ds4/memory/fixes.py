@@ -1,7 +1,7 @@
 """What does not fit, and the smallest changes that do (the refusals of the memory check).
 
-:func:`findings` turns a :class:`~verl_ds4.recipes.memory_check.MemoryReport` into problems and notes:
-a role whose peak (:mod:`verl_ds4.recipes.peak`: states + activations + the peak moment + the margin)
+:func:`findings` turns a :class:`~verl_ds4.memory.roles.MemoryReport` into problems and notes:
+a role whose peak (:mod:`verl_ds4.memory.peak`: states + activations + the peak moment + the margin)
 exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout that does not fit
 vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
 direction that brings its peak under the limit: a lower token budget per GPU (with the CP the longest
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from verl_ds4.recipes.memory import OPTIM_KEYS, Mesh, peak_stage, rollout_weights_gib
-from verl_ds4.recipes.memory_host import host_findings
+from verl_ds4.memory.stages import OPTIM_KEYS, Mesh, peak_stage, rollout_weights_gib
+from verl_ds4.memory.host import host_findings
 from verl_ds4.recipes.roles import Problem, _get
 
 __all__ = ["findings", "fixes", "rollout_fixes", "BUDGET_KEYS"]
@@ -123,7 +123,7 @@ _FIT_MODELS = {"DeepSeek-V4-Flash": "flash", "DeepSeek-V4-Pro": "pro", "DeepSeek
 def _plan_fit_hint(report, memory, rm) -> str:
     """The ``plan --fit`` command that searches meshes for this role's settings (model, GPU, recipe, budget,
     longest sequence, kernel path, recompute)."""
-    from verl_ds4.recipes.memory import GPU_MEMORY_GIB
+    from verl_ds4.memory.stages import GPU_MEMORY_GIB
 
     source = report.facts.source
     model = _FIT_MODELS.get(report.facts.name, source) if source.startswith("recipe") else source

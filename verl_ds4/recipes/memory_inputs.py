@@ -2,7 +2,7 @@
 
 A pass with ``use_dynamic_bsz=true`` holds its token budget per GPU; one with ``use_dynamic_bsz=false`` holds
 ``micro_batch_size_per_gpu`` sequences of the longest length, split over CP
-(:func:`verl_ds4.recipes.micro_batches.static_rows`). Every pass keeps its row whichever way it is batched.
+(:func:`verl_ds4.memory.micro_batches.static_rows`). Every pass keeps its row whichever way it is batched.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from verl_ds4.recipes.micro_batches import static_rows
+from verl_ds4.memory.micro_batches import static_rows
 from verl_ds4.recipes.roles import Problem, _get
 
 __all__ = ["PASS_KEYS", "PassSetting", "pass_settings"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_ds4 import ds4_facts
-from verl_ds4.recipes.peak import DSA_BACKENDS, RECOMPUTE_MODULES
+from verl_ds4.memory.peak import DSA_BACKENDS, RECOMPUTE_MODULES
 from verl_ds4.recipes.roles import Problem, _get
 
 __all__ = ["GPU_ARCH", "check_kernels", "dense_indexer_loss"]
