@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from verl_ds4.models.ds4.sizes import DS4Sizes
-from verl_ds4.memory.stages import Mesh, OptimizerSettings, StageMemory, rollout_weights_gib
+from verl_ds4.memory.fixes import fixes
 from verl_ds4.memory.peak import DEFAULT_HEADROOM, check_headroom
+from verl_ds4.memory.roles import role_memory
+from verl_ds4.memory.stages import StageMemory, rollout_weights_gib
+from verl_ds4.memory.types import Mesh, OptimizerSettings, RoleInput
+from verl_ds4.models.ds4.sizes import DS4Sizes
 
 __all__ = ["MeshFit", "find_meshes", "DEFAULT_HEADROOM", "PP_CHOICES", "CP_CHOICES", "ROLES"]
 
@@ -101,19 +104,17 @@ def _rollout(sizes: DS4Sizes, gpus_per_node: int, world: int, share_gib: float) 
 
 
 def _roles(sizes, mesh: Mesh, recipe: str, mtp: bool, optimizer, settings: dict) -> dict:
-    from verl_ds4.memory.roles import role_memory
-
     out = {}
     for role, logits in ROLES[recipe]:
         trainable = role != "ref"
         rl = recipe != "sft"
-        out[role] = role_memory(
-            sizes, role, mesh, trainable=trainable, optimizer=(optimizer or OptimizerSettings()) if trainable else OptimizerSettings(),
+        out[role] = role_memory(sizes, RoleInput(
+            role=role, mesh=mesh, trainable=trainable, optimizer=(optimizer or OptimizerSettings()) if trainable else OptimizerSettings(),
             mtp=mtp and role != "critic", param_offload=rl, optimizer_offload=rl, logits=logits,
             tokens_per_gpu=settings["infer_tokens"] if role == "ref" else settings["tokens"],
             infer_tokens=settings["infer_tokens"] if (trainable and rl) else None,
             recompute=settings["recompute"], path=settings["path"], max_seq_len=settings["max_seq_len"],
-        )
+        ))
     return out
 
 
@@ -141,8 +142,6 @@ def find_meshes(
 
     ``recompute``: the recomputed modules (``None``: full recompute, the default of ``plan --fit``).
     ``levers_for``: how many of the best non-fitting rows get their levers computed (each costs a search)."""
-    from verl_ds4.memory.fixes import fixes
-
     check_headroom(headroom)
     mtp = (recipe == "sft") if mtp is None else mtp
     seq = max_seq_len or tokens_per_gpu

@@ -42,16 +42,14 @@ from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
 from verl_ds4.memory.micro_batches import in_flight as _in_flight
 from verl_ds4.memory.peak import StepShape, step_peak
+from verl_ds4.memory.types import Mesh, OptimizerSettings
 
 __all__ = [
-    "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "gpu_memory_gib",
+    "GIB", "GPU_MEMORY_GIB", "Mesh", "OptimizerSettings", "StageMemory", "gpu_memory_gib",
     "peak_stage", "rollout_weights_gib", "training_memory", "worst_stage",
 ]
 
 GIB = float(1 << 30)
-
-#: Where each trainable role's optimizer settings live in a composed recipe.
-OPTIM_KEYS = {"sft": "optim", "actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 
 #: Usable memory per GPU (GiB) as the driver reports it (``torch.cuda.mem_get_info`` total), by the
 #: mesh's ``hardware`` name. Approximate: set ``ds4.mesh.gpu_memory_gib`` for your exact parts.
@@ -81,53 +79,6 @@ def gpu_memory_gib(hardware: str | None, explicit: float | None = None) -> float
         f"ds4.mesh.hardware is {hardware!r}, which the memory model does not know; known: {sorted(GPU_MEMORY_GIB)}. "
         "Use one of them or set ds4.mesh.gpu_memory_gib=<GiB per GPU>."
     )
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """One engine's parallel layout (TP = 1). ``world`` = GPUs of the job."""
-
-    world: int
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    etp: int = 1
-    tp: int = 1
-    vpp: int | None = None  # virtual pipeline stages (interleaved 1F1B keeps more micro-batches in flight)
-    vp_group: int | None = None  # Megatron's microbatch_group_size_per_vp_stage (None: PP, Megatron's default)
-
-    @property
-    def dense_dp(self) -> int:
-        """Ranks that shard a dense parameter's optimizer state (DP x CP)."""
-        return self.world // (self.tp * self.pp)
-
-    @property
-    def expert_dp(self) -> int:
-        return self.world // (self.etp * self.ep * self.pp)
-
-    def valid_for(self, sizes: DS4Sizes) -> bool:
-        return (
-            self.world % (self.tp * self.pp * self.cp) == 0
-            and self.world % (self.etp * self.ep * self.pp) == 0
-            and sizes.n_routed_experts % self.ep == 0
-            and self.pp <= sizes.num_layers
-        )
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """How Megatron stores gradients and Adam's state (bytes per parameter)."""
-
-    distributed: bool = True
-    main_grads_bytes: int = 4
-    main_params_bytes: int = 4
-    exp_avg_bytes: int = 4
-    exp_avg_sq_bytes: int = 4
-    cpu_offload_fraction: float = 0.0
-
-    @property
-    def state_bytes(self) -> int:
-        return self.main_params_bytes + self.exp_avg_bytes + self.exp_avg_sq_bytes
 
 
 @dataclass(frozen=True)

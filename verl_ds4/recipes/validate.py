@@ -579,8 +579,8 @@ def validate_recipe(
     _check_agreement(roles, cfg, report)
     if trainer == "ppo":
         _check_rollout(cfg, report)
-    from verl_ds4.memory.kernels import check_kernels
-    from verl_ds4.memory.roles import check_memory
+    from verl_ds4.recipes.kernel_check import check_kernels
+    from verl_ds4.recipes.memory_check import check_memory
 
     check_kernels(cfg, report)
     report.memory = check_memory(cfg, report)
