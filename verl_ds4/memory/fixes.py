@@ -1,6 +1,6 @@
 """What does not fit, and the smallest changes that do (the refusals of the memory check).
 
-:func:`findings` turns a :class:`~verl_ds4.memory.roles.MemoryReport` into problems and notes:
+:func:`findings` turns a :class:`~verl_ds4.memory.roles.MemoryReport` into findings (:class:`~verl_ds4.memory.types.Finding`):
 a role whose peak (:mod:`verl_ds4.memory.peak`: states + activations + the peak moment + the margin)
 exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout that does not fit
 vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
