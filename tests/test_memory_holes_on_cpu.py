@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from verl_ds4.recipes.compose import compose_recipe
-from verl_ds4.recipes.memory import Mesh, OptimizerSettings, peak_stage, training_memory
-from verl_ds4.recipes.micro_batches import in_flight, micro_batches, packed_micro_batches, static_rows
+from verl_ds4.memory.stages import Mesh, OptimizerSettings, peak_stage, training_memory
+from verl_ds4.memory.micro_batches import in_flight, micro_batches, packed_micro_batches, static_rows
 from verl_ds4.recipes.validate import RecipeValidationError, validate_recipe
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.recipes.compose import compose_recipe
-from verl_ds4.recipes.peak import CHUNK_BYTES, StepShape, layer_backward, layer_kept, path_of, step_peak
+from verl_ds4.memory.peak import CHUNK_BYTES, StepShape, layer_backward, layer_kept, path_of, step_peak
 from verl_ds4.recipes.validate import RecipeValidationError, validate_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The memory model and the start-up memory check (verl_ds4/recipes/memory*.py).
+"""The memory model and the start-up memory check (verl_ds4/memory/).
 
 * The model reproduces the figures worked out by hand from the meta-device parameter counts for the
   combinations the real-sizes issue lists (states per GPU, rollout weights per GPU).
@@ -27,7 +27,7 @@ import yaml
 from verl_ds4.models.ds4.sizes import DS4Sizes
 from verl_ds4.models.ds41.sizes import DS41Sizes
 from verl_ds4.recipes.compose import compose_recipe
-from verl_ds4.recipes.memory import (
+from verl_ds4.memory.stages import (
     GPU_MEMORY_GIB, Mesh, OptimizerSettings, gpu_memory_gib, rollout_weights_gib, training_memory, worst_stage,
 )
 from verl_ds4.recipes.validate import RecipeValidationError, validate_recipe

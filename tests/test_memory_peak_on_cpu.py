@@ -1,4 +1,4 @@
-"""The peak half of the memory model (verl_ds4/recipes/peak.py) and what the start-up check and the CLIs do with it.
+"""The peak half of the memory model (verl_ds4/memory/peak.py) and what the start-up check and the CLIs do with it.
 
 * The ``reference`` path's kept tensors are what autograd really saves for this project's pure-PyTorch DS4 layer
   (saved-tensor hooks, tiny widths, CSA and HCA), and the calibration against the committed H200 measurements is
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 import memory_calibration as mc  # noqa: E402
 
-from verl_ds4.recipes.peak import StepShape, layer_kept, step_peak  # noqa: E402
+from verl_ds4.memory.peak import StepShape, layer_kept, step_peak  # noqa: E402
 
 TINY = dataclasses.replace(
     mc.Shape(), vocab_size=50, hidden_size=40, num_attention_heads=5, head_dim=24, qk_rope_head_dim=8, q_lora_rank=11,

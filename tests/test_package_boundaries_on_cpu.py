@@ -34,7 +34,8 @@ FLOORS = {
     "engine": 3,
     "models": 4,
     "cpu": 5,
-    "recipes": 5,
+    "memory": 5,
+    "recipes": 6,
     "rollout": 6,
     "verify": 6,
     "cli": 7,
@@ -45,6 +46,8 @@ DATA_PACKAGES = {"recipes_data", "configs_data"}
 FORBIDDEN_THIRD_PARTY = {
     "layout": {"verl", "megatron", "transformer_engine", "vllm"},
     "kernels": {"verl", "megatron", "transformer_engine", "vllm"},
+    # the memory model is a function of typed inputs: no config library, no framework (recipes/ reads the config)
+    "memory": {"omegaconf", "hydra", "torch", "verl", "megatron", "transformer_engine", "vllm"},
 }
 
 
@@ -143,6 +146,21 @@ def test_floor_checker_sees_imports_inside_functions(tmp_path):
     assert any("standard library only) imports torch" in v for v in found), found
     assert any("(ds41_facts: standard library and ds4_facts only) imports numpy" in v for v in found), found
     assert len(found) == 4, found  # the ds4_facts imports from layout and ds41_facts and dataclasses are fine
+
+
+def test_memory_model_reads_no_config(tmp_path):
+    """The memory model is fed typed inputs by recipes/ (a floor above it). Negative control: a memory module that
+    reads the Hydra config itself (omegaconf, or recipes' ``_get``) is reported; the real package is clean."""
+    assert FLOORS["memory"] < FLOORS["recipes"]
+    assert not floor_violations(sorted((PACKAGE / "memory").rglob("*.py")))
+    package = tmp_path / "verl_ds4"
+    (package / "memory").mkdir(parents=True)
+    (package / "memory" / "peak.py").write_text(
+        "def f(cfg):\n    from omegaconf import DictConfig\n    from verl_ds4.recipes.roles import _get\n"
+    )
+    found = floor_violations(sorted(package.rglob("*.py")), package)
+    assert any("(memory) imports omegaconf" in v for v in found), found
+    assert any("imports verl_ds4.recipes.roles (floor 6)" in v for v in found), found
 
 
 def _module_graph() -> dict[str, set[str]]:

@@ -16,7 +16,7 @@ Runs, each under its own time limit (at most 10 minutes in all: 60 s + 90 s + 60
               and fp32, against CPU fp64
      memory   benchmarks/gpu/memory_calibration.py: one training step of a scaled-down DS4 at Flash's
               widths at 2k, 8k and 16k tokens, without and with full recompute: the states and the
-              step's peak against the memory model (verl_ds4/recipes/peak.py), PASS within 10%; the
+              step's peak against the memory model (verl_ds4/memory/peak.py), PASS within 10%; the
               records go to DIR/memory_calibration.json (for memory_calibration.py --compare)
   4. models   benchmarks/gpu/device_checks.py --checks ds4,ds41: the whole tiny DS4 (MTP, indexer loss,
               critic) and V4.1 (Engram, CSA2, mHC) as verify builds them, one THD training step in fp32

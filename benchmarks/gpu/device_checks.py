@@ -15,7 +15,7 @@ Checks (``--checks``; each prints one ``PASS``/``FAIL`` line and its numbers):
 
 * ``memory``: the memory model's calibration (``memory_calibration.py``): a scaled-down DS4 at
   Flash's widths (2 layers, 16 experts) takes one mixed-precision training step; the bytes of its
-  states and the step's peak against verl_ds4/recipes/memory.py's figures, as ratios.
+  states and the step's peak against verl_ds4/memory/stages.py's figures, as ratios.
 
 A later check (e.g. the DS4 model) is one more function registered in ``CHECKS``: it takes the
 device and returns ``CheckResult``s.

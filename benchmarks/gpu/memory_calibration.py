@@ -1,4 +1,4 @@
-"""Calibrate the memory model (verl_ds4/recipes/memory.py) against a real allocation on one device.
+"""Calibrate the memory model (verl_ds4/memory/stages.py) against a real allocation on one device.
 
 A scaled-down DS4 is built from this repository's pure-PyTorch DS4 pieces (embedding, layers of
 mHC + DS4 attention + DS4 MoE, HC head, final norm, output head; no Megatron, no verl), at DS4-Flash's
@@ -163,7 +163,7 @@ def calibrate(device: str = "cuda", quick: bool = False, tokens: int | None = No
     bytes. ``rig``: a built model to reuse (``sweep``)."""
     import torch
 
-    from verl_ds4.recipes.memory import GIB, Mesh, training_memory
+    from verl_ds4.memory.stages import GIB, Mesh, training_memory
 
     shape = QUICK if quick else Shape()
     rig = rig or _Rig(shape, device)
@@ -212,12 +212,12 @@ def calibrate(device: str = "cuda", quick: bool = False, tokens: int | None = No
 
 def modelled_peak(shape: Shape, tokens: int, recompute: str) -> float:
     """The model's figure above the states for one calibration step (GiB): the larger of the backward's peak
-    (verl_ds4/recipes/peak.py on the ``reference`` path: the layers' kept tensors, the peak moment, the cross
+    (verl_ds4/memory/peak.py on the ``reference`` path: the layers' kept tensors, the peak moment, the cross
     entropy's buffers; no allocator margin, since ``max_memory_allocated`` has none) and the optimizer step's
     (torch's foreach Adam allocates ``sqrt(exp_avg_sq)`` for every parameter, 4 bytes each, while this script's
     bf16 logits are still alive)."""
-    from verl_ds4.recipes.memory import GIB
-    from verl_ds4.recipes.peak import StepShape, step_peak
+    from verl_ds4.memory.stages import GIB
+    from verl_ds4.memory.peak import StepShape, step_peak
 
     sizes = model_sizes(shape)
     step = step_peak(sizes, list(shape.compress_ratios), path="reference", shape=StepShape(tokens, 1, tokens // 2, shape.window),
@@ -256,8 +256,8 @@ def summary(r: dict) -> tuple[str, bool, str]:
 
 def model_figure(record: dict) -> float:
     """The model's figure (GiB) for one measurement record of a results file (see ``--compare``)."""
-    from verl_ds4.recipes.memory import GIB
-    from verl_ds4.recipes.peak import StepShape, step_peak
+    from verl_ds4.memory.stages import GIB
+    from verl_ds4.memory.peak import StepShape, step_peak
 
     if "mesh" in record:  # a whole model on a mesh (a published run): the stage with the highest peak, margin excluded
         return _mesh_peak(record)
@@ -281,7 +281,7 @@ def _mesh_peak(record: dict) -> float:
     import yaml
 
     from verl_ds4.models.ds4.sizes import DS4Sizes
-    from verl_ds4.recipes.memory import Mesh, peak_stage, training_memory
+    from verl_ds4.memory.stages import Mesh, peak_stage, training_memory
 
     block = yaml.safe_load((files("verl_ds4.configs_data") / "ds4_model" / f"{record['model']}.yaml").read_text())
     sizes = DS4Sizes.from_hf_config({}, record["model"], fallback=block)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     parser = argparse.ArgumentParser(
-        description="Calibrate the memory model (verl_ds4/recipes/peak.py) against a device, or compare it with committed "
+        description="Calibrate the memory model (verl_ds4/memory/peak.py) against a device, or compare it with committed "
         "measurements. --compare FILE prints, for each measurement, the model's figure for the same shape, kernel path and "
         "recompute and the ratio; it exits 1 when one is outside its tolerance (10% unless the record states another).")
     parser.add_argument("--compare", metavar="FILE", help="a results file, e.g. benchmarks/results/memory_calibration_h200.json")

@@ -158,7 +158,7 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
         f"checkpoints: {_get(cfg, 'trainer.default_local_dir')} (resume_mode={_get(cfg, 'trainer.resume_mode')}, "
         f"save_freq={_get(cfg, 'trainer.save_freq')})"
     )
-    from verl_ds4.recipes.memory_table import format_memory
+    from verl_ds4.memory.table import format_memory
 
     lines += format_memory(report.memory)
     if launch:

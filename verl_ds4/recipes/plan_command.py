@@ -7,7 +7,7 @@ padding, cost and the straggler ratio (see the options below; --balance, --plot)
 Fit (--fit): given a model (flash, pro, v41_flash, or a config.json / HF folder), a GPU type and a GPU count
 or range, list the TP=1 meshes (PP, EP, CP, DP) on which every role's peak (states + activations for the
 attention kernel path and recompute + the peak moment + margins: the memory model of `verl-ds4 recipe
---dry-run`, verl_ds4/recipes/peak.py) stays under the GPU less the headroom, fewest GPUs first, then the
+--dry-run`, verl_ds4/memory/peak.py) stays under the GPU less the headroom, fewest GPUs first, then the
 lowest peak, with each role's peak; when none fits, the closest meshes and the levers that bring them under.
     verl-ds4 plan --fit --model flash --gpu H200 --gpus 64
     verl-ds4 plan --fit --model pro --gpu GB300 --gpus 128-512 --recipe grpo --json
@@ -103,9 +103,9 @@ def _sizes(model: str):
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from verl_ds4.recipes.fit import DEFAULT_HEADROOM, find_meshes
-    from verl_ds4.recipes.kernel_check import GPU_ARCH
-    from verl_ds4.recipes.memory import gpu_memory_gib
+    from verl_ds4.memory.fit import DEFAULT_HEADROOM, find_meshes
+    from verl_ds4.memory.kernels import GPU_ARCH
+    from verl_ds4.memory.stages import gpu_memory_gib
 
     if not args.gpus or not (args.gpu or args.gpu_memory_gib):
         raise ValueError("--fit needs --gpus N (or LO-HI) and --gpu TYPE (or --gpu-memory-gib GiB).")
@@ -170,7 +170,7 @@ def _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp) -> No
         if f.levers:
             m = f.mesh
             print(f"  PP{m.pp}/EP{m.ep} on {m.world} GPUs ({f.worst_role} peak {f.peak_gib:.1f}): " + "; ".join(f.levers))
-    print("per GPU, GiB, on each role's highest pipeline stage and pass (verl_ds4/recipes/peak.py; docs/memory.md); "
+    print("per GPU, GiB, on each role's highest pipeline stage and pass (verl_ds4/memory/peak.py; docs/memory.md); "
           "CP: the sizes that hold the longest sequence at this budget and divide DP x CP.")
 
 

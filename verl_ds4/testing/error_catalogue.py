@@ -4,7 +4,8 @@ every message on that page is still raised somewhere.
 A *raising site* is one place in the code that stops a run with a message for the user:
 
 * Python (the modules of :data:`SCOPE`): ``raise SomeError(<message>)``, ``Problem(<setting>, <message>,
-  <fix>)`` (a recipe-validation finding, printed as ``<setting>: <message> Fix: <fix>``),
+  <fix>)`` (a recipe-validation finding, printed as ``<setting>: <message> Fix: <fix>``) and the memory
+  model's ``Finding(<setting>, <message>, <fix>)`` (which the recipe layer passes on as a ``Problem``),
   ``parser.error(<message>)``, ``sys.exit(<message>)``, and a CLI's ``print(<message>, file=sys.stderr)``
   followed by a non-zero ``return`` / ``sys.exit``;
 * shell (the launchers of :data:`SHELL_SCOPE`): ``ds4_die "<message>"`` and ``echo "<message>" >&2``
@@ -51,14 +52,16 @@ PAGE = REPO / "docs" / "troubleshooting.md"
 SCOPE = (
     "verl_ds4/recipes/validate.py",
     "verl_ds4/recipes/roles.py",
-    "verl_ds4/recipes/memory.py",
+    "verl_ds4/memory/stages.py",
+    "verl_ds4/memory/roles.py",
+    "verl_ds4/memory/fixes.py",
+    "verl_ds4/memory/host.py",
+    "verl_ds4/recipes/memory_inputs.py",
     "verl_ds4/recipes/memory_check.py",
-    "verl_ds4/recipes/memory_fixes.py",
-    "verl_ds4/recipes/memory_host.py",
-    "verl_ds4/recipes/memory_passes.py",
-    "verl_ds4/recipes/micro_batches.py",
     "verl_ds4/recipes/kernel_check.py",
-    "verl_ds4/recipes/peak.py",
+    "verl_ds4/memory/micro_batches.py",
+    "verl_ds4/memory/kernels.py",
+    "verl_ds4/memory/peak.py",
     "verl_ds4/recipes/checkpoint_check.py",
     "verl_ds4/recipes/compose.py",
     "verl_ds4/recipes/seq_len.py",
@@ -69,7 +72,7 @@ SCOPE = (
     "verl_ds4/recipes/command.py",
     "verl_ds4/recipes/override_keys.py",
     "verl_ds4/recipes/plan_command.py",
-    "verl_ds4/recipes/fit.py",
+    "verl_ds4/memory/fit.py",
     "verl_ds4/ds4_facts.py",
     "verl_ds4/ds41_facts.py",
     "verl_ds4/mcore/resolver.py",
@@ -271,7 +274,7 @@ def python_sites(path: str, *, include_internal: bool = False) -> list[Site]:
                         and _call_name(v.value) in ("engine_message", "recipe_problem") for v in first.values)):
                 continue  # passes on a message built at another site (Problem, Violation, a caught error)
             message = node.exc.args[-1] if name == "MalformedRowError" else node.exc.args[0]
-        elif isinstance(node, ast.Call) and _call_name(node) == "Problem" and len(node.args) >= 3:
+        elif isinstance(node, ast.Call) and _call_name(node) in ("Problem", "Finding") and len(node.args) >= 3:
             messages = cache.setdefault(id(function), _Messages(function))
             parts = (messages.parts(node.args[0]) + [": "] + messages.parts(node.args[1]) + [" Fix: "]
                      + messages.parts(node.args[2]))

@@ -1,17 +1,17 @@
 """Which meshes fit at peak: every TP=1 mesh (PP, EP, CP, DP) of a GPU count whose roles' peaks stay under the GPU.
 
-    from verl_ds4.recipes.fit import find_meshes
+    from verl_ds4.memory.fit import find_meshes
     rows = find_meshes(sizes, capacity_gib=139.8, gpu_counts=[64], recipe="sft", tokens_per_gpu=4096)
     [r for r in rows if r.fits]
 
 Each row is one (PP, EP) pair at the smallest CP that holds the longest sequence (``tokens_per_gpu x
 CP >= max_seq_len``; a larger CP that divides DP x CP is listed with it: it changes a GPU's peak only
 through the all-gathered compressed KV). For each role the recipe builds (SFT: one engine; PPO: actor,
-reference, critic; GRPO: actor, reference) the peak of each pass (:mod:`verl_ds4.recipes.peak`) on its
+reference, critic; GRPO: actor, reference) the peak of each pass (:mod:`verl_ds4.memory.peak`) on its
 highest stage. A mesh *fits* when every role's peak is at most ``(1 - headroom)`` of the GPU (the start-up
-check's rule, :data:`verl_ds4.recipes.peak.DEFAULT_HEADROOM`); ``check_activations=False`` judges the
+check's rule, :data:`verl_ds4.memory.peak.DEFAULT_HEADROOM`); ``check_activations=False`` judges the
 states alone (the old rule, for comparison). Rows are ranked: meshes that fit first, then fewest GPUs,
-then the lowest peak. For the best rows that do not fit, :func:`verl_ds4.recipes.memory_fixes.fixes`
+then the lowest peak. For the best rows that do not fit, :func:`verl_ds4.memory.fixes.fixes`
 lists the levers (tokens per GPU with the CP it then needs, recompute, the linear or fused kernel, EP, PP, more
 GPUs, optimizer offload) that bring the worst role under the limit. For the RL recipes the rollout's
 weights are reported at the smallest TP (from one node up) that fits vLLM's share, bf16 first, then FP8.
@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from verl_ds4.memory.fixes import fixes
+from verl_ds4.memory.peak import DEFAULT_HEADROOM, check_headroom
+from verl_ds4.memory.roles import role_memory
+from verl_ds4.memory.stages import StageMemory, rollout_weights_gib
+from verl_ds4.memory.types import Mesh, OptimizerSettings, RoleInput
 from verl_ds4.models.ds4.sizes import DS4Sizes
-from verl_ds4.recipes.memory import Mesh, OptimizerSettings, StageMemory, rollout_weights_gib
-from verl_ds4.recipes.peak import DEFAULT_HEADROOM, check_headroom
 
 __all__ = ["MeshFit", "find_meshes", "DEFAULT_HEADROOM", "PP_CHOICES", "CP_CHOICES", "ROLES"]
 
@@ -101,19 +104,17 @@ def _rollout(sizes: DS4Sizes, gpus_per_node: int, world: int, share_gib: float) 
 
 
 def _roles(sizes, mesh: Mesh, recipe: str, mtp: bool, optimizer, settings: dict) -> dict:
-    from verl_ds4.recipes.memory_check import role_memory
-
     out = {}
     for role, logits in ROLES[recipe]:
         trainable = role != "ref"
         rl = recipe != "sft"
-        out[role] = role_memory(
-            sizes, role, mesh, trainable=trainable, optimizer=(optimizer or OptimizerSettings()) if trainable else OptimizerSettings(),
+        out[role] = role_memory(sizes, RoleInput(
+            role=role, mesh=mesh, trainable=trainable, optimizer=(optimizer or OptimizerSettings()) if trainable else OptimizerSettings(),
             mtp=mtp and role != "critic", param_offload=rl, optimizer_offload=rl, logits=logits,
             tokens_per_gpu=settings["infer_tokens"] if role == "ref" else settings["tokens"],
             infer_tokens=settings["infer_tokens"] if (trainable and rl) else None,
             recompute=settings["recompute"], path=settings["path"], max_seq_len=settings["max_seq_len"],
-        )
+        ))
     return out
 
 
@@ -141,8 +142,6 @@ def find_meshes(
 
     ``recompute``: the recomputed modules (``None``: full recompute, the default of ``plan --fit``).
     ``levers_for``: how many of the best non-fitting rows get their levers computed (each costs a search)."""
-    from verl_ds4.recipes.memory_fixes import fixes
-
     check_headroom(headroom)
     mtp = (recipe == "sft") if mtp is None else mtp
     seq = max_seq_len or tokens_per_gpu

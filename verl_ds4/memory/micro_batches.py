@@ -1,6 +1,6 @@
 """How many micro-batches one pass makes, how many rows each holds, and how many a pipeline stage keeps in flight.
 
-The peak model (:mod:`verl_ds4.recipes.memory`, :mod:`verl_ds4.recipes.peak`) counts the activations of every
+The peak model (:mod:`verl_ds4.memory.stages`, :mod:`verl_ds4.memory.peak`) counts the activations of every
 micro-batch a stage holds for backward; this module says how many that is, the way verl and Megatron make them:
 
 * **dynamic batch size** (``use_dynamic_bsz=true``): verl packs a DP rank's sequences into micro-batches of at

@@ -1,7 +1,7 @@
 """What does not fit, and the smallest changes that do (the refusals of the memory check).
 
-:func:`findings` turns a :class:`~verl_ds4.recipes.memory_check.MemoryReport` into problems and notes:
-a role whose peak (:mod:`verl_ds4.recipes.peak`: states + activations + the peak moment + the margin)
+:func:`findings` turns a :class:`~verl_ds4.memory.roles.MemoryReport` into findings (:class:`~verl_ds4.memory.types.Finding`):
+a role whose peak (:mod:`verl_ds4.memory.peak`: states + activations + the peak moment + the margin)
 exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout that does not fit
 vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
 direction that brings its peak under the limit: a lower token budget per GPU (with the CP the longest
@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from verl_ds4.recipes.memory import OPTIM_KEYS, Mesh, peak_stage, rollout_weights_gib
-from verl_ds4.recipes.memory_host import host_findings
-from verl_ds4.recipes.roles import Problem, _get
+from verl_ds4.memory.host import host_findings
+from verl_ds4.memory.stages import GPU_MEMORY_GIB, peak_stage, rollout_weights_gib
+from verl_ds4.memory.types import Finding, MemoryInputs
 
-__all__ = ["findings", "fixes", "rollout_fixes", "BUDGET_KEYS"]
+__all__ = ["findings", "fixes", "rollout_fixes", "BUDGET_KEYS", "OPTIM_KEYS"]
 
 _MAX_NODE_FACTOR = 16
+#: The recipe settings the levers name (the recipe layer reads the optimizer blocks from the same keys).
+#: Where each trainable role's optimizer settings live in a composed recipe.
+OPTIM_KEYS = {"sft": "optim", "actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 #: The recipe knob of each pass's token budget.
 BUDGET_KEYS = {"update": "ds4.max_token_len_per_gpu", "forward": "ds4.infer_max_token_len_per_gpu"}
 _MIN_TOKENS = 1024
@@ -116,24 +119,15 @@ def rollout_fixes(sizes, tp: int, quantization, share: float, gpus_per_node: int
     return out
 
 
-#: ``plan --fit --model`` names of the recipes' model blocks (configs/ds4_model).
-_FIT_MODELS = {"DeepSeek-V4-Flash": "flash", "DeepSeek-V4-Pro": "pro", "DeepSeek-V4.1-Flash": "v41_flash"}
-
-
-def _plan_fit_hint(report, memory, rm) -> str:
+def _plan_fit_hint(inputs: MemoryInputs, memory, rm) -> str:
     """The ``plan --fit`` command that searches meshes for this role's settings (model, GPU, recipe, budget,
     longest sequence, kernel path, recompute)."""
-    from verl_ds4.recipes.memory import GPU_MEMORY_GIB
-
-    source = report.facts.source
-    model = _FIT_MODELS.get(report.facts.name, source) if source.startswith("recipe") else source
     gpu = f"--gpu {memory.hardware}" if memory.hardware in GPU_MEMORY_GIB else f"--gpu-memory-gib {memory.capacity_gib:g}"
-    recipe = report.recipe if report.recipe in ("sft", "ppo", "grpo") else ("sft" if report.trainer == "sft" else "ppo")
     recompute = "full" if rm.recompute is None else ("selective" if rm.recompute else "none")
     seq = f" --max-seq-len {rm.max_seq_len}" if rm.max_seq_len else ""
     return (
-        f"no single change fits; `verl-ds4 plan --fit --model {model} {gpu} --gpus {report.world_size}-{16 * report.world_size} "
-        f"--recipe {recipe} --tokens-per-gpu {rm.tokens_per_gpu}{seq} --kernel {rm.path} --recompute {recompute}` lists "
+        f"no single change fits; `verl-ds4 plan --fit --model {inputs.fit_model} {gpu} --gpus {inputs.world}-{16 * inputs.world} "
+        f"--recipe {inputs.fit_recipe} --tokens-per-gpu {rm.tokens_per_gpu}{seq} --kernel {rm.path} --recompute {recompute}` lists "
         "the meshes that do."
     )
 
@@ -153,30 +147,30 @@ def describe_peak(rm) -> str:
     )
 
 
-def _shorter_hint(cfg, report) -> str:
+def _shorter_hint(inputs: MemoryInputs) -> str:
     """The length lever: a shorter ``ds4.max_seq_len`` (when it is set, it is what raised the budgets)."""
-    from verl_ds4.recipes.roles import _get
-
-    knob = _get(cfg, "ds4.max_seq_len")
-    if knob is None:
+    if inputs.max_seq_len_knob is None:
         return ""
-    return f" Or train shorter sequences: lower ds4.max_seq_len (now {int(knob)}; launcher MAX_SEQ_LEN)."
+    return f" Or train shorter sequences: lower ds4.max_seq_len (now {inputs.max_seq_len_knob}; launcher MAX_SEQ_LEN)."
 
 
-def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_sm90: bool = False) -> tuple[list[Problem], list[str]]:
-    """Problems (peaks over the limit, roles that do not fit together, the rollout, host RAM) and notes."""
+def findings(inputs: MemoryInputs, memory, arch: str | None = None,
+             dense_loss_on_sm90: bool = False) -> tuple[list[Finding], list[Finding], list[str]]:
+    """Problems (peaks over the limit, roles that do not fit together, the rollout, host RAM), warnings and notes
+    (fills ``memory.phases``, ``memory.rollout`` and the host figures)."""
     problems, notes = [], []
+    sizes = inputs.sizes
     cap, hw, limit = memory.capacity_gib, memory.hardware or "the GPU", memory.limit_gib
     for rm in memory.roles:
         if rm.peak_gib > limit:
-            fix = fixes(rm, sizes, limit, report.gpus_per_node, arch, dense_loss_on_sm90)
+            fix = fixes(rm, sizes, limit, inputs.gpus_per_node, arch, dense_loss_on_sm90)
             before = " (the states alone exceed it)" if rm.worst.static_gib > limit else ""
-            problems.append(Problem(
+            problems.append(Finding(
                 f"{rm.role} memory",
                 f"{describe_peak(rm)} exceeds {limit:.1f} GiB, the {cap:.1f} GiB of one {hw} less the headroom "
                 f"{memory.headroom:g} (ds4.memory_headroom){before}.",
-                (("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(report, memory, rm))
-                + _shorter_hint(cfg, report),
+                (("smallest changes that fit: " + "; ".join(fix)) if fix else _plan_fit_hint(inputs, memory, rm))
+                + _shorter_hint(inputs),
             ))
     trainers = list(memory.roles)
     if len(trainers) > 1:  # verl colocates the roles on the same GPUs: every pass runs beside the others' resident states
@@ -187,40 +181,38 @@ def findings(cfg, report, memory, sizes, arch: str | None = None, dense_loss_on_
                 total = own + others
                 memory.phases.append((f"{rm.role} {name}", total))
                 if total > limit and own <= limit:
-                    problems.append(Problem(
+                    problems.append(Finding(
                         f"{rm.role} {name}",
                         f"its peak {own:.1f} GiB plus {others:.1f} GiB the other roles keep on the GPU "
                         f"= {total:.1f} GiB exceed {limit:.1f} GiB (one {hw} less the headroom).",
                         "turn on verl's offload for the other roles: ds4.offload.param=true ds4.offload.optimizer=true.",
                     ))
-    rollout = _rollout_findings(cfg, sizes, memory, report, problems)
+    rollout = _rollout_findings(inputs, memory, problems)
     if rollout is not None:
         memory.phases.append(("rollout", rollout))
-    problems += host_findings(cfg, report, memory)
-    return problems, notes
+    host_problems, warnings = host_findings(inputs, memory)
+    return problems + host_problems, warnings, notes
 
 
-def _rollout_findings(cfg, sizes, memory, report, problems) -> float | None:
-    rollout = _get(cfg, "actor_rollout_ref.rollout")
+def _rollout_findings(inputs: MemoryInputs, memory, problems: list[Finding]) -> float | None:
+    rollout, sizes = inputs.rollout, inputs.sizes
     if rollout is None:
         return None
     cap = memory.capacity_gib
-    tp = int(rollout.get("tensor_model_parallel_size") or 1)
-    quant = rollout.get("quantization")
-    util = float(rollout.get("gpu_memory_utilization") or 0.5)
+    tp, quant, util = rollout.tp, rollout.quantization, rollout.utilization
     weights = rollout_weights_gib(sizes, tp, quant)
     memory.rollout = {"tp": tp, "quantization": quant, "utilization": util, "weights_gib": weights, "share_gib": util * cap}
     if weights > util * cap:
-        fix = rollout_fixes(sizes, tp, quant, util * cap, report.gpus_per_node)
-        problems.append(Problem(
+        fix = rollout_fixes(sizes, tp, quant, util * cap, inputs.gpus_per_node)
+        problems.append(Finding(
             "rollout memory",
-            f"{rollout.get('name')} weights ({'fp8' if quant == 'fp8' else 'bf16'}, TP{tp}) {weights:.1f} GiB per GPU exceed "
+            f"{rollout.name} weights ({'fp8' if quant == 'fp8' else 'bf16'}, TP{tp}) {weights:.1f} GiB per GPU exceed "
             f"gpu_memory_utilization {util:g} x {cap:.1f} GiB = {util * cap:.1f} GiB, before any KV cache.",
             ("smallest changes that fit: " + "; ".join(fix)) if fix else "a larger rollout TP with FP8 weights over several nodes.",
         ))
     resident = sum(rm.resident_gib for rm in memory.roles)
     if resident + util * cap > cap:
-        problems.append(Problem(
+        problems.append(Finding(
             "rollout phase",
             f"the training roles keep {resident:.1f} GiB on each GPU during generation and the rollout takes "
             f"{util:g} x {cap:.1f} GiB: {resident + util * cap:.1f} GiB > {cap:.1f} GiB.",

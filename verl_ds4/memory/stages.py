@@ -1,6 +1,6 @@
 """DS4's GPU memory per role and per GPU, in closed form from the model's config (pure Python).
 
-    from verl_ds4.recipes.memory import Mesh, OptimizerSettings, training_memory
+    from verl_ds4.memory.stages import Mesh, OptimizerSettings, training_memory
     stages = training_memory(sizes, Mesh(world=64, pp=4, ep=8), OptimizerSettings(), mtp=True, tokens_per_gpu=8192)
     worst = max(stages, key=lambda s: s.static_gib)       # the stage that decides whether a mesh fits
 
@@ -20,7 +20,7 @@ meta-device builds). What each GPU of a pipeline stage holds, TP = 1 (DS4 has no
   ``store_param_remainders`` (default), the fp32 master as a 16-bit remainder of the bf16 weight
   (2 bytes). Megatron's CPU optimizer offload moves ``optimizer_offload_fraction`` of the optimizer
   state (and an fp32 copy of its gradients) to host memory.
-* **what a step adds** (:mod:`verl_ds4.recipes.peak`): the activations every micro-batch in flight
+* **what a step adds** (:mod:`verl_ds4.memory.peak`): the activations every micro-batch in flight
   keeps for backward (``PP - stage`` under non-interleaved 1F1B, more chunks under interleaved 1F1B, or
   fewer when one update has fewer micro-batches: :mod:`.micro_batches` counts them the way verl packs the
   batch), for the recipe's attention kernel path and recompute, at the GPU's rows per micro-batch
@@ -30,7 +30,7 @@ meta-device builds). What each GPU of a pipeline stage holds, TP = 1 (DS4 has no
 
 verl's ``param_offload`` / ``optimizer_offload`` move a role's states to the host *between* phases
 and back for its update: they do not lower a role's own peak, only what sits beside another role
-(see :mod:`verl_ds4.recipes.memory_check`).
+(see :mod:`verl_ds4.memory.roles`).
 """
 
 from __future__ import annotations
@@ -40,18 +40,16 @@ from dataclasses import dataclass
 from verl_ds4 import ds4_facts
 from verl_ds4.models.ds4.provider import pipeline_stage_layers
 from verl_ds4.models.ds4.sizes import ROUTED, DS4Sizes
-from verl_ds4.recipes.micro_batches import in_flight as _in_flight
-from verl_ds4.recipes.peak import StepShape, step_peak
+from verl_ds4.memory.micro_batches import in_flight as _in_flight
+from verl_ds4.memory.peak import StepShape, step_peak
+from verl_ds4.memory.types import Mesh, OptimizerSettings
 
 __all__ = [
-    "GIB", "GPU_MEMORY_GIB", "OPTIM_KEYS", "Mesh", "OptimizerSettings", "StageMemory", "gpu_memory_gib",
+    "GIB", "GPU_MEMORY_GIB", "Mesh", "OptimizerSettings", "StageMemory", "gpu_memory_gib",
     "peak_stage", "rollout_weights_gib", "training_memory", "worst_stage",
 ]
 
 GIB = float(1 << 30)
-
-#: Where each trainable role's optimizer settings live in a composed recipe.
-OPTIM_KEYS = {"sft": "optim", "actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 
 #: Usable memory per GPU (GiB) as the driver reports it (``torch.cuda.mem_get_info`` total), by the
 #: mesh's ``hardware`` name. Approximate: set ``ds4.mesh.gpu_memory_gib`` for your exact parts.
@@ -84,57 +82,10 @@ def gpu_memory_gib(hardware: str | None, explicit: float | None = None) -> float
 
 
 @dataclass(frozen=True)
-class Mesh:
-    """One engine's parallel layout (TP = 1). ``world`` = GPUs of the job."""
-
-    world: int
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    etp: int = 1
-    tp: int = 1
-    vpp: int | None = None  # virtual pipeline stages (interleaved 1F1B keeps more micro-batches in flight)
-    vp_group: int | None = None  # Megatron's microbatch_group_size_per_vp_stage (None: PP, Megatron's default)
-
-    @property
-    def dense_dp(self) -> int:
-        """Ranks that shard a dense parameter's optimizer state (DP x CP)."""
-        return self.world // (self.tp * self.pp)
-
-    @property
-    def expert_dp(self) -> int:
-        return self.world // (self.etp * self.ep * self.pp)
-
-    def valid_for(self, sizes: DS4Sizes) -> bool:
-        return (
-            self.world % (self.tp * self.pp * self.cp) == 0
-            and self.world % (self.etp * self.ep * self.pp) == 0
-            and sizes.n_routed_experts % self.ep == 0
-            and self.pp <= sizes.num_layers
-        )
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """How Megatron stores gradients and Adam's state (bytes per parameter)."""
-
-    distributed: bool = True
-    main_grads_bytes: int = 4
-    main_params_bytes: int = 4
-    exp_avg_bytes: int = 4
-    exp_avg_sq_bytes: int = 4
-    cpu_offload_fraction: float = 0.0
-
-    @property
-    def state_bytes(self) -> int:
-        return self.main_params_bytes + self.exp_avg_bytes + self.exp_avg_sq_bytes
-
-
-@dataclass(frozen=True)
 class StageMemory:
     """What one GPU of pipeline stage ``stage`` holds at its peak (GiB), and host memory it offloads to.
 
-    The dynamic terms (:mod:`verl_ds4.recipes.peak`): ``activations_gib`` kept for backward by every
+    The dynamic terms (:mod:`verl_ds4.memory.peak`): ``activations_gib`` kept for backward by every
     micro-batch in flight, ``transient_gib`` the largest one-off allocation (a layer's backward, or the
     logits' loss buffers, ``logits_gib`` of which), ``a2a_gib`` the expert-parallel all-to-all buffers,
     ``margin_gib`` the allocator margin."""
@@ -221,9 +172,9 @@ def training_memory(
     reference model, weights only). ``training``: the pass is a training step (default: ``trainable``);
     ``False`` for a forward-only pass (log-probs, values) of a trainable engine. ``recompute``: the
     recomputed modules (``None``: full recompute). ``path``: the attention kernel path
-    (:data:`verl_ds4.recipes.peak.ATTENTION_PATHS`). ``micro_batches``: an upper bound on the
+    (:data:`verl_ds4.memory.peak.ATTENTION_PATHS`). ``micro_batches``: an upper bound on the
     micro-batches of one update (fewer than ``PP`` caps the ones in flight). ``logits_kind``: the pass's
-    loss buffers (:data:`verl_ds4.recipes.peak.LOGITS_BYTES`; default ``sft`` for training, ``logprob``
+    loss buffers (:data:`verl_ds4.memory.peak.LOGITS_BYTES`; default ``sft`` for training, ``logprob``
     for a forward). ``max_seq_len``: the longest sequence (default: the budget x CP)."""
     optimizer = optimizer or OptimizerSettings()
     training = trainable if training is None else training

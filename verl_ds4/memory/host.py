@@ -21,7 +21,7 @@ GB300 NVL72 compute tray of 4 GPUs and two Grace CPUs with 480 GB LPDDR5X each).
 
 from __future__ import annotations
 
-from verl_ds4.recipes.roles import Problem, _get
+from verl_ds4.memory.types import Finding, MemoryInputs
 
 __all__ = ["HOST_MEMORY_GIB", "LOADER_GIB_PER_GPU", "PROCESS_GIB_PER_GPU", "host_memory_gib", "host_memory", "host_findings"]
 
@@ -49,8 +49,8 @@ def host_memory_gib(hardware: str | None, explicit) -> float | None:
     return HOST_MEMORY_GIB.get(hardware or "")
 
 
-def host_memory(cfg, memory, gpus_per_node: int) -> dict[str, float]:
-    """GiB per node by what holds it (see the module doc)."""
+def host_memory(memory, gpus_per_node: int, object_store_memory=None) -> dict[str, float]:
+    """GiB per node by what holds it (see the module doc); ``object_store_memory``: Ray's, in bytes (None: not set)."""
     per_gpu_offload = sum(rm.offloaded_host_gib for rm in memory.roles)
     weights = max((rm.worst.weights_gib for rm in memory.roles), default=0.0)
     out = {
@@ -59,36 +59,34 @@ def host_memory(cfg, memory, gpus_per_node: int) -> dict[str, float]:
         "processes": gpus_per_node * PROCESS_GIB_PER_GPU,
         "data loader": gpus_per_node * LOADER_GIB_PER_GPU,
     }
-    store = _get(cfg, "ray_kwargs.ray_init.object_store_memory") if _get(cfg, "actor_rollout_ref") is not None else None
-    if store is not None:
-        out["Ray object store"] = float(store) / float(1 << 30)
+    if object_store_memory is not None:
+        out["Ray object store"] = float(object_store_memory) / float(1 << 30)
     return out
 
 
-def host_findings(cfg, report, memory) -> list[Problem]:
-    """The host RAM check (fills ``memory.host`` and ``memory.host_capacity_gib``). A node whose RAM is not known
-    (hardware outside the table, no ``ds4.mesh.host_memory_gib``) is a warning added to ``report``: nothing to compare."""
+def host_findings(inputs: MemoryInputs, memory) -> tuple[list[Finding], list[Finding]]:
+    """(problems, warnings) of the host RAM check (fills ``memory.host`` and ``memory.host_capacity_gib``). A node
+    whose RAM is not known (hardware outside the table, no ``ds4.mesh.host_memory_gib``) is a warning: nothing to compare."""
     try:
-        capacity = host_memory_gib(memory.hardware, _get(cfg, "ds4.mesh.host_memory_gib"))
+        capacity = host_memory_gib(memory.hardware, inputs.host_memory_gib)
     except ValueError as e:
-        return [Problem("ds4.mesh.host_memory_gib", str(e), "give the RAM of one node in GiB, e.g. ds4.mesh.host_memory_gib=1800.")]
-    memory.host = host_memory(cfg, memory, report.gpus_per_node)
+        return [Finding("ds4.mesh.host_memory_gib", str(e), "give the RAM of one node in GiB, e.g. ds4.mesh.host_memory_gib=1800.")], []
+    memory.host = host_memory(memory, inputs.gpus_per_node, inputs.object_store_memory)
     memory.host_capacity_gib = capacity
     if capacity is None:
-        report.warnings.append(Problem(
+        return [], [Finding(
             "ds4.mesh.host_memory_gib",
             f"host RAM per node is not known for hardware {memory.hardware!r} (known: {sorted(HOST_MEMORY_GIB)}), so the "
             f"{sum(memory.host.values()):.0f} GiB per node this run needs on the host were not checked.",
             "set ds4.mesh.host_memory_gib=<GiB of RAM per node>.",
-        ))
-        return []
+        )]
     total = sum(memory.host.values())
     if total <= capacity:
-        return []
+        return [], []
     parts = ", ".join(f"{k} {v:.0f}" for k, v in memory.host.items() if v)
-    return [Problem(
+    return [Finding(
         "host memory",
         f"a node needs {total:.0f} GiB of RAM ({parts}) but has {capacity:.0f} GiB ({memory.hardware} node; ds4.mesh.host_memory_gib).",
         "turn off verl's offload for a role (ds4.offload.param=false / ds4.offload.optimizer=false) where the GPU has room, "
         "lower Megatron's optimizer_offload_fraction, use more nodes, or set ds4.mesh.host_memory_gib if the nodes have more RAM.",
-    )]
+    )], []

@@ -1,6 +1,6 @@
 """Activations, transients and logits of one DS4 step on one GPU: the dynamic half of the peak (pure Python).
 
-:mod:`verl_ds4.recipes.memory` counts the states (weights, gradients, optimizer); this module counts
+:mod:`verl_ds4.memory.stages` counts the states (weights, gradients, optimizer); this module counts
 what a step adds on top, per pipeline stage, for the attention kernel path and the recompute a recipe
 configures. Every term is a named tensor with its bytes per token (:class:`Term`); ``docs/memory.md``
 lists them and ``benchmarks/gpu/memory_calibration.py --compare`` checks them against measured peaks.
@@ -13,7 +13,7 @@ token of width ``I``, ``V`` the vocabulary. A layer's attention keys per query `
 rows of one rank's packed key buffer ``n_kv = T + cp x T / r`` (+ the ``W`` halo rows under CP: the
 compressed KV is all-gathered over CP).
 
-The peak of one training step on a stage (``in_flight`` micro-batches: :func:`verl_ds4.recipes.micro_batches.in_flight`)::
+The peak of one training step on a stage (``in_flight`` micro-batches: :func:`verl_ds4.memory.micro_batches.in_flight`)::
 
     states + (in_flight - 1) x kept(stage) + max over the stage's layers i of
         [kept(layers before i) + backward transient(i) (+ kept(i) when it is recomputed)],

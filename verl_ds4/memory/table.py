@@ -1,9 +1,9 @@
 """The memory table ``verl-ds4 recipe NAME --dry-run`` and ``plan`` print (one line per role and pass, then the
-rollout, the colocated phases and host RAM), from a :class:`~verl_ds4.recipes.memory_check.MemoryReport`."""
+rollout, the colocated phases and host RAM), from a :class:`~verl_ds4.memory.roles.MemoryReport`."""
 
 from __future__ import annotations
 
-from verl_ds4.recipes.memory import peak_stage
+from verl_ds4.memory.stages import peak_stage
 
 __all__ = ["format_memory"]
 
@@ -18,7 +18,7 @@ def format_memory(memory) -> list[str]:
     lines = [
         f"memory per GPU (GiB) on {memory.hardware} ({cap:.1f} GiB each, peak limit {memory.limit_gib:.1f} with headroom "
         f"{memory.headroom:g}; check: {memory.mode}); the stage with the highest peak of each pass "
-        "(verl_ds4/recipes/peak.py; docs/memory.md):"
+        "(verl_ds4/memory/peak.py; docs/memory.md):"
     ]
     rows = [["role", "pass", "mesh", "kernel", "recompute", "tokens/GPU", "stage", "states", "act.", "transient",
              "margin", "peak", "fits"]]
