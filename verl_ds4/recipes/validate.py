@@ -93,7 +93,7 @@ class ValidationReport:
     errors: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    memory: Any = None  # verl_ds4.recipes.memory_check.MemoryReport once checked
+    memory: Any = None  # verl_ds4.memory.roles.MemoryReport once checked
 
     def raise_if_errors(self) -> None:
         if self.errors:
