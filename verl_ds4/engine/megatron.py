@@ -534,11 +534,10 @@ class _ResolvedLayoutEngine:
         return self._require_layout().layout
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        resolved = self._require_layout()  # the step's straggler ratios go into its metrics (engine/straggler.py)
-        ds4 = resolver.is_ds4_hf_config(hf := _hf_config_of(self)) or resolver.is_ds41_hf_config(hf)
-        with active_layout(resolved), straggler.step_scope(straggler.straggler_cost_model(resolved.balance, hf, ds4)) as step:
+        resolved = self._require_layout()
+        with active_layout(resolved), straggler.step_scope(resolved.balance, _hf_config_of(self)) as step:
             output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        straggler.add_metrics(output, step, straggler.global_token_num(data), len(data), self.get_data_parallel_size())
+        straggler.report(output, step, data, forward_only, self.get_data_parallel_size())  # perf/*_straggler_ratio
         return output
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):

@@ -1,6 +1,7 @@
 """The straggler ratios of every engine step, reported in verl's metrics (:mod:`verl_ds4.layout.straggler`).
 
-While the engine runs ``forward_backward_batch`` a :func:`step_scope` is open; ``forward_step`` hands
+While the engine runs ``forward_backward_batch`` a :func:`step_scope` is open (for the passes
+:func:`reported` names: every forward pass and the RL updates, not verl's SFT steps); ``forward_step`` hands
 each micro-batch's plan to :func:`record` (once per micro-batch, also with virtual pipeline stages,
 which run every micro-batch once per model chunk). At the end, :func:`add_metrics` puts into the
 step's ``metrics`` (verl's trainer prefixes the actor update's with ``actor/``):
@@ -23,14 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 
 from verl_ds4.layout.cost import TokenCostModel, get_cost_model
 from verl_ds4.layout.straggler import StepStraggler, dp_rank_costs, ratio
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["add_metrics", "global_token_num", "record", "step_scope", "straggler_cost_model"]
+__all__ = ["add_metrics", "global_token_num", "record", "report", "reported", "step_scope", "straggler_cost_model"]
 
 _STEP: contextvars.ContextVar[tuple[StepStraggler, set] | None] = contextvars.ContextVar(
     "verl_ds4_step_straggler", default=None
@@ -52,10 +50,19 @@ def straggler_cost_model(balance, hf_config, is_ds4_family: bool) -> TokenCostMo
     return get_cost_model(balance)
 
 
+def _is_ds4_family(hf_config) -> bool:
+    from verl_ds4.mcore import resolver
+
+    return resolver.is_ds4_hf_config(hf_config) or resolver.is_ds41_hf_config(hf_config)
+
+
 @contextlib.contextmanager
-def step_scope(cost_model: TokenCostModel):
-    """Collect the micro-batches of one ``forward_backward_batch``; yields the :class:`StepStraggler`."""
-    step = StepStraggler(get_cost_model(cost_model))
+def step_scope(balance, hf_config=None):
+    """Collect the micro-batches of one ``forward_backward_batch``; yields the :class:`StepStraggler`.
+    ``balance``: the resolved layout's ``balance`` (or any cost model); ``hf_config``: the engine's model."""
+    if balance is None:
+        balance = straggler_cost_model(None, hf_config, _is_ds4_family(hf_config))
+    step = StepStraggler(get_cost_model(balance))
     token = _STEP.set((step, set()))
     try:
         yield step
@@ -83,6 +90,17 @@ def global_token_num(data):
     return tu.get_non_tensor_data(data, key="global_token_num", default=None)
 
 
+def reported(data, forward_only: bool) -> bool:
+    """Whether a step's metrics carry the ratios: every forward pass, and the training steps of verl's
+    ``TrainingWorker.train_mini_batch`` (the PPO / GRPO actor and critic updates), which mark each mini-batch
+    ``disable_auto_offload=True`` and reduce per-rank metric lists. verl 0.9.1's SFT trainer calls
+    ``train_batch`` directly and hands every metric to its trackers as it comes (here a per-DP-rank list,
+    which TensorBoard and MLflow refuse): its steps carry none."""
+    from verl.utils import tensordict_utils as tu
+
+    return forward_only or bool(tu.get_non_tensor_data(data, key="disable_auto_offload", default=False))
+
+
 def add_metrics(output, step: StepStraggler, global_lengths, local_count: int, dp_size: int) -> None:
     """Put the step's ratios into ``output["metrics"]`` (only where verl returns metrics: the last stage).
 
@@ -94,3 +112,9 @@ def add_metrics(output, step: StepStraggler, global_lengths, local_count: int, d
     metrics.update(step.metrics())
     if global_lengths is not None and dp_size >= 1 and len(global_lengths) == dp_size * local_count:
         metrics["perf/dp_straggler_ratio"] = [ratio(dp_rank_costs(list(global_lengths), dp_size, step.cost_model))]
+
+
+def report(output, step: StepStraggler, data, forward_only: bool, dp_size: int) -> None:
+    """The engine's call after ``forward_backward_batch``: :func:`add_metrics` for the passes :func:`reported` names."""
+    if reported(data, forward_only):
+        add_metrics(output, step, global_token_num(data), len(data), dp_size)

@@ -126,6 +126,8 @@ def main(argv=None) -> int:
         infer_s = time.perf_counter() - start
         train = tu.get_tensordict(tensor_dict=dict(batch), non_tensor_dict=meta)
         tu.assign_non_tensor(train, global_token_num=global_lengths, update_lr_scheduler=True)
+        if step % 2:  # as verl's train_mini_batch (the RL updates) marks a mini-batch; even steps: as SFT does
+            tu.assign_non_tensor(train, disable_auto_offload=True)
         start = time.perf_counter()
         metrics = worker.train_batch(train)
         train_s = time.perf_counter() - start
