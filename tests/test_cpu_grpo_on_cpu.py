@@ -100,6 +100,10 @@ def test_grpo_runs_without_a_critic_with_group_advantages_and_kl(grpo_run):
         for key in ("critic/score/mean", "actor/kl_loss", "actor/pg_loss", "critic/advantages/mean", "timing_s/step"):
             assert key in m and math.isfinite(m[key]), f"step {step}: {key} missing or not finite"
         assert 0.0 <= m["critic/score/min"] <= m["critic/score/mean"] <= m["critic/score/max"] <= 1.0
+        # verl-ds4's straggler ratios of the actor update (verl_ds4/engine/straggler.py), as verl's trainer logs them
+        cp_ratio, worst = m["actor/perf/cp_straggler_ratio"], m["actor/perf/cp_straggler_ratio_max"]
+        assert 1.0 <= cp_ratio <= worst and m["actor/perf/dp_straggler_ratio"] >= 1.0, (step, cp_ratio, worst)
+        assert m["actor/perf/cp_straggler_ratio_batch_order"] == cp_ratio  # the recipe's cp_balance=null
         # No critic: verl reports no value loss and no values (the PPO run reports both).
         assert not any(k.startswith(("critic/vf_", "critic/values/", "timing_s/update_critic")) for k in m), sorted(m)
     assert "'adv_estimator': 'grpo'" in result.log, "the resolved config should show adv_estimator grpo"

@@ -85,3 +85,43 @@ def test_the_comparison_sees_the_documented_label_row(runs):
     loss, rows, last = compare(runs["stock", 1], runs["stock", 2])
     assert rows <= FP32 and loss <= FP32
     assert last > 1e-3, last
+
+
+def _zigzag_dense_rank_costs(lengths: list[int], cp: int) -> list[float]:
+    """Dense causal attention keys per CP rank, counted position by position: every sequence padded to a
+    multiple of 2*cp and cut into 2*cp chunks, rank r holding chunks r and 2*cp-1-r (padding costs 0)."""
+    ranks = [0.0] * cp
+    for n in lengths:
+        chunk = -(-n // (2 * cp))
+        for p in range(n):
+            k = p // chunk
+            ranks[k if k < cp else 2 * cp - 1 - k] += p + 1
+    return ranks
+
+
+def test_every_step_reports_the_straggler_ratios_of_its_layout(runs):
+    """verl-ds4's engine reports the CP straggler ratio of the layout it ran, equal to a count from the lengths
+    alone (2 micro-batches of 4 in batch order, verl's fixed-size micro-batches), and the DP ratio from verl's
+    global_token_num: in every forward pass and in the training steps marked as verl's RL updates mark them
+    (odd steps). Controls: SFT-style training steps (even) carry none; verl's stock engine reports none."""
+    steps = runs["ours", 2]["steps"]
+    assert len(steps) == 2
+    for i, step in enumerate(steps):
+        per_mb = [_zigzag_dense_rank_costs(step["lengths"][j : j + 4], 2) for j in (0, 4)]
+        expected = sum(max(c) for c in per_mb) / sum(sum(c) / 2 for c in per_mb)
+        assert expected > 1.0  # the padding of these short sequences is visible: the check can fail
+        for phase in ("train", "infer") if i % 2 else ("infer",):
+            got = step["straggler"][phase]
+            assert got["perf/cp_straggler_ratio"] == [pytest.approx(expected, rel=1e-12)], phase
+            assert got["perf/cp_straggler_ratio_max"] == [pytest.approx(max(max(c) / (sum(c) / 2) for c in per_mb))]
+            assert got["perf/cp_straggler_ratio_batch_order"] == got["perf/cp_straggler_ratio"]  # balance off
+            assert got["perf/dp_straggler_ratio"] == [1.0]  # CP 2 of 2 ranks: one DP rank
+    assert steps[0]["straggler"]["train"] == {}  # an SFT step: verl's SFT trainer would log a list
+    for step in runs["ours", 1]["steps"]:  # CP 1, 2 DP ranks of 4 sequences each
+        got = step["straggler"]["infer"]
+        assert got["perf/cp_straggler_ratio"] == [1.0, 1.0]
+        halves = (step["global_lengths"][:4], step["global_lengths"][4:])
+        keys = [sum(n * (n + 1) / 2 for n in half) for half in halves]
+        assert got["perf/dp_straggler_ratio"] == [pytest.approx(max(keys) / (sum(keys) / 2), rel=1e-12)] * 2
+    for cp in (1, 2):
+        assert all(s["straggler"] == {"train": {}, "infer": {}} for s in runs["stock", cp]["steps"])

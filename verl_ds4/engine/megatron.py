@@ -50,7 +50,7 @@ import verl.workers.engine.megatron.transformer_impl as _transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
-from verl_ds4.engine import sparse_attention
+from verl_ds4.engine import sparse_attention, straggler
 from verl_ds4.engine.verl_hook import Installed as _Installed
 from verl_ds4.engine.verl_hook import VerlHook
 from verl_ds4.engine.micro_batches import SeedingIterator as _SeedingIterator
@@ -534,8 +534,11 @@ class _ResolvedLayoutEngine:
         return self._require_layout().layout
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        with active_layout(self._require_layout()):
-            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        resolved = self._require_layout()
+        with active_layout(resolved), straggler.step_scope(resolved.balance, _hf_config_of(self)) as step:
+            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        straggler.report(output, step, data, forward_only, self.get_data_parallel_size())  # perf/*_straggler_ratio
+        return output
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         # One plan per micro-batch: router replay, the forward and the unpacking share it; a
@@ -544,7 +547,9 @@ class _ResolvedLayoutEngine:
         scope = indexer_replay.micro_batch_scope() if replay else contextlib.nullcontext()
         with active_layout(self._require_layout()), batch_plans.micro_batch_plans(), scope:
             batches = _SeedingIterator(batch_iter, replay)
-            return super().forward_step(batches, model, logits_processor_func, postprocess_micro_batch_func)
+            result = super().forward_step(batches, model, logits_processor_func, postprocess_micro_batch_func)
+            straggler.record(batches.last, batch_plans.scope_plans())
+            return result
 
 
 class DS4MegatronEngineWithLMHead(ManifestCheckpointEngine, _ResolvedLayoutEngine, MegatronEngineWithLMHead):

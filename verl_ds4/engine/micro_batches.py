@@ -15,12 +15,14 @@ class SeedingIterator:
     def __init__(self, batches, indexer_replay_on: bool = False):
         self._batches = iter(batches)
         self._replay = indexer_replay_on
+        self.last = None  # the micro-batch handed out last (the straggler metrics key it)
 
     def __iter__(self):
         return self
 
     def __next__(self):
         batch = next(self._batches)
+        self.last = batch
         from verl.utils import tensordict_utils as tu
 
         try:

@@ -8,6 +8,8 @@ Who owns what (imports run one way, top to bottom; no cycles):
   rules that follow from them.
 * :mod:`.balance`: the balanced contiguous order (which sequence goes to which buffer slot) for
   ``PlanOptions.balance``, and the per-rank cost of an order.
+* :mod:`.straggler`: straggler ratios (max / mean cost per CP rank, per micro-batch, per step, between DP
+  ranks) of a plan or of lengths, on the host; the engine reports them per step (``perf/cp_straggler_ratio``).
 * :mod:`.tables`: the per-rank row tables of a plan (runs of rows per sequence chunk, source
   token, position, padding mask, label shift), built on the lengths' device.
 * :mod:`.plan`: :class:`THDPlan` and :func:`build_plan` / :func:`plan_from_offsets` /

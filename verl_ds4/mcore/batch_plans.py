@@ -26,7 +26,7 @@ import torch
 
 from verl_ds4.layout import PlanOptions, THDPlan, plan_from_offsets
 
-__all__ = ["PLAN_KEY", "host_seqlens", "micro_batch_plans", "num_tokens", "plan_for", "seed_plan"]
+__all__ = ["PLAN_KEY", "host_seqlens", "micro_batch_plans", "num_tokens", "plan_for", "scope_plans", "seed_plan"]
 
 #: The non-tensor key of a scheduled (dynamic-CP) micro-batch that carries its plan.
 PLAN_KEY = "_verl_ds4_thd_plan"
@@ -49,6 +49,11 @@ def seed_plan(plan: THDPlan | None) -> None:
     plans = _SCOPE.get()
     if plans is not None and plan is not None and all(p is not plan for p in plans):
         plans.append(plan)
+
+
+def scope_plans() -> tuple[THDPlan, ...]:
+    """The plans of the open scope, first built (or seeded) first; empty outside a scope."""
+    return tuple(_SCOPE.get() or ())
 
 
 def num_tokens(nested: torch.Tensor) -> int:

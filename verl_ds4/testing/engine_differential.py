@@ -10,7 +10,7 @@ our forward functions); ``stock`` is the same mixin over verl's own ``MegatronEn
 that process). The model is the tiny dense ``GPTModel`` with a zigzag attention
 (:mod:`verl_ds4.testing.zigzag_dense`), the layout verl's stock engine chooses for non-DS4 models.
 Per step the logging rank records the per-token log-probs (forward only) and then the SFT loss of
-one training step on the same batch, and the step times. Used by
+one training step on the same batch, the step times and the straggler metrics the steps report. Used by
 ``tests/test_engine_differential_on_cpu.py`` and ``benchmarks/bench_engine_paths.py``.
 
 To select the stock engine for ``device="cpu"`` this process replaces verl-ds4's registration in
@@ -47,6 +47,15 @@ def _stock_cpu_engine():
 
     EngineRegistry._engines["language_model"]["megatron"]["cpu"] = StockCPUMegatronEngineWithLMHead
     return StockCPUMegatronEngineWithLMHead
+
+
+def _straggler_metrics(metrics) -> dict:
+    """``{key: [value per DP rank]}``: verl's TrainingWorker gathers each rank's one-element list over DP."""
+
+    def flat(value):
+        return [x for item in value for x in flat(item)] if isinstance(value, (list, tuple)) else [float(value)]
+
+    return {k: flat(v) for k, v in (metrics or {}).items() if "straggler" in k}
 
 
 def main(argv=None) -> int:
@@ -117,6 +126,8 @@ def main(argv=None) -> int:
         infer_s = time.perf_counter() - start
         train = tu.get_tensordict(tensor_dict=dict(batch), non_tensor_dict=meta)
         tu.assign_non_tensor(train, global_token_num=global_lengths, update_lr_scheduler=True)
+        if step % 2:  # as verl's train_mini_batch (the RL updates) marks a mini-batch; even steps: as SFT does
+            tu.assign_non_tensor(train, disable_auto_offload=True)
         start = time.perf_counter()
         metrics = worker.train_batch(train)
         train_s = time.perf_counter() - start
@@ -127,6 +138,11 @@ def main(argv=None) -> int:
             record["steps"].append(
                 {
                     "lengths": lengths,
+                    "global_lengths": list(global_lengths.data),
+                    "straggler": {  # verl-ds4's per-step ratios (engine/straggler.py), update and forward pass
+                        "train": _straggler_metrics(metrics["metrics"] if metrics is not None else {}),
+                        "infer": _straggler_metrics(tu.get(output, "metrics")),
+                    },
                     "log_probs": flat.double().flatten().tolist(),
                     "loss": float(loss[0] if isinstance(loss, list) else loss) if loss is not None else None,
                     "infer_s": infer_s,
