@@ -233,6 +233,12 @@ def run(args: argparse.Namespace) -> int:
                 check_seq_len(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
             except ValueError as err:
                 problems.append(str(err))
+            limit = int(tiny_text_config()["max_position_embeddings"])
+            if args.seq_len > limit:
+                problems.append(f"--seq-len {args.seq_len}: expected N <= {limit} with --model ds41 (the tiny V4.1's "
+                                "max_position_embeddings): its CSA2 layers and NeMo Automodel's reference still score every "
+                                f"row against every entry of the sequence on the CPU; give --seq-len {limit} or less "
+                                "(--model ds4 runs 32k)")  # fmt: skip
         if problems:
             print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2
@@ -263,6 +269,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"verify: {err}", file=sys.stderr)  # error-catalogue: passes on a message catalogued where it is built
         return 2
+    if args.seq_len is not None:
+        from verl_ds4.verify.seqlen import bound_malloc
+
+        bound_malloc()
+        if notes and "raised from" in notes[-1]:
+            print(f"verify: {notes[-1][0].lower()}{notes[-1][1:]}", file=sys.stderr)
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model, batches=batches)
     reference = run_parity(1, layout_checks=False, **common)
@@ -271,7 +283,10 @@ def run(args: argparse.Namespace) -> int:
     from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS
 
     chunk_rows = LINEAR_CHUNK_ROWS if args.seq_len is not None and args.sparse_core == "linear" else None
-    options = RunOptions(sparse_core=args.sparse_core, linear_chunk_rows=chunk_rows)
+    from verl_ds4.verify.seqlen import QUERY_CHUNK_ROWS
+
+    query_rows = QUERY_CHUNK_ROWS if args.seq_len is not None else None
+    options = RunOptions(sparse_core=args.sparse_core, linear_chunk_rows=chunk_rows, query_chunk_rows=query_rows)
     result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=options, **common)
     rows = compare(result, reference, tolerances={"fp64": args.fp64_rtol, "fp32": args.fp32_rtol})
     elapsed = time.perf_counter() - start
@@ -307,15 +322,18 @@ def _batches(args: argparse.Namespace):
     """``(batches, table notes)`` of a DS4 CP parity run (``--seq-len``, ``--indexer-replay``); ``ValueError``: why
     the flags cannot run."""
     from verl_ds4.verify.parity import RAGGED, SHORT, _ds4_config
-    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, check_seq_len, long_lengths, replay_batches
+    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, QUERY_CHUNK_ROWS, check_seq_len, fit_positions, long_lengths, replay_batches
 
     if args.model == "ds4_proxy" and (args.seq_len is not None or args.indexer_replay != "off"):
         raise ValueError("--seq-len / --indexer-replay run the full tiny DS4 (the proxy has no indexer and no MTP); use --model ds4")
+    position_note = None
     if args.seq_len is not None:
         from verl_ds4 import ds4_facts
 
         cfg = _ds4_config(args.config)
         check_seq_len(args.seq_len, args.cp, ds4_facts.min_local_rows(cfg["sliding_window"], (cfg.get("compress_rates") or {}).values()))
+        cfg, position_note = fit_positions(args.seq_len, cfg, given=args.config is not None)
+        args.config = cfg
     if args.seq_len is None:
         base = {"ragged": RAGGED, "short": SHORT}
         notes = None
@@ -325,10 +343,11 @@ def _batches(args: argparse.Namespace):
         notes = [
             "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",
             f"Batch: long = {len(lengths)} sequences {list(lengths)}, {sum(lengths)} tokens: one of {args.seq_len} tokens "
-            f"(spread over the CP ranks) between short ones." + (f" Linear core: {LINEAR_CHUNK_ROWS} query rows per chunk."
+            f"(spread over the CP ranks) between short ones. CP > 1: {QUERY_CHUNK_ROWS} query rows per chunk of the compressed "
+            "blocks' work (CP 1: its 64 MiB budget)." + (f" Linear core: {LINEAR_CHUNK_ROWS} query rows per chunk."
                                                                if args.sparse_core == "linear" else "") + (" +replay: the actor replays its recorded indexer choices."
                                                                if args.indexer_replay != "off" else ""),
-        ]  # fmt: skip
+        ] + ([position_note[0].upper() + position_note[1:] + "."] if position_note else [])  # fmt: skip
     if notes is None and args.indexer_replay != "off":  # the default notes do not name the replayed batches
         notes = [
             "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",
