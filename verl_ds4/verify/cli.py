@@ -140,7 +140,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
         lengths = long_lengths(args.seq_len)
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks, lengths=lengths,
-                             timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core)  # fmt: skip
+                             timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core,
+                             indexer_replay=args.indexer_replay)  # fmt: skip
     rows = result["rows"]
     ok = rows_passed(rows)
     notes = [
@@ -221,9 +222,6 @@ def run(args: argparse.Namespace) -> int:
             problems.append("--config: --model ds41 uses the tiny V4.1 of verl_ds4.models.ds41.reference.tiny_text_config (drop --config)")
         if args.allow_mtp_skip:
             problems.append("--allow-mtp-skip: only with --hf-checkpoint (drop it)")
-        if args.indexer_replay != "off":
-            problems.append(f"--indexer-replay {args.indexer_replay}: verify replays the indexer of --model ds4 only (V4.1's "
-                            "replay is checked by tests/test_indexer_replay_on_cpu.py); drop --indexer-replay")  # fmt: skip
         if args.seq_len is not None:
             from verl_ds4 import ds41_facts
             from verl_ds4.models.ds41.reference import tiny_text_config
