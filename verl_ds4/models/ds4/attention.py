@@ -50,11 +50,14 @@ LayerKind = Literal["sliding", "csa", "hca"]
 
 def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """``[T, K]`` ids of the true columns of ``chosen [T, NB]`` plus ``offset``, in block order, ``-1`` past each
-    row's count (``K`` = the most true columns of any row)."""
-    count = chosen.sum(dim=1)
-    width = int(count.max()) if chosen.numel() else 0
-    order = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
-    return torch.where(torch.arange(width, device=chosen.device) < count.unsqueeze(1), order + offset, -1)
+    row's count (``K`` = the most true columns of any row). No sort: each true column goes to the slot its running
+    count names (one pass over ``[T, NB]``)."""
+    rows, nb = chosen.shape
+    width = int(chosen.sum(dim=1).max()) if chosen.numel() else 0
+    slot = torch.where(chosen, chosen.cumsum(dim=1) - 1, width)  # columns past a row's count land in a dropped slot
+    columns = torch.arange(offset, offset + nb, device=chosen.device).expand(rows, nb)
+    out = torch.full((rows, width + 1), -1, dtype=torch.long, device=chosen.device)
+    return out.scatter_(1, slot, columns)[:, :width].masked_fill_(torch.arange(width, device=chosen.device) >= chosen.sum(dim=1, keepdim=True), -1)
 
 
 def layer_kind_for_ratio(ratio: int) -> LayerKind:

@@ -75,13 +75,24 @@ def choose(attn, sel: Selection, n_blocks: torch.Tensor, first_block: torch.Tens
         for start, end in chunk_bounds(rows, _chunk_rows(attn, sel)):
             visible = sel.visible(start, end)
             scores = attn.indexer.scores(x[start:end], q_r[start:end], keys, cos[start:end], sin[start:end]).masked_fill(~visible, float("-inf"))
-            order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-            chosen = torch.zeros_like(visible).scatter_(1, order, True)
+            chosen = stable_top(scores, k)
             if replay is not None:  # rollout indexer replay (record / replay)
                 chosen = attn._replayed_choice(chosen & visible, visible, n_blocks, first_block, sel.q_seq[start:end], start, rows)
             ids = block_ids(visible & chosen)
             out[start:end, : ids.shape[1]] = ids
     sel.ids = out
+
+
+def stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[c, NB]`` bool: each row's ``k`` largest scores, equal scores taken in column order (what a stable descending
+    sort's first ``k`` are), without sorting the row: everything above the ``k``-th value, then the first columns
+    equal to it until ``k`` are taken."""
+    if k >= scores.shape[1]:
+        return torch.ones_like(scores, dtype=torch.bool)
+    kth = torch.topk(scores, k, dim=1).values[:, -1:]
+    above = scores > kth
+    tie = scores == kth
+    return above | (tie & (tie.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
 
 
 def _window_logits(q, kv_win, win_visible, scale) -> torch.Tensor:
