@@ -32,7 +32,7 @@ expert choices and keeps every indexer block; the negative controls run on the G
 
 With ``--seq-len N`` the batch is one N-token sequence between short ones, spread over every CP rank (long-context
 parity, :mod:`verl_ds4.verify.seqlen`); ``--indexer-replay on|both`` runs the training step with the indexer's
-recorded top-k replayed (DS4), with a negative control.
+recorded top-k replayed (DS4; V4.1 with --model ds41), with a negative control.
 
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --cp 8 --seq-len 8192 --indexer-replay both [--sparse-core linear]
@@ -84,14 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-context parity: the batch is one sequence of N tokens (its longest) between short ones (5, 300 before; "
         "37, 129, 3 after; each clipped to N), so at CP=8 and N=32768 it spreads over every rank, its compressed blocks "
         "and top-k choices cross rank boundaries and every rank but the first exchanges its halo inside it; --model ds4 "
-        "or ds41; N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). Time: "
-        "docs/verify-cp.md (N=8192, CP 8, --indexer-replay both: about 2 minutes on 2 cores; 32k does not fit 24 GiB yet)",
+        "or ds41 (N <= 4096); N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). "
+        "The tiny DS4's max_position_embeddings (4096) is raised to N for the run (said on stderr); a --config's is not "
+        "(N above it is refused). Time and memory: docs/verify-cp.md",
     )  # fmt: skip
     parser.add_argument(
         "--indexer-replay", choices=("off", "on", "both"), default="off",
-        help="--model ds4: on: the actor records its indexer's top-k in a no-grad forward and the training step replays "
-        "those ids (verl_ds4.mcore.indexer_replay, as indexer_replay=true trains); both: every batch twice, native and "
-        "replayed; with a negative control at CP > 1 (replaying other valid blocks must change the log-probs). Default off",
+        help="--model ds4 or ds41: on: the actor records its indexer's top-k in a no-grad forward and the training step "
+        "replays those ids (verl_ds4.mcore.indexer_replay, as indexer_replay=true trains); both: every batch (ds41: every "
+        "step) twice, native and replayed; with a negative control at CP > 1 (replaying other valid blocks must change the "
+        "log-probs). Default off",
     )  # fmt: skip
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")

@@ -40,24 +40,13 @@ from verl_ds4 import ds4_facts
 
 
 from .cp_comm import all_gather_rows, exchange_left_halo
+from .csa_rows import Selection, attend_rows, block_ids, choose
 from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 
 __all__ = ["DS4AttentionSpec", "DS4HybridAttention", "block_ids", "layer_kind_for_ratio", "CSA_RATIO"]
 
 CSA_RATIO = ds4_facts.CSA_RATIO
 LayerKind = Literal["sliding", "csa", "hca"]
-
-
-def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """``[T, K]`` ids of the true columns of ``chosen [T, NB]`` plus ``offset``, in block order, ``-1`` past each
-    row's count (``K`` = the most true columns of any row). No sort: each true column goes to the slot its running
-    count names (one pass over ``[T, NB]``)."""
-    rows, nb = chosen.shape
-    width = int(chosen.sum(dim=1).max()) if chosen.numel() else 0
-    slot = torch.where(chosen, chosen.cumsum(dim=1) - 1, width)  # columns past a row's count land in a dropped slot
-    columns = torch.arange(offset, offset + nb, device=chosen.device).expand(rows, nb)
-    out = torch.full((rows, width + 1), -1, dtype=torch.long, device=chosen.device)
-    return out.scatter_(1, slot, columns)[:, :width].masked_fill_(torch.arange(width, device=chosen.device) >= chosen.sum(dim=1, keepdim=True), -1)
 
 
 def layer_kind_for_ratio(ratio: int) -> LayerKind:
@@ -416,8 +405,6 @@ class DS4HybridAttention(nn.Module):
     def _attend(self, q, kv, key_rows, win_visible, sel, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``([T, n, d], the indexer KL sum or None)``: the attention over each query's window keys and the compressed
         blocks ``sel`` lets it see (:mod:`.csa_rows`: row chunks), with the dense or the linear core."""
-        from .csa_rows import attend_rows
-
         return attend_rows(self, q, kv, key_rows, win_visible, sel, scale)
 
     def _replayed_choice(self, chosen, visible, n_blocks, first_block, q_seq, start: int = 0, total: int | None = None) -> torch.Tensor:
@@ -441,8 +428,6 @@ class DS4HybridAttention(nn.Module):
         """The compressed KV of every completed block in the buffer ([NB, d], gathered over CP) and, for CSA, the
         indexer's keys and its choice per local query (compact ids, chosen in row chunks): a
         :class:`~.csa_rows.Selection`, whose ``[rows, NB]`` masks are made chunk by chunk."""
-        from .csa_rows import Selection, choose
-
         spec = self.spec
         m = spec.compress_ratio
         device = x.device

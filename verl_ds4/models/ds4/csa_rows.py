@@ -21,7 +21,19 @@ from verl_ds4.kernels import linear_sparse_attn
 
 from ..query_chunks import chunk_bounds, query_chunk_rows, run_rows
 
-__all__ = ["Selection", "attend_rows", "choose"]
+__all__ = ["Selection", "attend_rows", "block_ids", "choose", "stable_top"]
+
+
+def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """``[T, K]`` ids of the true columns of ``chosen [T, NB]`` plus ``offset``, in block order, ``-1`` past each
+    row's count (``K`` = the most true columns of any row). No sort: each true column goes to the slot its running
+    count names (one pass over ``[T, NB]``)."""
+    rows, nb = chosen.shape
+    width = int(chosen.sum(dim=1).max()) if chosen.numel() else 0
+    slot = torch.where(chosen, chosen.cumsum(dim=1) - 1, width)  # columns past a row's count land in a dropped slot
+    columns = torch.arange(offset, offset + nb, device=chosen.device).expand(rows, nb)
+    out = torch.full((rows, width + 1), -1, dtype=torch.long, device=chosen.device)
+    return out.scatter_(1, slot, columns)[:, :width].masked_fill_(torch.arange(width, device=chosen.device) >= chosen.sum(dim=1, keepdim=True), -1)
 
 
 @dataclass
@@ -64,8 +76,6 @@ def _chunk_rows(attn, sel: Selection) -> int:
 def choose(attn, sel: Selection, n_blocks: torch.Tensor, first_block: torch.Tensor) -> None:
     """Set ``sel.ids``: each local row's ``index_topk`` best visible blocks by the indexer's scores (equal scores in
     block order), or the replayed choice (``attn.indexer_replay``), chunk by chunk without gradient."""
-    from .attention import block_ids
-
     rows, nb = sel.q_seq.numel(), sel.block_seq.numel()
     k = min(attn.spec.index_topk, nb)
     x, q_r, keys, cos, sin = sel.index_inputs
@@ -158,8 +168,6 @@ def attend_rows(attn, q, kv, key_rows, win_visible, sel: Selection | None, scale
 
 
 def _block_ids_by_chunk(attn, sel: Selection, offset: int):
-    from .attention import block_ids
-
     with torch.no_grad():
         for start, end in chunk_bounds(sel.q_seq.numel(), _chunk_rows(attn, sel)):
             yield block_ids(sel.attended(start, end), offset=offset)
