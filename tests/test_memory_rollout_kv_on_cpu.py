@@ -106,3 +106,23 @@ def test_a_kv_cache_that_does_not_fit_is_refused_and_each_lever_fits():
     assert any(e.setting == "rollout KV cache" for e in _report("grpo", base + [f"actor_rollout_ref.rollout.max_num_seqs={more}"]).errors)
     # and the recipe's own length fits: the check is about length x concurrency, not the mesh
     assert not any(e.setting == "rollout KV cache" for e in _report("grpo", ["ds4.mesh.cp=8"]).errors)
+
+
+def test_plan_fit_counts_the_recipes_logits_kernel():
+    from tests.test_memory_on_cpu import plan_fit
+
+    args = ("--model", "flash", "--gpu", "GB300", "--gpus", "128", "--recipe", "grpo", "--tokens-per-gpu", "65536",
+            "--max-seq-len", "131072", "--json", "--max", "40")
+    _, fused = plan_fit(*args)
+    _, unfused = plan_fit(*args, "--logits", "unfused")
+    assert fused["logits"] == "fused" and unfused["logits"] == "unfused"
+    peaks = lambda r: {(m["pp"], m["ep"]): m["roles"]["actor"]["logits_gib"] for m in r["meshes"] + r["not_fitting"]}  # noqa: E731
+    both = peaks(fused).keys() & peaks(unfused).keys()
+    assert both and all(peaks(unfused)[k] > 10 * peaks(fused)[k] for k in both)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # negative control: MTP (sft) has no fused kernel in verl
+        rc, _ = plan_fit("--model", "flash", "--gpu", "GB300", "--gpus", "128", "--recipe", "sft", "--logits", "fused")
+    assert rc != 0 and "--logits fused with MTP on" in err.getvalue()

@@ -152,9 +152,9 @@ def _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp) -> No
     print(f"{facts.name}: {s.total() / 1e9:.2f}B parameters{extra} ({s.activated() / 1e9:.2f}B activated), MTP {'on' if mtp_on else 'off'}; "
           f"{args.gpu or 'GPU'} {capacity:.1f} GiB; fits = every role's {settings['judged_on']} <= {1 - headroom:.2f} x GPU "
           f"= {(1 - headroom) * capacity:.1f} GiB (headroom {headroom:g})")
-    print(f"  {settings['kernel']} attention, {settings['logits']} logits, recompute {settings['recompute']}, {settings['tokens_per_gpu']} tokens per GPU"
+    print(f"  {settings['kernel']} attention, recompute {settings['recompute']}, {settings['tokens_per_gpu']} tokens per GPU"
           + (f" (forward passes {settings['infer_tokens_per_gpu']})" if args.recipe != "sft" else "")
-          + f", longest sequence {settings['max_seq_len']}")
+          + f", longest sequence {settings['max_seq_len']}, {settings['logits']} logits")
     if not fits:
         print(f"no TP=1 mesh fits on {args.gpus} GPUs at these settings; the closest, with the changes that fit:")
     roles = list(rows[0].peaks) if rows else []
