@@ -8,7 +8,7 @@ DS4's vocabulary (V = 129,280), a small hidden size (H = 256), float32, T = 256 
   ``log_softmax`` for the label's log-prob and the entropy), backward of ``sum(lp * a + ent * b)``;
 * ``chunked``: :func:`verl_ds4.kernels.chunked_linear_logprobs` (the same loss) with 128-row chunks. It is
   also what the CPU tests run in place of verl's fused Triton kernel (which has no CPU build); the Triton
-  kernel's own buffers are counted from its source in :mod:`verl_ds4.kernels.memory_terms`.
+  kernel's own buffers are counted from its source in :mod:`verl_ds4.memory.terms`.
 
 Each case runs in its own process (``--case``) and reports ``peak`` (resident high-water mark during one
 forward + backward above what the process held before, ``/proc/self/clear_refs`` reset first) and ``largest``

@@ -95,17 +95,22 @@ def test_fixed_forward_micro_batches_and_a_missing_size():
 
 # ---------------------------------------------------------------- (c) colocated passes
 def test_every_pass_runs_beside_the_other_roles_resident_states():
-    """Offload off (rollout in FP8 at 0.25 of the GPU so that generation fits): the reference's forward, 36.6 GiB,
-    beside the actor's 90.6 GiB of states is 127.2 GiB over 125.8. Before, only update passes counted them (accepted)."""
-    rollout = ["ds4.rollout.quantization=fp8", "ds4.rollout.gpu_memory_utilization=0.25"]
+    """Offload off (rollout in FP8 at 0.25 of the GPU so that generation fits, 64 sequences at once so that their
+    KV cache fits that share) with verl's non-fused logits: the
+    reference's forward, 36.6 GiB, beside the actor's 90.6 GiB of states is 127.2 GiB over 125.8. Before, only update
+    passes counted them (accepted). The recipe's fused logits kernel brings both forwards under (its own check)."""
+    rollout = ["ds4.rollout.quantization=fp8", "ds4.rollout.gpu_memory_utilization=0.25", "actor_rollout_ref.rollout.max_num_seqs=64"]
+    offload_off = ["ds4.offload.param=false", "ds4.offload.optimizer=false"]
     with pytest.raises(RecipeValidationError) as info:
-        _validate(rollout + ["ds4.offload.param=false", "ds4.offload.optimizer=false"])
+        _validate(rollout + offload_off + ["actor_rollout_ref.model.use_fused_kernels=false"])
     text = str(info.value)
     assert "ref forward: its peak 36.6 GiB plus 90.6 GiB the other roles keep on the GPU = 127.2 GiB" in text
     assert "actor forward: its peak 115.5 GiB plus 11.6 GiB" in text and "actor update:" not in text  # 111.2 + 11.6 fits
     report = _validate(rollout)  # the recipe's offload: accepted, every pass in the phases
     assert report.errors == []
     assert {name for name, _ in report.memory.phases} >= {"actor update", "actor forward", "ref forward"}
+    fused = dict(_validate(rollout + offload_off).memory.phases)  # the recipe's fused kernel: the [T, V] logits never held
+    assert fused["ref forward"] == pytest.approx(25.9 + 90.6, abs=0.1) and fused["actor forward"] < 125.8
 
 
 # ---------------------------------------------------------------- virtual pipeline stages

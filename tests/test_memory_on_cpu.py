@@ -298,9 +298,10 @@ def test_plan_prints_the_memory_table(capsys):
     assert run(parser.parse_args(["grpo", "--dry-run"])) == 0
     out = capsys.readouterr().out
     assert "memory per GPU (GiB) on H200 (139.8 GiB each, peak limit 125.8 with headroom 0.1; check: error)" in out
-    assert re.search(r"actor +update +PP8/EP8/CP2 DPxCP 8 eDP 1 +linear +full +8192 +0 +90\.6 .* 111\.2 +yes", out)
-    assert re.search(r"ref +forward +PP8/EP8/CP2 .* 16384 ", out)
-    assert "rollout: TP8 bf16 weights 66.2 GiB per GPU of a 0.6 x 139.8 = 83.9 GiB share: fits" in out
+    assert re.search(r"actor +update +PP8/EP8/CP2 DPxCP 8 eDP 1 +linear +full +8192 +0 +90\.6 .* fused 1\.1 .* 111\.2 +yes", out)
+    assert re.search(r"ref +forward +PP8/EP8/CP2 .* 16384 .* fused 0\.0 ", out)
+    assert ("rollout: TP8 bf16 weights 66.2 + KV cache 3.2 (128 sequences of 3,072 tokens per engine) GiB per GPU of a "
+            "0.6 x 139.8 = 83.9 GiB share: fits") in out
 
 
 # ---------------------------------------------------------------- verl-ds4 plan --fit

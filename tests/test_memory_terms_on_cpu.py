@@ -1,11 +1,11 @@
-"""verl_ds4.kernels.memory_terms: the logits step's bytes per token and the rollout's KV cache, checked
+"""verl_ds4.memory.terms: the logits step's bytes per token and the rollout's KV cache, checked
 against what the functions' own parts allocate and against counts by hand (docstring derivations)."""
 
 from __future__ import annotations
 
 import pytest
 
-from verl_ds4.kernels import memory_terms as mt
+from verl_ds4.memory import terms as mt
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]  # DS4-Flash's 43 layers (configs/ds4_model/flash.yaml)
 V, H = 129_280, 4096

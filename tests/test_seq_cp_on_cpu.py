@@ -23,18 +23,23 @@ def test_allowed_cps_are_the_powers_of_two_dividing_gpus_over_tp_pp():
     assert seq_cp.allowed_cps(64, 1, 3) == ()  # PP does not divide the GPUs
 
 
+#: 64 sequences at once per rollout engine: the KV cache of 128 at 64k tokens (verl's max_num_seqs 256, 1,024 sequences
+#: over 8 engines) does not fit beside the bf16 rollout weights on H200 (tests/test_memory_rollout_kv_on_cpu.py).
+KV = "actor_rollout_ref.rollout.max_num_seqs=64"
+
+
 def test_a_length_the_mesh_cp_cannot_hold_derives_a_larger_cp():
-    d = derivation("grpo", ["ds4.max_seq_len=65536"])  # default mesh h200_64gpu_pp8_ep8_cp2
+    d = derivation("grpo", ["ds4.max_seq_len=65536", KV])  # default mesh h200_64gpu_pp8_ep8_cp2
     assert (d.mesh_cp, d.cp, d.derived_cp, d.explicit) == (2, 8, True, None)
     assert d.overrides[0] == "ds4.mesh.cp=8" and d.peaks[2] > d.limit_gib >= d.peaks[8]
     assert d.peaks[4] > d.limit_gib  # the smallest size that holds it is chosen, not just any larger one
-    cfg = compose_recipe("grpo", ["ds4.max_seq_len=65536"])
+    cfg = compose_recipe("grpo", ["ds4.max_seq_len=65536", KV])
     assert cfg.actor_rollout_ref.actor.megatron.context_parallel_size == 8 == cfg.actor_rollout_ref.ref.megatron.context_parallel_size
     report = validate_recipe(cfg, "ppo", dry_run=True, raise_on_error=False)
     assert not report.errors, [str(e) for e in report.errors]
     assert "derived (the mesh's CP 2 does not hold it)" in d.describe()
     # negative control: the mesh's CP 2 at that length is refused by the memory check
-    kept = validate_recipe(compose_recipe("grpo", ["ds4.max_seq_len=65536", "ds4.mesh.cp=2"]), "ppo", dry_run=True, raise_on_error=False)
+    kept = validate_recipe(compose_recipe("grpo", ["ds4.max_seq_len=65536", "ds4.mesh.cp=2", KV]), "ppo", dry_run=True, raise_on_error=False)
     assert any(e.setting == "actor memory" for e in kept.errors)
 
 
@@ -82,7 +87,7 @@ def _dry_run_json(kind: str, overrides: list[str]) -> tuple[int, dict]:
 
 
 def test_dry_run_json_carries_the_derived_lengths_and_cp():
-    rc, plan = _dry_run_json("grpo", ["ds4.max_seq_len=65536"])
+    rc, plan = _dry_run_json("grpo", ["ds4.max_seq_len=65536", KV])
     assert rc == 0 and plan["valid"], plan["errors"]
     lengths = plan["lengths"]
     assert lengths["max_seq_len"] == 65536 and lengths["data.max_prompt_length"] == 8192

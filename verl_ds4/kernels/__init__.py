@@ -5,7 +5,6 @@
   as Megatron-LM ``dev``'s ``unfused_compressed_sparse_attn``, and a dense reference of the same math.
 * :mod:`.linear_logprobs`: per-token log-probs and entropy from the LM head's input in row chunks
   (verl's fused ``linear_cross_entropy`` interface; the ``[T, V]`` logits are never held).
-* :mod:`.memory_terms`: the bytes per token of the logits step and of the rollout's KV cache (pure).
 
 Nothing here imports verl or Megatron: :mod:`verl_ds4.mcore.sparse_attention_patch` puts the core
 into Megatron-LM ``dev``'s DS4 layers, and the CPU models (:mod:`verl_ds4.models`) call it directly.

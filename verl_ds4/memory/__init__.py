@@ -5,6 +5,8 @@ A function of typed inputs: the recipe layer reads a composed config once into
 the findings this package returns (:class:`~verl_ds4.memory.types.Finding`) into its validation problems. Nothing
 here reads a config. Who owns what (imports run one way, top to bottom; no cycles):
 
+* :mod:`.terms`: two terms that grow with the tokens, as pure functions: the logits step per pass and kernel
+  (fused / unfused) and the rollout's KV cache.
 * :mod:`.peak`: the step's activations, transients and logits per token (:class:`~.peak.Term`), per attention
   kernel path and recompute; the headroom rule.
 * :mod:`.micro_batches`: micro-batches per pass and in flight per stage, rows of a fixed-size micro-batch.
@@ -14,6 +16,7 @@ here reads a config. Who owns what (imports run one way, top to bottom; no cycle
   (:func:`~.stages.training_memory`); GPU capacities; rollout weights.
 * :mod:`.kernels`: the kernel paths and recompute Megatron refuses, per GPU generation.
 * :mod:`.host`: host RAM per node.
+* :mod:`.rollout`: the rollout's KV cache for the recipe's lengths and concurrency against vLLM's share.
 * :mod:`.fixes`: findings (peaks over the limit, colocated phases, the rollout, host RAM) and the smallest
   changes that fit.
 * :mod:`.roles`: :class:`~.roles.RoleMemory` (a role's passes), :class:`~.roles.MemoryReport` and

@@ -114,6 +114,7 @@ def _roles(sizes, mesh: Mesh, recipe: str, mtp: bool, optimizer, settings: dict)
             tokens_per_gpu=settings["infer_tokens"] if role == "ref" else settings["tokens"],
             infer_tokens=settings["infer_tokens"] if (trainable and rl) else None,
             recompute=settings["recompute"], path=settings["path"], max_seq_len=settings["max_seq_len"],
+            logits_kernel="unfused" if role == "critic" else settings["logits_kernel"],
         ))
     return out
 
@@ -137,16 +138,18 @@ def find_meshes(
     rollout_share: float = 0.6,
     arch: str | None = None,
     levers_for: int = 6,
+    logits_kernel: str = "unfused",
 ) -> list[MeshFit]:
     """Every valid mesh, ranked: fitting first, then fewest GPUs, then lowest peak (see the module doc).
 
     ``recompute``: the recomputed modules (``None``: full recompute, the default of ``plan --fit``).
-    ``levers_for``: how many of the best non-fitting rows get their levers computed (each costs a search)."""
+    ``levers_for``: how many of the best non-fitting rows get their levers computed (each costs a search).
+    ``logits_kernel``: what computes the logits step of the actor and reference (``fused``: verl's Triton kernel)."""
     check_headroom(headroom)
     mtp = (recipe == "sft") if mtp is None else mtp
     seq = max_seq_len or tokens_per_gpu
     settings = {"tokens": tokens_per_gpu, "infer_tokens": infer_tokens_per_gpu or 2 * tokens_per_gpu, "recompute": recompute,
-                "path": path, "max_seq_len": seq}
+                "path": path, "max_seq_len": seq, "logits_kernel": logits_kernel}
     limit = (1 - headroom) * capacity_gib
     out = []
     for world in sorted(set(gpu_counts)):

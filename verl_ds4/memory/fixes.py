@@ -2,8 +2,8 @@
 
 :func:`findings` turns a :class:`~verl_ds4.memory.roles.MemoryReport` into findings (:class:`~verl_ds4.memory.types.Finding`):
 a role whose peak (:mod:`verl_ds4.memory.peak`: states + activations + the peak moment + the margin)
-exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout that does not fit
-vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
+exceeds the GPU less the headroom, roles that do not fit beside each other, a rollout whose weights or KV cache
+(:mod:`verl_ds4.memory.rollout`) do not fit vLLM's share, and host RAM per node. :func:`fixes` searches, for one role, the smallest change in each
 direction that brings its peak under the limit: a lower token budget per GPU (with the CP the longest
 sequence then needs), full recompute, the memory-linear sparse attention in place of Megatron's unfused
 core, the fused attention kernel where the GPU runs it, a larger EP or
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from verl_ds4.memory.host import host_findings
+from verl_ds4.memory.rollout import kv_cache_findings
 from verl_ds4.memory.stages import GPU_MEMORY_GIB, peak_stage, rollout_weights_gib
 from verl_ds4.memory.types import Finding, MemoryInputs
 
@@ -210,6 +211,7 @@ def _rollout_findings(inputs: MemoryInputs, memory, problems: list[Finding]) -> 
             f"gpu_memory_utilization {util:g} x {cap:.1f} GiB = {util * cap:.1f} GiB, before any KV cache.",
             ("smallest changes that fit: " + "; ".join(fix)) if fix else "a larger rollout TP with FP8 weights over several nodes.",
         ))
+    kv_cache_findings(inputs, memory, problems)
     resident = sum(rm.resident_gib for rm in memory.roles)
     if resident + util * cap > cap:
         problems.append(Finding(

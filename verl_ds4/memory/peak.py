@@ -51,9 +51,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl_ds4 import ds4_facts
+from verl_ds4.memory.terms import CHUNK_BYTES, logits_step_bytes
 
 __all__ = [
-    "ATTENTION_PATHS", "CHUNK_BYTES", "DEFAULT_HEADROOM", "DSA_BACKENDS", "SPARSE_ATTENTION_OF_PATH", "path_of", "check_headroom", "PATH_OF_BACKEND", "LOGITS_BYTES", "MARGIN_FIXED_GIB", "MARGIN_FRACTION",
+    "ATTENTION_PATHS", "CHUNK_BYTES", "DEFAULT_HEADROOM", "DSA_BACKENDS", "SPARSE_ATTENTION_OF_PATH", "path_of", "check_headroom", "PATH_OF_BACKEND", "CALIBRATION_LOGITS_BYTES", "LOGITS_KERNELS", "MARGIN_FIXED_GIB", "MARGIN_FRACTION",
     "RECOMPUTE_MODULES", "StepShape", "StepPeak", "Term", "layer_kept", "layer_backward", "layer_forward", "step_peak",
 ]
 
@@ -66,23 +67,15 @@ DSA_BACKENDS = {"unfused": "none", "fused": "cudnn"}
 PATH_OF_BACKEND = {v: k for k, v in DSA_BACKENDS.items()}
 #: The engine's ``sparse_attention`` (recipe knob ``ds4.sparse_attention``) each path runs with.
 SPARSE_ATTENTION_OF_PATH = {"unfused": "megatron", "fused": "megatron", "linear": "linear"}
-#: Work space of one chunk of query rows in the linear core's backward, and of one chunk of the chunked
-#: indexer (``verl_ds4.kernels.sparse_attention.DEFAULT_CHUNK_BYTES``; kept equal by a test).
-CHUNK_BYTES = 256 * 1024**2
 #: ``recompute_modules`` entries whose effect the model knows (Megatron's names; ``core_attn`` is refused by DS4).
 RECOMPUTE_MODULES = ("moe_act", "mhc", "mla_up_proj", "layernorm", "moe", "shared_experts", "mlp")
 
-#: Bytes per logit (``[T, V]`` element) at the loss's peak, per pass (verl 0.9.1's Megatron engine,
-#: ``use_fused_kernels=False``): ``sft`` / an actor update without entropy keep the fp32 softmax of
-#: ``vocab_parallel_cross_entropy`` (4) beside the bf16 logits (2) and the backward's bf16 gradient
-#: (2); an actor update with the entropy term also keeps ``_VocabParallelEntropy``'s bf16 logits and
-#: softmax and the clone (+6); the old-log-prob forward (entropy on) holds the logits, their clone, the
-#: entropy's shifted copy and the fp32 cross-entropy copy (12); the reference forward the logits and
-#: the fp32 copy (6); a value head ``[T, 1]`` nothing of note. ``calibration``: memory_calibration.py's
-#: cross entropy (bf16 logits, fp32 log-softmax output, the fp32 gradients of the NLL and log-softmax).
-LOGITS_BYTES = {"sft": 8, "actor": 14, "logprob": 12, "ref": 6, "value": 0, "calibration": 14}
-#: Each MTP depth's own logits in a training step: its fp32 cross-entropy softmax and bf16 logits.
-MTP_LOGITS_BYTES = 6
+#: The logits' loss buffers per pass and kernel (``sft``, ``actor``, ``logprob``, ``ref``, ``value``; unfused or
+#: fused): :func:`verl_ds4.memory.terms.logits_step_bytes`. ``calibration``: memory_calibration.py's cross entropy
+#: (bf16 logits, fp32 log-softmax output, the fp32 gradients of the NLL and log-softmax), bytes per ``[T, V]`` entry.
+CALIBRATION_LOGITS_BYTES = 14
+#: What computes the logits step (``RoleInput.logits_kernel``): verl's non-fused path or its fused Triton kernel.
+LOGITS_KERNELS = ("unfused", "fused")
 
 #: The allocator margin: CUDA context, NCCL communicators and cuBLAS workspaces (fixed) plus the caching
 #: allocator's fragmentation (a fraction of what the step allocates on top of the states).
@@ -339,22 +332,26 @@ def step_peak(
     training: bool = True,
     recompute: frozenset[str] | None = frozenset(),
     logits: str | None = None,
+    logits_kernel: str = "unfused",
     mtp_depths: int = 0,
     ep: int = 1,
+    tp: int = 1,
     layer_ids: list[int | None] | None = None,
     dense_indexer_loss: bool = False,
     margin: bool = True,
 ) -> StepPeak:
-    """Activations + transients of one stage holding layers of ``ratios`` (``recompute=None``: full recompute)."""
+    """Activations + transients of one stage holding layers of ``ratios`` (``recompute=None``: full recompute).
+
+    ``logits``: the pass whose loss buffers the stage holds (the last stage: ``sft``, ``actor``, ``logprob``, ``ref``,
+    ``value``, or ``calibration``; None: none), computed by ``logits_kernel`` (:data:`LOGITS_KERNELS`) over this
+    rank's ``V / tp`` vocabulary rows (:func:`verl_ds4.memory.terms.logits_step_bytes`)."""
     t = shape.tokens
     layer_ids = layer_ids or [None] * len(ratios)
-    head = 0.0
-    if logits is not None:
-        head = (LOGITS_BYTES[logits] + (MTP_LOGITS_BYTES * mtp_depths if training else 0)) * s.vocab_size
+    head, head_fixed = _logits(s, logits, logits_kernel, mtp_depths if training else 0, tp)
     a2a = 0.0 if ep <= 1 else 2 * 2 * s.num_experts_per_tok * s.hidden_size  # dispatch + combine buffers, bf16
     if not training:
         fwd = max((_bytes(layer_forward(s, r, path, shape, dense_indexer_loss)) for r in ratios), default=0.0)
-        kept_all, moment, detail = 0.0, fwd + head, "one layer's forward and the logits"
+        kept_all, moment, detail = 0.0, fwd + head + head_fixed / t, f"one layer's forward and the {logits_kernel} logits"
     else:
         rec = frozenset() if recompute is None else recompute
         kept = [_bytes(layer_kept(s, r, path, shape, rec, i)) for r, i in zip(ratios, layer_ids)]
@@ -370,10 +367,22 @@ def step_peak(
             if here > moment:
                 moment, detail = here, f"layer {j if layer_ids[j] is None else layer_ids[j]}'s backward"
             before += stored[j]
-        if kept_all + head > moment:
-            moment, detail = kept_all + head, "the loss buffers of the logits"
+        if kept_all + head + head_fixed / t > moment:
+            moment, detail = kept_all + head + head_fixed / t, f"the loss buffers of the {logits_kernel} logits"
         kept_all *= max(in_flight - 1, 0)
     activations, transient = kept_all * t / GIB, moment * t / GIB
     a2a_gib = a2a * t / GIB
     margin_gib = (MARGIN_FIXED_GIB + MARGIN_FRACTION * (activations + transient + a2a_gib)) if margin else 0.0
-    return StepPeak(activations, transient, head * t / GIB, a2a_gib, margin_gib, detail)
+    return StepPeak(activations, transient, (head * t + head_fixed) / GIB, a2a_gib, margin_gib, detail)
+
+
+def _logits(s, logits: str | None, kernel: str, mtp_depths: int, tp: int) -> tuple[float, int]:
+    """(bytes per token, fixed bytes) of the logits step of pass ``logits`` on ``kernel`` (none: (0, 0))."""
+    if logits is None:
+        return 0.0, 0
+    if logits == "calibration":
+        return float(CALIBRATION_LOGITS_BYTES * s.vocab_size), 0
+    if kernel not in LOGITS_KERNELS:
+        raise ValueError(f"logits kernel {kernel!r}; expected one of {LOGITS_KERNELS}.")  # error-catalogue: internal: memory_inputs reads only these
+    step = logits_step_bytes(logits, vocab=-(-s.vocab_size // max(tp, 1)), hidden=s.hidden_size, kind=kernel, mtp_depths=mtp_depths)
+    return step.per_token, step.fixed

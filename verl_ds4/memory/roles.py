@@ -58,6 +58,7 @@ class RoleMemory:
     max_seq_len: int | None = None
     infer_tokens: int | None = None  # the forward pass's budget (None: no forward-only pass)
     logits: str = "sft"
+    logits_kernel: str = "unfused"
     dense_indexer_loss: bool = False
     forward: list[StageMemory] = field(default_factory=list)
     # use_dynamic_bsz=false: the pass's micro_batch_size_per_gpu and its key (rows = size x longest / CP); else None
@@ -180,17 +181,17 @@ def _passes(sizes, rm: RoleMemory) -> tuple[list[StageMemory], list[StageMemory]
     """(the role's main pass, its forward-only pass or []) per pipeline stage."""
     common = dict(
         mtp=rm.mtp, value_head=rm.role == "critic", recompute=rm.recompute, path=rm.path, max_seq_len=rm.max_seq_len,
-        dense_indexer_loss=rm.dense_indexer_loss,
+        dense_indexer_loss=rm.dense_indexer_loss, logits_kernel=rm.logits_kernel,
     )
     main = training_memory(
         sizes, rm.mesh, rm.optimizer, trainable=rm.trainable, tokens_per_gpu=rm.tokens_per_gpu,
-        micro_batches=rm.micro_batches, logits_kind=rm.logits, **common,
+        micro_batches=rm.micro_batches, logits_pass=rm.logits, **common,
     )
     forward = []
     if rm.trainable and rm.infer_tokens:
         forward = training_memory(
             sizes, rm.mesh, rm.optimizer, trainable=True, training=False, tokens_per_gpu=rm.infer_tokens,
-            logits_kind="logprob" if rm.role == "actor" else None, **common,
+            logits_pass="logprob" if rm.role == "actor" else None, **common,
         )
         if rm.optimizer_offload:  # verl loads the weights and gradient buffers for a forward, not the optimizer
             forward = [dataclasses.replace(s, optimizer_gib=0.0) for s in forward]

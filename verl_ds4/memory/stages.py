@@ -161,7 +161,8 @@ def training_memory(
     micro_batches: int | None = None,
     path: str = "unfused",
     training: bool | None = None,
-    logits_kind: str | None = None,
+    logits_pass: str | None = None,
+    logits_kernel: str = "unfused",
     max_seq_len: int | None = None,
     dense_indexer_loss: bool = False,
     margin: bool = True,
@@ -173,9 +174,9 @@ def training_memory(
     ``False`` for a forward-only pass (log-probs, values) of a trainable engine. ``recompute``: the
     recomputed modules (``None``: full recompute). ``path``: the attention kernel path
     (:data:`verl_ds4.memory.peak.ATTENTION_PATHS`). ``micro_batches``: an upper bound on the
-    micro-batches of one update (fewer than ``PP`` caps the ones in flight). ``logits_kind``: the pass's
-    loss buffers (:data:`verl_ds4.memory.peak.LOGITS_BYTES`; default ``sft`` for training, ``logprob``
-    for a forward). ``max_seq_len``: the longest sequence (default: the budget x CP)."""
+    micro-batches of one update (fewer than ``PP`` caps the ones in flight). ``logits_pass``: the pass whose
+    loss buffers the last stage holds (default ``sft`` for training, ``logprob`` for a forward), ``logits_kernel``
+    what computes them (``unfused`` or ``fused``: :func:`verl_ds4.memory.terms.logits_step_bytes`). ``max_seq_len``: the longest sequence (default: the budget x CP)."""
     optimizer = optimizer or OptimizerSettings()
     training = trainable if training is None else training
     out = []
@@ -194,12 +195,12 @@ def training_memory(
         last = stage == mesh.pp - 1
         logits = None
         if last:
-            logits = "value" if value_head else (logits_kind or ("sft" if training else "logprob"))
+            logits = "value" if value_head else (logits_pass or ("sft" if training else "logprob"))
         in_flight = _in_flight(mesh.pp, stage, micro_batches, mesh.vpp, mesh.vp_group)
         step = step_peak(
             sizes, [sizes.compress_ratios[i] for i in layers] + [ds4_facts.MTP_COMPRESS_RATIO] * mtp_depths, path=path,
             shape=StepShape(max(tokens_per_gpu, 1), mesh.cp, max_seq_len), in_flight=in_flight, training=training,
-            recompute=recompute, logits=logits, mtp_depths=mtp_depths, ep=mesh.ep, margin=margin,
+            recompute=recompute, logits=logits, logits_kernel=logits_kernel, mtp_depths=mtp_depths, ep=mesh.ep, tp=mesh.tp, margin=margin,
             layer_ids=layers + [None] * mtp_depths, dense_indexer_loss=dense_indexer_loss,
         )
         out.append(StageMemory(

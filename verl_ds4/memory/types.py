@@ -146,7 +146,8 @@ class RoleInput:
     path: str = "unfused"
     max_seq_len: int | None = None
     infer_tokens: int | None = None  # the forward pass's budget (None: no forward-only pass)
-    logits: str = "sft"
+    logits: str = "sft"  # the main pass's logits step: sft, actor (the entropy term), ref or value
+    logits_kernel: str = "unfused"  # what computes it: unfused (verl's non-fused path) or fused (verl's Triton kernel)
     dense_indexer_loss: bool = False
     # use_dynamic_bsz=false: the pass's micro_batch_size_per_gpu and its key (rows = size x longest / CP); else None
     micro_batch_size: tuple[str, int] | None = None
@@ -155,12 +156,22 @@ class RoleInput:
 
 @dataclass(frozen=True)
 class RolloutInput:
-    """The rollout engine (``actor_rollout_ref.rollout``): its name, TP, weight quantization and memory share."""
+    """The rollout engine (``actor_rollout_ref.rollout``): its name, TP, weight quantization and memory share, and
+    what its KV cache holds (:mod:`verl_ds4.memory.rollout`): the lengths and the sequences sent at once."""
 
     name: Any
     tp: int
     quantization: str | None
     utilization: float
+    prompt_length: int = 0  # actor_rollout_ref.rollout.prompt_length (data.max_prompt_length)
+    response_length: int = 0  # actor_rollout_ref.rollout.response_length (data.max_response_length)
+    max_num_seqs: int | None = None  # actor_rollout_ref.rollout.max_num_seqs: sequences one engine runs at once
+    batch_sequences: int | None = None  # data.train_batch_size x actor_rollout_ref.rollout.n: sent to the engines together
+
+    @property
+    def length(self) -> int:
+        """The longest sequence the cache holds (prompt + response)."""
+        return self.prompt_length + self.response_length
 
 
 @dataclass(frozen=True)

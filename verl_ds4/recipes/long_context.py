@@ -41,11 +41,11 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("Flash GRPO, 64 H200", "grpo", "h200_64gpu_pp4_ep16_cp8", 32768, 8, 131072),
+    Setting("Flash GRPO, 64 H200", "grpo", "h200_64gpu_pp4_ep16_cp8", 32768, 8, 32768),
     Setting("Flash SFT, 64 H200", "sft", "h200_64gpu_pp4_ep16_cp8", 32768, 8, 122880),
-    Setting("Flash GRPO, 64 GB200", "grpo", "gb200_64gpu_pp4_ep16_cp16", 131072, 16, 532480),
+    Setting("Flash GRPO, 64 GB200", "grpo", "gb200_64gpu_pp4_ep16_cp16", 131072, 16, 188416),
     Setting("Flash SFT, 64 GB200", "sft", "gb200_64gpu_pp4_ep16_cp16", 131072, 16, 532480),
-    Setting("Flash GRPO, 128 GB300", "grpo", "gb300_128gpu_pp1_ep128_cp2", 131072, 2, 131072),
+    Setting("Flash GRPO, 128 GB300", "grpo", "gb300_128gpu_pp1_ep128_cp2", 131072, 2, 147456),
     Setting("Flash SFT, 128 GB300", "sft", "gb300_128gpu_pp1_ep128_cp2", 131072, 4, 204800),
     Setting("V4.1-Flash GRPO, 128 GB300", "deepseek_v41_grpo", "gb300_128gpu_pp1_ep128_cp2", 131072, 4, 147456),
 )
@@ -58,6 +58,7 @@ class Verdict:
     peak_gib: float | None
     limit_gib: float | None
     errors: list[str]
+    rollout: dict | None = None  # the rollout's weights, KV cache and share (RL recipes; MemoryReport.rollout)
 
 
 def judge(setting: Setting, n: int | None = None, pin_cp: bool = False, extra: tuple[str, ...] = ()) -> Verdict:
@@ -72,7 +73,8 @@ def judge(setting: Setting, n: int | None = None, pin_cp: bool = False, extra: t
     errors = [str(p) for p in derivation(setting.recipe, overrides).problems + report.errors]
     memory = report.memory
     peaks = [rm.peak_gib for rm in memory.roles] + [g for name, g in memory.phases if name != "rollout"] if memory else []
-    return Verdict(not errors, report.roles[0].cp, max(peaks) if peaks else None, memory.limit_gib if memory else None, errors)
+    return Verdict(not errors, report.roles[0].cp, max(peaks) if peaks else None, memory.limit_gib if memory else None, errors,
+                   memory.rollout if memory else None)
 
 
 def longest(setting: Setting, cap: int = 1 << 20) -> int:
@@ -94,8 +96,8 @@ def longest(setting: Setting, cap: int = 1 << 20) -> int:
 
 def table(search: bool = False) -> tuple[str, bool]:
     """(the markdown table, whether every row holds: accepted at its length and at ``longest``, refused above it)."""
-    lines = ["| setting | launch | CP | tokens/GPU x CP | peak at its length (GiB, limit) | longest at its CP | peak there | "
-             "longest + 8,192 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | launch | CP | tokens/GPU x CP | peak at its length (GiB, limit) | rollout at its length: weights + KV "
+             "cache (GiB, vLLM's share) | longest at its CP | peak there | longest + 8,192 |", "|---|---|---|---|---|---|---|---|---|"]
     ok = True
     for s in SETTINGS:
         shipped = judge(s)
@@ -103,11 +105,27 @@ def table(search: bool = False) -> tuple[str, bool]:
         top, above = judge(s, best, pin_cp=True), judge(s, best + STEP, pin_cp=True)
         holds = shipped.accepted and shipped.cp == s.cp and top.accepted and not above.accepted and best == s.longest
         ok &= holds
-        above_text = f"refused ({above.peak_gib:.1f})" if not above.accepted and above.peak_gib else ("refused" if not above.accepted else "ACCEPTED")
         lines.append(
-            f"| {s.name} | `{s.launcher}` | {shipped.cp} | {_budget(s)} | {s.max_seq_len:,}: {_gib(shipped)} | {best:,} | "
-            f"{_gib(top)} | {above_text} |" + ("" if holds else " **does not hold**"))
+            f"| {s.name} | `{s.launcher}` | {shipped.cp} | {_budget(s)} | {s.max_seq_len:,}: {_gib(shipped)} | {_rollout(shipped)} | {best:,} | "
+            f"{_gib(top)} | {_refusal(above)} |" + ("" if holds else " **does not hold**"))
     return "\n".join(lines), ok
+
+
+def _refusal(v: Verdict) -> str:
+    """``refused (peak)`` when the peak is over the limit, else ``refused (what refuses it)``, or ``ACCEPTED``."""
+    if v.accepted:
+        return "ACCEPTED"
+    if v.peak_gib is not None and v.limit_gib is not None and v.peak_gib > v.limit_gib:
+        return f"refused ({v.peak_gib:.1f})"
+    return f"refused ({v.errors[0].split(':', 1)[0]})" if v.errors else "refused"
+
+
+def _rollout(v: Verdict) -> str:
+    r = v.rollout
+    if not r or "kv_cache_gib" not in r:
+        return "-"
+    return (f"{r['weights_gib']:.1f} + {r['kv_cache_gib']:.1f} of {r['share_gib']:.1f} ({r['kv_sequences']} sequences "
+            "per engine)")
 
 
 def _gib(v: Verdict) -> str:

@@ -10,8 +10,9 @@ is a function of it. A setting is followed to its term in one step: the key is r
 * per engine (:func:`role_input`): the mesh (``microbatch_group_size_per_vp_stage`` too), the optimizer's storage
   (:func:`optimizer_settings`), verl's offload flags, MTP, the kernel path, recompute and indexer loss
   (:func:`kernel_settings`), each pass's rows per GPU (:func:`pass_settings`), the sequences one update packs
-  and the logits' loss buffers.
-* the rollout (``actor_rollout_ref.rollout``), host RAM (``ds4.mesh.host_memory_gib``, Ray's object store),
+  and the logits' loss buffers (the pass's, ``entropy_coeff``; the kernel, ``<model>.use_fused_kernels``).
+* the rollout (``actor_rollout_ref.rollout``: TP, quantization, ``gpu_memory_utilization``, ``prompt_length`` +
+  ``response_length``, ``max_num_seqs``; ``data.train_batch_size`` x ``n`` sequences per step), host RAM (``ds4.mesh.host_memory_gib``, Ray's object store),
   ``ds4.max_seq_len`` (the length lever), and the ``plan --fit`` names of the model and recipe.
 
 Each pass's rows: a pass with ``use_dynamic_bsz=true`` holds its token budget per GPU; one with
@@ -111,6 +112,14 @@ def _logits_kind(cfg: DictConfig, role: str) -> str:
     return "actor" if entropy != 0.0 or bool(_get(cfg, "actor_rollout_ref.actor.calculate_entropy", False)) else "sft"
 
 
+def _logits_kernel(cfg: DictConfig, role: RoleMesh) -> str:
+    """What computes the role's logits step, as verl 0.9.1 runs it: ``fused`` when ``<model>.use_fused_kernels`` is on
+    (``actor_rollout_ref.model`` for the actor and reference, ``model`` for SFT) and verl keeps it on (no MTP, no value
+    head, packed input: the validator refuses the others), else ``unfused``."""
+    on = bool(_get(cfg, f"{role.model_key}.use_fused_kernels", False))
+    return "fused" if on and role.role != "critic" and not role.mtp and role.thd else "unfused"
+
+
 def kernel_settings(engine: Any, engine_key: str) -> KernelSettings:
     """One engine block's kernel path, recompute and indexer loss (``<engine_key>`` and its
     ``override_transformer_config``), as written."""
@@ -148,7 +157,8 @@ def role_input(cfg: DictConfig, role: RoleMesh, world: int, max_seq_len: int, pr
         param_offload=bool(engine.get("param_offload", False)), optimizer_offload=bool(engine.get("optimizer_offload", False)),
         optimizer=optim, mtp=role.mtp and role.role != "critic", recompute=kernel.recompute,
         sequences=_update_sequences(cfg, role), path=kernel.path, max_seq_len=max_seq_len,
-        infer_tokens=fwd.tokens if fwd else None, logits=_logits_kind(cfg, role.role), dense_indexer_loss=dense_loss,
+        infer_tokens=fwd.tokens if fwd else None, logits=_logits_kind(cfg, role.role), logits_kernel=_logits_kernel(cfg, role),
+        dense_indexer_loss=dense_loss,
         micro_batch_size=(main.key, main.micro_batch_size) if main and main.micro_batch_size else None,
         infer_micro_batch_size=(fwd.key, fwd.micro_batch_size) if fwd and fwd.micro_batch_size else None,
     )
@@ -189,8 +199,12 @@ def _rollout(cfg: DictConfig) -> RolloutInput | None:
     rollout = _get(cfg, "actor_rollout_ref.rollout")
     if rollout is None:
         return None
+    batch, n = _get(cfg, "data.train_batch_size"), rollout.get("n") or 1
+    seqs = rollout.get("max_num_seqs")
     return RolloutInput(name=rollout.get("name"), tp=int(rollout.get("tensor_model_parallel_size") or 1),
-                        quantization=rollout.get("quantization"), utilization=float(rollout.get("gpu_memory_utilization") or 0.5))
+                        quantization=rollout.get("quantization"), utilization=float(rollout.get("gpu_memory_utilization") or 0.5),
+                        prompt_length=int(rollout.get("prompt_length") or 0), response_length=int(rollout.get("response_length") or 0),
+                        max_num_seqs=int(seqs) if seqs else None, batch_sequences=int(batch) * int(n) if batch else None)
 
 
 def _fit_names(report) -> tuple[str, str]:

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="DS4 attention kernel path: unfused (Megatron's core), linear (dsa_kernel_backend none with "
                           "ds4.sparse_attention=linear, memory linear in tokens) or fused (cudnn); default: unfused on "
                           "H100/H200, fused on B200/GB200/GB300")
+    fit.add_argument("--logits", choices=("fused", "unfused"),
+                     help="what computes the logits step: fused (verl's Triton kernel, use_fused_kernels) or unfused (the "
+                          "[T, V] logits); default the recipe's: fused for ppo / grpo on V4 without MTP, else unfused")
     fit.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
                      help="full (default), selective (moe_act, mhc) or none")
     fit.add_argument("--states-only", action="store_true", help="judge weights + gradients + optimizer alone (not the peak)")
@@ -117,14 +120,19 @@ def run_fit(args: argparse.Namespace) -> int:
     arch = GPU_ARCH.get(args.gpu or "")
     kernel = args.kernel or ("fused" if arch == "sm100" else "unfused")
     recompute = {"full": None, "selective": frozenset({"moe_act", "mhc"}), "none": frozenset()}[args.recompute]
+    mtp_on = (args.recipe == "sft") if mtp is None else mtp
+    v41 = bool(getattr(facts.sizes, "roles", ()))  # the V4.1 recipes keep verl's non-fused logits
+    logits = args.logits or ("fused" if args.recipe != "sft" and not mtp_on and not v41 else "unfused")
+    if logits == "fused" and mtp_on:
+        raise ValueError("--logits fused with MTP on: verl 0.9.1 runs MTP only on the non-fused path; use --logits unfused or --mtp off.")
     rows = find_meshes(
         facts.sizes, capacity, _gpu_counts(args.gpus, per_node), recipe=args.recipe, mtp=mtp, headroom=headroom,
         tokens_per_gpu=args.tokens_per_gpu, infer_tokens_per_gpu=args.infer_tokens_per_gpu, max_seq_len=args.max_seq_len,
         path=kernel, recompute=recompute, check_activations=not args.states_only, gpus_per_node=per_node, arch=arch,
-        levers_for=args.max,
+        levers_for=args.max, logits_kernel=logits,
     )
     fits = [r for r in rows if r.fits]
-    settings = {"kernel": kernel, "recompute": args.recompute, "tokens_per_gpu": args.tokens_per_gpu,
+    settings = {"kernel": kernel, "logits": logits, "recompute": args.recompute, "tokens_per_gpu": args.tokens_per_gpu,
                 "infer_tokens_per_gpu": args.infer_tokens_per_gpu or 2 * args.tokens_per_gpu,
                 "max_seq_len": args.max_seq_len or args.tokens_per_gpu, "judged_on": "states" if args.states_only else "peak"}
     if args.json:
@@ -146,7 +154,7 @@ def _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp) -> No
           f"= {(1 - headroom) * capacity:.1f} GiB (headroom {headroom:g})")
     print(f"  {settings['kernel']} attention, recompute {settings['recompute']}, {settings['tokens_per_gpu']} tokens per GPU"
           + (f" (forward passes {settings['infer_tokens_per_gpu']})" if args.recipe != "sft" else "")
-          + f", longest sequence {settings['max_seq_len']}")
+          + f", longest sequence {settings['max_seq_len']}, {settings['logits']} logits")
     if not fits:
         print(f"no TP=1 mesh fits on {args.gpus} GPUs at these settings; the closest, with the changes that fit:")
     roles = list(rows[0].peaks) if rows else []

@@ -56,6 +56,7 @@ SCOPE = (
     "verl_ds4/memory/roles.py",
     "verl_ds4/memory/fixes.py",
     "verl_ds4/memory/host.py",
+    "verl_ds4/memory/rollout.py",
     "verl_ds4/recipes/memory_inputs.py",
     "verl_ds4/recipes/memory_check.py",
     "verl_ds4/recipes/kernel_check.py",

@@ -1,6 +1,9 @@
 """Two memory terms that grow with the tokens, as pure functions: the logits step and the rollout's KV cache.
 
-Nothing here reads a recipe; the peak model calls these with numbers it already has.
+Nothing here reads a recipe (pure Python, no torch); the peak model calls these with numbers it already has:
+:func:`verl_ds4.memory.peak.step_peak` counts :func:`logits_step_bytes` on a pipeline's last stage for the
+kernel the role runs (``RoleInput.logits_kernel``), and :mod:`verl_ds4.memory.rollout` compares
+:func:`rollout_kv_cache_bytes` for the recipe's lengths and concurrency with vLLM's share less the rollout weights.
 
 **The logits step** (:func:`logits_step_bytes`), per GPU, ``V`` = this rank's vocabulary rows (``V / TP``;
 DS4 runs TP 1, so 129,280), ``H`` the hidden size, ``T`` the GPU's tokens in one micro-batch:
@@ -23,7 +26,7 @@ DS4 runs TP 1, so 129,280), ``H`` the hidden size, ``T`` the GPU's tokens in one
   and the weight's gradient ``[V, H]`` bf16 once (fixed, not per token). Per token: forward
   ``20 + 12 ceil(V / 1024)`` (1,544 at 129,280), training ``20 + 2 * 9504`` (19,028): ~55x and ~95x
   less than the non-fused path.
-* verl-ds4's chunked function (:func:`~.linear_logprobs.chunked_linear_logprobs`, chunk of
+* verl-ds4's chunked function (:func:`verl_ds4.kernels.chunked_linear_logprobs`, chunk of
   ``chunk_bytes``): 4 fp32 numbers per token kept (log-prob, entropy, log-sum-exp, entropy for the
   backward), at most 3 chunks of fp32 logits in the forward and 3 in the backward (fixed), and the
   fp32 weight gradient ``[V, H]`` (fixed).
@@ -58,9 +61,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .sparse_attention import DEFAULT_CHUNK_BYTES
-
 __all__ = [
+    "CHUNK_BYTES",
     "DS_MLA_ENTRY_BYTES",
     "FUSED_D_LOGITS_COLUMNS",
     "LOGITS_PASSES",
@@ -70,6 +72,9 @@ __all__ = [
     "rollout_kv_cache_bytes",
 ]
 
+#: Work space of one chunk: the linear core's backward, the chunked indexer and the chunked logits
+#: (``verl_ds4.kernels.sparse_attention.DEFAULT_CHUNK_BYTES``; kept equal by tests/test_memory_linear_on_cpu.py).
+CHUNK_BYTES = 256 * 1024**2
 #: Bytes per ``[T, V]`` entry at the loss's peak, verl 0.9.1's non-fused path (derivation above).
 UNFUSED_BYTES_PER_LOGIT = {"sft": 8, "actor": 14, "actor_no_entropy": 8, "logprob": 12, "ref": 6, "value": 0}
 #: Each MTP depth's logits in a training step (non-fused; verl gives MTP no fused kernel).
@@ -105,7 +110,7 @@ def logits_step_bytes(
     kind: str = "unfused",
     entropy: bool = True,
     mtp_depths: int = 0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = CHUNK_BYTES,
     weight_bytes: int = 2,
 ) -> LogitsBytes:
     """The logits step of one pass (``sft``, ``actor`` update, old-``logprob`` forward, ``ref`` forward,
