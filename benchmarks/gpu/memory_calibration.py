@@ -92,6 +92,10 @@ def build(shape: Shape, dtype, device):
             self.attn_hc = DS4HyperConnection(h, n, 20, 1e-6, 1e-6, dtype=dtype)
             self.input_layernorm = _RMSNorm(h, 1e-6, dtype=dtype)
             self.self_attention = DS4HybridAttention(spec, dtype=dtype)
+            # all query rows in one chunk, its tensors kept for backward: the layer as Megatron-LM dev's unfused
+            # path runs it and as the committed H200 records measured it (verl_ds4.models.query_chunks)
+            self.self_attention.query_chunk_rows = shape.tokens
+            self.self_attention.query_chunk_recompute = False
             self.mlp_hc = DS4HyperConnection(h, n, 20, 1e-6, 1e-6, dtype=dtype)
             self.pre_mlp_layernorm = _RMSNorm(h, 1e-6, dtype=dtype)
             router = DS4Router(h, shape.n_routed_experts, shape.num_experts_per_tok, "sqrtsoftplus", True, 1.5, dtype=dtype)

@@ -44,9 +44,10 @@ def chunk_bounds(rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
 
 
-def run_rows(fn: Callable, *tensors: torch.Tensor | None):
+def run_rows(fn: Callable, *tensors: torch.Tensor | None, recompute: bool = True):
     """``fn(*tensors)``, under a non-reentrant checkpoint when autograd would record it (its transients are
-    recomputed in backward instead of kept)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    recomputed in backward instead of kept); ``recompute=False`` keeps them (what Megatron's unfused path does:
+    the memory calibration measures the layer so)."""
+    if recompute and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return checkpoint(fn, *tensors, use_reentrant=False)
     return fn(*tensors)

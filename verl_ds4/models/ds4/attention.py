@@ -255,6 +255,8 @@ class DS4HybridAttention(nn.Module):
         self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels.set_sparse_core)
         # query rows per chunk of the compressed blocks' work (verl_ds4.models.query_chunks); None: a 64 MiB budget
         self.query_chunk_rows: int | None = None
+        # False: each chunk's transients are kept for backward, not recomputed (the memory calibration's layer)
+        self.query_chunk_recompute: bool = True
         if spec.kind == "sliding":
             inv_freq = default_inv_freq(spec.rope_dim, spec.rope_theta)
         elif spec.yarn_factor is None:

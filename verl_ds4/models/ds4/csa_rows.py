@@ -160,7 +160,7 @@ def attend_rows(attn, q, kv, key_rows, win_visible, sel: Selection | None, scale
     extra = (sel.index_inputs[2],) if loss else ()
     for (start, end), q_c, kv_c in zip(chunk_bounds(q.shape[0], chunk), q.split(chunk), kv_win.split(chunk)):
         fn = functools.partial(_rows, attn, sel, start, end, win_visible[start:end], scale, not linear, loss)
-        out_c, kl_c = run_rows(fn, q_c, kv_c, sink, sel.comp, *extra)
+        out_c, kl_c = run_rows(fn, q_c, kv_c, sink, sel.comp, *extra, recompute=getattr(attn, "query_chunk_recompute", True))
         outs.append(out_c)
         kls.append(kl_c)
     kl = functools.reduce(torch.add, kls) if loss else None
