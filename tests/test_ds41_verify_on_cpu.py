@@ -185,3 +185,22 @@ def test_cli_refusals(monkeypatch, capsys):
     monkeypatch.setattr(reference, "reference_missing", lambda: "NeMo Automodel 0.7.0 is not installed: pip install ...")
     assert main(["verify", "--model", "ds41", "--cp", "2"]) == 2
     assert "pip install" in capsys.readouterr().err
+
+
+def test_indexer_replay_rows_and_their_control(case_and_nemo):
+    """verify --model ds41 --indexer-replay on: each step replays the indexer choices its own no-grad forward recorded
+    (Full and Reindex layers; the Reuse layers take them), CP 2 vs CP 1 and both vs NeMo at fp64 (the native
+    choice replayed is the native step). Control: replaying other valid blocks changes the log-probs (row must differ)."""
+    from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
+    from verl_ds4.verify import ds41 as v
+
+    case, nemo = case_and_nemo
+    runs = {1: v.ours_on_cp_ranks(case, 1, replay=True), 2: v.ours_on_cp_ranks(case, 2, controls=True, replay=True)}
+    with pytest.raises(ValueError) as refused:
+        ds41_transformer_config(case.text, torch.float64, 2, cp_partition_mode="zigzag")
+    rows = {r.quantity: r for r in v.ds41_rows(case, nemo, runs, 2, zigzag_config_error=str(refused.value), tag="+replay")}
+    assert all(r.passed for r in rows.values()), [(q, r.max_rel) for q, r in rows.items() if not r.passed]
+    for q in ("CP=2+replay vs CP=1+replay: log_probs", "CP=1+replay vs NeMo: log_probs", "CP=2+replay vs NeMo: logits"):
+        assert rows[q].max_rel <= 1e-10, q
+    control = rows["CP=2+replay control: indexer replay of other valid blocks: log_probs must differ"]
+    assert control.expect == "differ" and control.max_rel > 1e-3

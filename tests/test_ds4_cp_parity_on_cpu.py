@@ -72,7 +72,7 @@ def test_the_linear_sparse_core_at_cp4_reproduces_the_dense_cp1(reference, monke
     def off_scale(q, kv, sink, ids, scale, **kw):
         return linear_sparse_attn(q, kv, sink, ids, scale * 1.001, **kw)
 
-    monkeypatch.setattr("verl_ds4.models.ds4.attention.linear_sparse_attn", off_scale)  # forked ranks inherit it
+    monkeypatch.setattr("verl_ds4.models.ds4.csa_rows.linear_sparse_attn", off_scale)  # forked ranks inherit it
     bad = compare(run_parity(2, dtypes=("fp64",), batches={"short": SHORT}, layout_checks=False, options=linear), reference)
     assert "fp64 short log_probs" in {r.quantity for r in bad if not r.passed}
 

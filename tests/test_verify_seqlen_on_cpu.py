@@ -2,7 +2,8 @@
 
 CI's shorter long-context case (N = 1536, CP 4: the long sequence covers all four ranks, every rank but the
 first exchanges its halo inside it, its ratio-4 / ratio-128 blocks and the indexer's top-k cross the rank
-boundaries, and the linear core runs 384-row chunks, so a chunk boundary falls inside it on every rank),
+boundaries, the linear core runs 384-row chunks and the attention's compressed-block work 160-row chunks, so chunk
+boundaries fall inside it on every rank),
 with the indexer replay off and on; the 8k-32k figures are in docs/verify-cp.md. Controls: replaying other
 valid blocks must change the log-probs; bad lengths are refused before any rank starts.
 """
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from verl_ds4.verify.parity import RunOptions, compare, format_table, rows_passed, run_parity
-from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, check_seq_len, first_blocks, long_lengths, replay_batches
+from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, QUERY_CHUNK_ROWS, check_seq_len, first_blocks, long_lengths, replay_batches
 
 N, CP = 1536, 4
 BATCHES = replay_batches({"long": long_lengths(N)}, "both")
@@ -36,10 +37,13 @@ def test_the_batch_spreads_the_long_sequence_over_every_rank():
     assert (first, last) == (0, CP - 1)  # starts inside rank 0, ends inside the last rank
     assert cu[2] % plan.local_rows and cu[3] % plan.local_rows  # neither end on a rank boundary
     assert LINEAR_CHUNK_ROWS < plan.local_rows  # the linear core's chunk boundaries fall inside the long sequence
+    assert QUERY_CHUNK_ROWS < plan.local_rows and plan.local_rows % QUERY_CHUNK_ROWS  # so do the attention's row chunks
 
 
 def test_seq_len_parity_dense_with_and_without_replay(reference):
-    result = run_parity(CP, batches=BATCHES)
+    # CP 4 in 160-row chunks of the compressed blocks' work (scores, top-k, replay, dense core, indexer loss), against
+    # the CP 1 reference in its budget's chunks (one here): chunking and CP together change no number.
+    result = run_parity(CP, batches=BATCHES, options=RunOptions(query_chunk_rows=QUERY_CHUNK_ROWS))
     rows = compare(result, reference)
     assert rows_passed(rows), format_table(rows, f"--seq-len {N} CP={CP}")
     names = {r.quantity for r in rows}
@@ -80,3 +84,7 @@ def test_bad_lengths_are_refused(capsys):
     assert main(["verify", "--cp", "2", "--seq-len", "300", "--model", "ds4_proxy"]) == 2
     assert main(["verify", "--model", "ds41", "--cp", "8", "--seq-len", "20"]) == 2
     assert "expected N >= cp x min_local_rows = 32" in capsys.readouterr().err
+    assert main(["verify", "--model", "ds41", "--cp", "8", "--seq-len", "8192"]) == 2
+    assert "expected N <= 4096 with --model ds41" in capsys.readouterr().err
+    assert main(["verify", "--cp", "8", "--seq-len", "40000", "--config", '{"max_position_embeddings": 4096, "sliding_window": 32}']) == 2
+    assert "give --seq-len 4096 or less, or a config with max_position_embeddings >= 40000" in capsys.readouterr().err

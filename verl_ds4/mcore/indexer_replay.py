@@ -107,26 +107,31 @@ class IndexerReplay:
         self.record = False
         self.last: torch.Tensor | None = None
 
-    def select(self, native: torch.Tensor, reachable: torch.Tensor) -> torch.Tensor:
-        """The layer's choice ``[T, E]`` (own-sequence entries) given its native one and what each row reaches."""
+    def select(self, native: torch.Tensor, reachable: torch.Tensor, start: int = 0, total: int | None = None) -> torch.Tensor:
+        """The layer's choice ``[c, E]`` (own-sequence entries) given its native one and what each row reaches, for
+        local rows ``start..start + c`` of ``total`` (default: all rows at once; a layer that chooses in row chunks
+        calls it chunk by chunk in order, and the record is the chunks' records in order)."""
         chosen = native
+        rows = native.shape[0]
+        total = rows if total is None else int(total)
         if self.target is not None:
-            target = self.target
-            if target.shape != (native.shape[0], self.width):
+            if self.target.shape != (total, self.width):
                 raise IndexerReplayError(
-                    f"{FIELD} for {self.label}: expected [{native.shape[0]} local rows, {self.width}] ids, found "
-                    f"{list(target.shape)}."
+                    f"{FIELD} for {self.label}: expected [{total} local rows, {self.width}] ids, found "
+                    f"{list(self.target.shape)}."
                 )
+            target = self.target[start : start + rows]
             replayed = target[:, 0] != NOT_RECORDED
             count = reachable.sum(dim=1)
             beyond = replayed & ((target.long() >= count.unsqueeze(1)).any(dim=1) | (target < NOT_RECORDED).any(dim=1))
             if bool(beyond.any()):  # (load_indexer_replay checked the whole field on every rank already)
                 row = int(beyond.nonzero()[0, 0])
-                _refuse_beyond(self.label, f"local row {row}", int(count[row]), target[row].tolist())
+                _refuse_beyond(self.label, f"local row {start + row}", int(count[row]), target[row].tolist())
             mask = ids_to_mask(target, native.shape[1])
             chosen = torch.where(replayed.unsqueeze(1), mask, native)
         if self.record:
-            self.last = mask_to_ids(chosen & reachable, self.width)
+            ids = mask_to_ids(chosen & reachable, self.width)
+            self.last = ids if start == 0 or self.last is None else torch.cat((self.last, ids))
         return chosen
 
 

@@ -32,7 +32,7 @@ expert choices and keeps every indexer block; the negative controls run on the G
 
 With ``--seq-len N`` the batch is one N-token sequence between short ones, spread over every CP rank (long-context
 parity, :mod:`verl_ds4.verify.seqlen`); ``--indexer-replay on|both`` runs the training step with the indexer's
-recorded top-k replayed (DS4), with a negative control.
+recorded top-k replayed (DS4; V4.1 with --model ds41), with a negative control.
 
 Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --cp 8 --seq-len 8192 --indexer-replay both [--sparse-core linear]
@@ -84,14 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-context parity: the batch is one sequence of N tokens (its longest) between short ones (5, 300 before; "
         "37, 129, 3 after; each clipped to N), so at CP=8 and N=32768 it spreads over every rank, its compressed blocks "
         "and top-k choices cross rank boundaries and every rank but the first exchanges its halo inside it; --model ds4 "
-        "or ds41; N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). Time: "
-        "docs/verify-cp.md (N=8192, CP 8, --indexer-replay both: about 2 minutes on 2 cores; 32k does not fit 24 GiB yet)",
+        "or ds41 (N <= 4096); N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). "
+        "The tiny DS4's max_position_embeddings (4096) is raised to N for the run (said on stderr); a --config's is not "
+        "(N above it is refused). Time and memory: docs/verify-cp.md",
     )  # fmt: skip
     parser.add_argument(
         "--indexer-replay", choices=("off", "on", "both"), default="off",
-        help="--model ds4: on: the actor records its indexer's top-k in a no-grad forward and the training step replays "
-        "those ids (verl_ds4.mcore.indexer_replay, as indexer_replay=true trains); both: every batch twice, native and "
-        "replayed; with a negative control at CP > 1 (replaying other valid blocks must change the log-probs). Default off",
+        help="--model ds4 or ds41: on: the actor records its indexer's top-k in a no-grad forward and the training step "
+        "replays those ids (verl_ds4.mcore.indexer_replay, as indexer_replay=true trains); both: every batch (ds41: every "
+        "step) twice, native and replayed; with a negative control at CP > 1 (replaying other valid blocks must change the "
+        "log-probs). Default off",
     )  # fmt: skip
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")
@@ -140,7 +142,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
         lengths = long_lengths(args.seq_len)
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks, lengths=lengths,
-                             timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core)  # fmt: skip
+                             timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core,
+                             indexer_replay=args.indexer_replay)  # fmt: skip
     rows = result["rows"]
     ok = rows_passed(rows)
     notes = [
@@ -221,9 +224,6 @@ def run(args: argparse.Namespace) -> int:
             problems.append("--config: --model ds41 uses the tiny V4.1 of verl_ds4.models.ds41.reference.tiny_text_config (drop --config)")
         if args.allow_mtp_skip:
             problems.append("--allow-mtp-skip: only with --hf-checkpoint (drop it)")
-        if args.indexer_replay != "off":
-            problems.append(f"--indexer-replay {args.indexer_replay}: verify replays the indexer of --model ds4 only (V4.1's "
-                            "replay is checked by tests/test_indexer_replay_on_cpu.py); drop --indexer-replay")  # fmt: skip
         if args.seq_len is not None:
             from verl_ds4 import ds41_facts
             from verl_ds4.models.ds41.reference import tiny_text_config
@@ -233,6 +233,12 @@ def run(args: argparse.Namespace) -> int:
                 check_seq_len(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
             except ValueError as err:
                 problems.append(str(err))
+            limit = int(tiny_text_config()["max_position_embeddings"])
+            if args.seq_len > limit:
+                problems.append(f"--seq-len {args.seq_len}: expected N <= {limit} with --model ds41 (the tiny V4.1's "
+                                "max_position_embeddings): its CSA2 layers and NeMo Automodel's reference still score every "
+                                f"row against every entry of the sequence on the CPU; give --seq-len {limit} or less "
+                                "(--model ds4 runs 32k)")  # fmt: skip
         if problems:
             print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2
@@ -263,6 +269,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"verify: {err}", file=sys.stderr)  # error-catalogue: passes on a message catalogued where it is built
         return 2
+    if args.seq_len is not None:
+        from verl_ds4.verify.seqlen import bound_malloc
+
+        bound_malloc()
+        if notes and "raised from" in notes[-1]:
+            print(f"verify: {notes[-1][0].lower()}{notes[-1][1:]}", file=sys.stderr)
     start = time.perf_counter()
     common = dict(dtypes=tuple(args.dtype), cfg=args.config, seed=args.seed, timeout=args.timeout, model=args.model, batches=batches)
     reference = run_parity(1, layout_checks=False, **common)
@@ -271,7 +283,10 @@ def run(args: argparse.Namespace) -> int:
     from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS
 
     chunk_rows = LINEAR_CHUNK_ROWS if args.seq_len is not None and args.sparse_core == "linear" else None
-    options = RunOptions(sparse_core=args.sparse_core, linear_chunk_rows=chunk_rows)
+    from verl_ds4.verify.seqlen import QUERY_CHUNK_ROWS
+
+    query_rows = QUERY_CHUNK_ROWS if args.seq_len is not None else None
+    options = RunOptions(sparse_core=args.sparse_core, linear_chunk_rows=chunk_rows, query_chunk_rows=query_rows)
     result = run_parity(args.cp, layout_checks=not args.no_layout_checks, options=options, **common)
     rows = compare(result, reference, tolerances={"fp64": args.fp64_rtol, "fp32": args.fp32_rtol})
     elapsed = time.perf_counter() - start
@@ -307,15 +322,18 @@ def _batches(args: argparse.Namespace):
     """``(batches, table notes)`` of a DS4 CP parity run (``--seq-len``, ``--indexer-replay``); ``ValueError``: why
     the flags cannot run."""
     from verl_ds4.verify.parity import RAGGED, SHORT, _ds4_config
-    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, check_seq_len, long_lengths, replay_batches
+    from verl_ds4.verify.seqlen import LINEAR_CHUNK_ROWS, QUERY_CHUNK_ROWS, check_seq_len, fit_positions, long_lengths, replay_batches
 
     if args.model == "ds4_proxy" and (args.seq_len is not None or args.indexer_replay != "off"):
         raise ValueError("--seq-len / --indexer-replay run the full tiny DS4 (the proxy has no indexer and no MTP); use --model ds4")
+    position_note = None
     if args.seq_len is not None:
         from verl_ds4 import ds4_facts
 
         cfg = _ds4_config(args.config)
         check_seq_len(args.seq_len, args.cp, ds4_facts.min_local_rows(cfg["sliding_window"], (cfg.get("compress_rates") or {}).values()))
+        cfg, position_note = fit_positions(args.seq_len, cfg, given=args.config is not None)
+        args.config = cfg
     if args.seq_len is None:
         base = {"ragged": RAGGED, "short": SHORT}
         notes = None
@@ -325,10 +343,11 @@ def _batches(args: argparse.Namespace):
         notes = [
             "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",
             f"Batch: long = {len(lengths)} sequences {list(lengths)}, {sum(lengths)} tokens: one of {args.seq_len} tokens "
-            f"(spread over the CP ranks) between short ones." + (f" Linear core: {LINEAR_CHUNK_ROWS} query rows per chunk."
+            f"(spread over the CP ranks) between short ones. CP > 1: {QUERY_CHUNK_ROWS} query rows per chunk of the compressed "
+            "blocks' work (CP 1: its 64 MiB budget)." + (f" Linear core: {LINEAR_CHUNK_ROWS} query rows per chunk."
                                                                if args.sparse_core == "linear" else "") + (" +replay: the actor replays its recorded indexer choices."
                                                                if args.indexer_replay != "off" else ""),
-        ]  # fmt: skip
+        ] + ([position_note[0].upper() + position_note[1:] + "."] if position_note else [])  # fmt: skip
     if notes is None and args.indexer_replay != "off":  # the default notes do not name the replayed batches
         notes = [
             "rel = max|x_cp - x_cp1| / max|x_cp1| per quantity (for a gradient group: over all its parameters).",

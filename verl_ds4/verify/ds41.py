@@ -280,7 +280,7 @@ def _zigzag_guard_bypassed():
     return cp_partition_guard_bypassed(DS41TransformerBlock)
 
 
-def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = "dense"):
+def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = "dense", replay: bool = False):
     import logging
 
     from megatron.core import parallel_state
@@ -299,8 +299,18 @@ def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = 
             set_sparse_core(model, sparse_core)
         ids = case.nested_ids()
         model.zero_grad(set_to_none=True)
+        from verl_ds4.verify import seqlen
+        from verl_ds4.verify.parity import _forward
+
+        def record():  # the rollout's no-grad forward, every selecting layer recording its choice
+            _forward(model, ids, "contiguous", cp_rank, int(model.config.min_local_rows), world)
+
+        if replay:  # the training step replays the recorded choices (verl_ds4.mcore.indexer_replay)
+            seqlen.record_and_load(model, record)
         flat, loss, logits = _step(model, ids, cp_rank, world, logits_too=True)
         loss.backward()
+        if replay:
+            seqlen.stop_replay(model)
         result = {
             "log_probs": flat[:, 0].detach().numpy(),
             "entropy": flat[:, 1].detach().numpy(),
@@ -324,20 +334,24 @@ def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = 
                     checks["zigzag_error"] = str(err)
                 with _zigzag_guard_bypassed():
                     checks["zigzag_bypassed"] = _step(model, ids, cp_rank, world, layout="zigzag")[0][:, 0].numpy()
+            if replay:  # replaying another valid choice must change the log-probs (the replay takes effect)
+                checks["replay_other_blocks"] = seqlen.replaying_other_blocks(model, record, lambda: _step(model, ids, cp_rank, world))[0][:, 0].numpy()
         return result if rank == 0 else None
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float = 600.0, sparse_core: str = "dense") -> dict[str, Any]:
+def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float = 600.0, sparse_core: str = "dense",
+                     replay: bool = False) -> dict[str, Any]:  # fmt: skip
     """Rank 0's result of one training step of our Megatron V4.1 on ``cp`` gloo ranks (``controls``:
-    also the negative controls, at ``cp > 1``; ``sparse_core``: the attention's sparse softmax)."""
+    also the negative controls, at ``cp > 1``; ``sparse_core``: the attention's sparse softmax; ``replay``: the
+    step replays the indexer choices a no-grad forward recorded, and the controls add replaying other blocks)."""
     from verl_ds4.mcore.distributed import run_distributed
     from verl_ds4.models.ds41 import mcore_model as _mcore  # noqa: F401  (import Megatron once: forked ranks start fast)
 
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}.")
-    return run_distributed(_rank, world_size=cp, args=(case, controls, sparse_core), timeout=timeout)[0]
+    return run_distributed(_rank, world_size=cp, args=(case, controls, sparse_core, replay), timeout=timeout)[0]
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -374,21 +388,23 @@ def _all_grads_row(prefix: str, ours: dict, ref: dict, tol: float):
     return Row(f"{prefix}grads, all ({n}{note})", d_abs, d_rel, tol)
 
 
-def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: float = 1e-10, zigzag_config_error: str | None = None) -> list:
-    """The table's rows (:class:`verl_ds4.verify.parity.Row`) of :func:`run_ds41_verify`'s results."""
+def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: float = 1e-10, zigzag_config_error: str | None = None,
+              tag: str = "") -> list:  # fmt: skip
+    """The table's rows (:class:`verl_ds4.verify.parity.Row`) of :func:`run_ds41_verify`'s results (``tag``: after
+    each run's name, e.g. ``+replay``)."""
     from verl_ds4.verify.parity import Row
 
     facts, mask = case.facts, case.loss_mask()
     rows: list[Row] = []
     one = runs[1]
     if cp > 1:
-        other, prefix = runs[cp], f"CP={cp} vs CP=1: "
+        other, prefix = runs[cp], f"CP={cp}{tag} vs CP=1{tag}: "
         for q in ("loss", "log_probs", "entropy"):
             rows.append(Row(prefix + q, *_diff(other[q], one[q]), rtol))
         rows.append(Row(prefix + "indexer loss: none in V4.1 (indexer frozen, as NeMo)", 0.0, 0.0, rtol, expect="absent"))
         rows += _grad_rows(prefix, other["grads"], one["grads"], facts, rtol)
     for size in sorted(runs):
-        ours, prefix = runs[size], f"CP={size} vs NeMo: "
+        ours, prefix = runs[size], f"CP={size}{tag} vs NeMo: "
         rows.append(Row(prefix + "logits", *_diff(ours["logits"], nemo["logits"]), rtol))
         rows.append(Row(prefix + "log_probs", *_diff(ours["log_probs"], nemo["log_probs"], mask), rtol))
         if size == 1:
@@ -401,7 +417,10 @@ def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: floa
     checks = runs[cp].get("checks") or {}
     if cp > 1 and checks:
         ref_logp = one["log_probs"]
-        prefix = f"CP={cp} control: "
+        prefix = f"CP={cp}{tag} control: "
+        if "replay_other_blocks" in checks:
+            rows.append(Row(prefix + "indexer replay of other valid blocks: log_probs must differ",
+                            *_diff(checks["replay_other_blocks"], ref_logp), NEGATIVE_MIN_REL, expect="differ"))  # fmt: skip
         rows.append(Row(prefix + "Engram halo zeroed (no rank r-1 tokens): log_probs must differ",
                         *_diff(checks["engram_halo_off"], ref_logp), NEGATIVE_MIN_REL, expect="differ"))  # fmt: skip
         for role in ("reindex", "reuse"):
@@ -439,9 +458,11 @@ def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Calla
 
 def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tuple[int, ...] | None = None,
                     controls: bool = True, timeout: float = 600.0, progress: Callable[[str], None] | None = None,
-                    dspark: bool = True, sparse_core: str = "dense") -> dict[str, Any]:  # fmt: skip
+                    dspark: bool = True, sparse_core: str = "dense", indexer_replay: str = "off") -> dict[str, Any]:  # fmt: skip
     """``{"rows": [Row], "seconds": s, "stages": {stage: s}, "lengths": [...]}`` for ``verl-ds4 verify --model ds41 --cp cp``
-    (``sparse_core``: the attention's sparse softmax in our runs, CP=1 and CP=cp; NeMo Automodel stays the reference)."""
+    (``sparse_core``: the attention's sparse softmax in our runs, CP=1 and CP=cp; NeMo Automodel stays the reference;
+    ``indexer_replay``: ``off``, ``on`` (our steps replay their recorded indexer choices) or ``both`` (each step twice:
+    rows without and with ``+replay``); the native choice replayed is the native step, so NeMo stays the reference)."""
     from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
 
     if cp < 1:
@@ -470,19 +491,27 @@ def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tup
     finally:
         torch.set_num_threads(threads)
     done(next(reversed(stages)))
-    runs: dict[int, dict] = {}
-    for size in sorted({1, cp}):
-        extra = " + negative controls" if controls and size > 1 else ""
-        stage(f"ours, CP={size}: one training step on {size} gloo rank{'s' if size > 1 else ''}{extra} ({sparse_core} sparse core)")
-        runs[size] = ours_on_cp_ranks(case, size, controls=controls and size > 1, timeout=timeout, sparse_core=sparse_core)
-        done(next(reversed(stages)))
+    if indexer_replay not in ("off", "on", "both"):
+        raise ValueError(f"indexer_replay={indexer_replay!r}: expected off, on or both.")  # error-catalogue: internal: argparse restricts the choices
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[indexer_replay]
+    all_runs: dict[bool, dict[int, dict]] = {}
+    for replay in modes:
+        runs = all_runs.setdefault(replay, {})
+        for size in sorted({1, cp}):
+            extra = " + negative controls" if controls and size > 1 else ""
+            what = ", indexer choices replayed" if replay else ""
+            stage(f"ours, CP={size}: one training step on {size} gloo rank{'s' if size > 1 else ''}{extra} ({sparse_core} sparse core{what})")
+            runs[size] = ours_on_cp_ranks(case, size, controls=controls and size > 1, timeout=timeout, sparse_core=sparse_core, replay=replay)
+            done(next(reversed(stages)))
     zigzag_config_error = None
     if cp > 1:
         try:
             ds41_transformer_config(case.text, torch.float64, cp, cp_partition_mode="zigzag")
         except ValueError as err:
             zigzag_config_error = str(err)
-    rows = ds41_rows(case, nemo, runs, cp, rtol, zigzag_config_error if controls else None)
+    rows = []
+    for replay, runs in all_runs.items():
+        rows += ds41_rows(case, nemo, runs, cp, rtol, zigzag_config_error if controls else None, tag="+replay" if replay else "")
     if dspark:
         rows += dspark_rows(cp, seed, timeout, rtol, say)
     return {"rows": rows, "seconds": time.perf_counter() - start, "stages": stages, "lengths": list(case.lengths)}

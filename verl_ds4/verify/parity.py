@@ -119,6 +119,7 @@ class RunOptions:
     replay: dict | None = None  # (dtype, batch) -> role -> router -> [T, k]: routes the routers must use
     sparse_core: str = "dense"  # the attention's sparse softmax: "dense" (reference) or "linear" (verl_ds4.kernels)
     linear_chunk_rows: int | None = None  # the linear core's query rows per chunk (None: its memory-budget default)
+    query_chunk_rows: int | None = None  # the attention's row chunks over compressed blocks (None: verl_ds4.models.query_chunks' budget)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -366,6 +367,9 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                     set_sparse_core(built, opts.sparse_core)
                 if opts.linear_chunk_rows:
                     seqlen.use_linear_chunk_rows(opts.linear_chunk_rows)
+            if opts.query_chunk_rows:
+                for built in (actor, critic):
+                    seqlen.use_query_chunk_rows(built, opts.query_chunk_rows)
             min_rows = models.min_local_rows(actor)
             for batch_name, lengths in batches.items():
                 input_ids, targets = _batch(lengths, models.vocab, seed + 2, device)

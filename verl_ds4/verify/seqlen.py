@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     "LINEAR_CHUNK_ROWS",
+    "QUERY_CHUNK_ROWS",
     "REPLAY_SUFFIX",
     "SHORT_BESIDE",
     "first_blocks",
@@ -39,6 +40,8 @@ __all__ = [
     "replaying_other_blocks",
     "replay_batches",
     "check_seq_len",
+    "fit_positions",
+    "bound_malloc",
 ]
 
 #: The short sequences around the long one: (before, before, after, after, after).
@@ -47,6 +50,10 @@ SHORT_BESIDE = (5, 300, 37, 129, 3)
 #: budget, is about 20k rows at the tiny widths: one chunk per rank), so that chunk boundaries fall inside the
 #: long sequence on every rank (not a divisor of a rank's rows).
 LINEAR_CHUNK_ROWS = 384
+#: ``--seq-len`` at CP > 1: the attention's query rows per chunk of its compressed-block work (scores, top-k, masks,
+#: the dense core, the indexer loss; :mod:`verl_ds4.models.query_chunks`), so that row-chunk boundaries fall inside
+#: the long sequence on every rank while the CP 1 reference runs its own (budget-sized) chunks.
+QUERY_CHUNK_ROWS = 160
 #: A batch name with this suffix runs the training step with the indexer's recorded choices replayed.
 REPLAY_SUFFIX = "+replay"
 
@@ -68,6 +75,42 @@ def check_seq_len(n: int, cp: int, min_local_rows: int) -> None:
             f"the model's {min_local_rows} minimum rows, so expected N >= cp x min_local_rows = {floor}; give --seq-len "
             f"{floor} or more, or a smaller --cp"
         )
+
+
+def fit_positions(n: int, cfg: dict, given: bool, flag: str = "--config") -> tuple[dict, str | None]:
+    """``(config, note)`` for ``--seq-len n``: a model config whose ``max_position_embeddings`` is below ``n`` is
+    refused when the user gave it (``given``: their setting is theirs to change); the built-in tiny model's (4,096,
+    a size of our choosing, not a property of DS4, whose released models take 1M positions) is raised to ``n`` for
+    the run, with a note saying so. RoPE's numbers do not read the field (YaRN reads its own original length)."""
+    limit = cfg.get("max_position_embeddings")
+    if not limit or n <= int(limit):
+        return cfg, None
+    if given:
+        raise ValueError(
+            f"--seq-len {n}: the model of {flag} has max_position_embeddings = {limit}, expected N <= {limit}; give "
+            f"--seq-len {limit} or less, or a config with max_position_embeddings >= {n}"
+        )
+    note = (f"max_position_embeddings of the tiny model raised from {limit} to {n} for this run (--seq-len {n}; the "
+            "field bounds positions only, no weight or RoPE value reads it)")  # fmt: skip
+    return {**cfg, "max_position_embeddings": int(n)}, note
+
+
+def bound_malloc(threshold: int = 128 * 1024) -> bool:
+    """Make glibc serve every allocation above ``threshold`` bytes by ``mmap`` (returned to the system when freed),
+    so that the row chunks' many transient ``[chunk, blocks]`` buffers do not fragment the heap: without it a
+    process's RSS at 16k tokens grows to several times what it holds. Inherited by forked CP ranks; ``False``
+    where there is no glibc (nothing changes there)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD (a fixed value turns the dynamic one off)
+    except (OSError, AttributeError):
+        return False
 
 
 def replay_batches(batches: dict[str, tuple[int, ...]], mode: str) -> dict[str, tuple[int, ...]]:
@@ -124,6 +167,17 @@ def use_linear_chunk_rows(rows: int) -> None:
     """Make the DS4 attention's linear core (this process only: a forked CP rank) run ``rows`` query rows per chunk."""
     import functools
 
-    from verl_ds4.models.ds4 import attention
+    from verl_ds4.models.ds4 import csa_rows
 
-    attention.linear_sparse_attn = functools.partial(attention.linear_sparse_attn, chunk_rows=int(rows))
+    csa_rows.linear_sparse_attn = functools.partial(csa_rows.linear_sparse_attn, chunk_rows=int(rows))
+
+
+def use_query_chunk_rows(model, rows: int) -> int:
+    """Make every attention of ``model`` with row chunks (``query_chunk_rows``) run ``rows`` query rows per chunk;
+    returns how many modules took it."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "query_chunk_rows"):
+            module.query_chunk_rows = int(rows)
+            count += 1
+    return count

@@ -38,24 +38,15 @@ from torch import nn
 
 from verl_ds4 import ds4_facts
 
-from verl_ds4.kernels import linear_sparse_attn
 
 from .cp_comm import all_gather_rows, exchange_left_halo
+from .csa_rows import Selection, attend_rows, block_ids, choose
 from .rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 
 __all__ = ["DS4AttentionSpec", "DS4HybridAttention", "block_ids", "layer_kind_for_ratio", "CSA_RATIO"]
 
 CSA_RATIO = ds4_facts.CSA_RATIO
 LayerKind = Literal["sliding", "csa", "hca"]
-
-
-def block_ids(chosen: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """``[T, K]`` ids of the true columns of ``chosen [T, NB]`` plus ``offset``, in block order, ``-1`` past each
-    row's count (``K`` = the most true columns of any row)."""
-    count = chosen.sum(dim=1)
-    width = int(count.max()) if chosen.numel() else 0
-    order = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
-    return torch.where(torch.arange(width, device=chosen.device) < count.unsqueeze(1), order + offset, -1)
 
 
 def layer_kind_for_ratio(ratio: int) -> LayerKind:
@@ -262,6 +253,8 @@ class DS4HybridAttention(nn.Module):
         self.core_attention = CoreAttention(spec, dtype=dtype)
         self.last_indexer_loss: torch.Tensor | None = None  # global over CP, detached (indexer_loss_report)
         self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels.set_sparse_core)
+        # query rows per chunk of the compressed blocks' work (verl_ds4.models.query_chunks); None: a 64 MiB budget
+        self.query_chunk_rows: int | None = None
         if spec.kind == "sliding":
             inv_freq = default_inv_freq(spec.rope_dim, spec.rope_theta)
         elif spec.yarn_factor is None:
@@ -376,13 +369,16 @@ class DS4HybridAttention(nn.Module):
         back = torch.arange(spec.window_size, device=x.device)
         key_rows = halo + torch.arange(local_rows, device=x.device).unsqueeze(1) - back  # [T, W]
         win_visible = back.unsqueeze(0) <= q_pos.unsqueeze(1)
-        comp = comp_visible = loss_inputs = None
+        real = None  # the indexer loss's queries: the real rows (padding rows would see real blocks)
+        queries = total
+        if real_seqlens is not None:
+            lengths, queries = real_seqlens
+            real = q_pos < lengths.to(device=q_pos.device, dtype=torch.long)[rows.seq[halo:].clamp(max=lengths.numel() - 1)]
+        sel = None
         if self.compressor is not None:
-            comp, comp_visible, loss_inputs = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
-        if self.sparse_core == "linear":
-            out, win_logits = self._attend_linear(q, kv, key_rows, win_visible, comp, comp_visible, scale), None
-        else:
-            out, win_logits = self._attend_dense(q, kv, key_rows, win_visible, comp, comp_visible, scale)
+            sel = self._compressed(x, xe, q_r, rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q)
+            sel.real = real
+        out, kl = self._attend(q, kv, key_rows, win_visible, sel, scale)
         out = apply_interleaved_rope(out, cos_q.unsqueeze(1), -sin_q.unsqueeze(1))
 
         # Grouped low-rank output projection.
@@ -392,23 +388,12 @@ class DS4HybridAttention(nn.Module):
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(local_rows, g * spec.o_lora_rank)
         result = self.linear_proj(mixed)
         self.last_indexer_loss = None
-        if loss_inputs is not None:
+        if kl is not None:
             # DS4's indexer loss (indexer_loss.py): KL(detached main attention over the compressed
             # blocks, normalised with the window + sink mass || softmax of the indexer scores), this
             # rank's rows over the whole group's row count; its gradient joins the output's backward.
             from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 
-            from .indexer_loss import indexer_kl_sum
-
-            index_scores, all_visible = loss_inputs
-            queries = total
-            if real_seqlens is not None:  # padding rows are no queries (they would see real blocks)
-                lengths, queries = real_seqlens
-                real = q_pos < lengths.to(device=q_pos.device, dtype=torch.long)[rows.seq[halo:].clamp(max=lengths.numel() - 1)]
-                all_visible = all_visible & real.unsqueeze(1)
-            if win_logits is None:  # the linear core computes no window logits of its own
-                win_logits = self._window_logits(q, kv[key_rows.clamp(min=0)], win_visible, scale)
-            kl = indexer_kl_sum(q, comp, win_logits, self.attn_sink, all_visible, index_scores, scale)
             loss = spec.indexer_loss_coeff * kl / max(int(queries), 1)
             report = loss.detach().clone()
             if cp_size > 1:
@@ -417,47 +402,20 @@ class DS4HybridAttention(nn.Module):
             result = DSAIndexerLossAutoScaler.apply(result, loss)
         return result
 
-    @staticmethod
-    def _window_logits(q, kv_win, win_visible, scale) -> torch.Tensor:
-        """``[T, n, W]`` scaled logits of each query over its window keys ``kv_win [T, W, d]`` (-inf where not visible)."""
-        return torch.einsum("tnd,twd->tnw", q, kv_win).masked_fill(~win_visible.unsqueeze(1), float("-inf")) * scale
+    def _attend(self, q, kv, key_rows, win_visible, sel, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``([T, n, d], the indexer KL sum or None)``: the attention over each query's window keys and the compressed
+        blocks ``sel`` lets it see (:mod:`.csa_rows`: row chunks), with the dense or the linear core."""
+        return attend_rows(self, q, kv, key_rows, win_visible, sel, scale)
 
-    def _attend_dense(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([T, n, d], the window logits [T, n, W])``: softmax over [window keys, every compressed block of the buffer
-        (masked), sink]; the window logits are the indexer loss's too."""
-        local_rows, n, _ = q.shape
-        kv_win = kv[key_rows.clamp(min=0)]  # [T, W, d], gathered once for the logits and the output
-        logits = [self._window_logits(q, kv_win, win_visible, scale)]
-        if comp is not None:
-            logits.append(torch.einsum("tnd,bd->tnb", q, comp).masked_fill(~comp_visible.unsqueeze(1), float("-inf")) * scale)
-        sink = self.attn_sink.view(1, n, 1).expand(local_rows, n, 1)
-        probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
-        w = self.spec.window_size
-        out = torch.einsum("tnw,twd->tnd", probs[..., :w], kv_win)
-        if comp is not None:
-            out = out + torch.einsum("tnb,bd->tnd", probs[..., w:-1], comp)
-        return out, logits[0]
-
-    def _attend_linear(self, q, kv, key_rows, win_visible, comp, comp_visible, scale) -> torch.Tensor:
-        """``[T, n, d]`` from :func:`verl_ds4.kernels.linear_sparse_attn` over ``[kv ; comp]`` with each query's ids:
-        its window rows, then the compressed blocks it attends (``-1`` = none), as Megatron-LM dev lays them out."""
-        ids = torch.where(win_visible, key_rows, -1)
-        kv_full = kv
-        if comp is not None:
-            kv_full = torch.cat([kv, comp])
-            ids = torch.cat([block_ids(comp_visible, offset=kv.shape[0]), ids], dim=1)
-        out = linear_sparse_attn(q, kv_full, self.attn_sink, ids, scale)
-        return out.view(q.shape)
-
-    def _replayed_choice(self, chosen, visible, n_blocks, first_block, q_seq) -> torch.Tensor:
-        """The indexer replay's choice ``[T, NB]`` over the buffer's blocks: ``chosen`` / ``visible`` seen as
-        each query's own-sequence blocks ``[T, E]`` (what :class:`~verl_ds4.mcore.indexer_replay.IndexerReplay`
-        records and replays), and back."""
+    def _replayed_choice(self, chosen, visible, n_blocks, first_block, q_seq, start: int = 0, total: int | None = None) -> torch.Tensor:
+        """The indexer replay's choice ``[c, NB]`` over the buffer's blocks for local rows ``start..start + c``:
+        ``chosen`` / ``visible`` seen as each query's own-sequence blocks ``[c, E]`` (what
+        :class:`~verl_ds4.mcore.indexer_replay.IndexerReplay` records and replays), and back."""
         first = first_block
         entries = torch.arange(int(n_blocks.max()), device=visible.device)
         in_seq = entries < n_blocks[q_seq].unsqueeze(1)
         own = (first[q_seq].unsqueeze(1) + entries).clamp(max=visible.shape[1] - 1)
-        own_choice = self.indexer_replay.select(chosen.gather(1, own) & in_seq, visible.gather(1, own) & in_seq)
+        own_choice = self.indexer_replay.select(chosen.gather(1, own) & in_seq, visible.gather(1, own) & in_seq, start=start, total=total)
         out = torch.zeros(visible.shape[0], visible.shape[1] + 1, dtype=torch.bool, device=visible.device)
         return out.scatter_(1, torch.where(own_choice & in_seq, own, visible.shape[1]), True)[:, :-1]
 
@@ -467,12 +425,11 @@ class DS4HybridAttention(nn.Module):
         return self.indexer is not None and self.spec.indexer_loss_coeff > 0 and self.training and torch.is_grad_enabled()
 
     def _compressed(self, x, xe, q_r, rows: _Rows, cu_seqlens_padded, cp_rank, cp_size, cp_group, cos_q, sin_q):
-        """Compressed KV of every completed block in the buffer ([NB, d], gathered over CP), the
-        [T, NB] mask of the blocks each local query attends to, and ``(indexer scores with their
-        gradient, [T, NB] mask of all visible blocks)`` for the indexer loss (else None)."""
+        """The compressed KV of every completed block in the buffer ([NB, d], gathered over CP) and, for CSA, the
+        indexer's keys and its choice per local query (compact ids, chosen in row chunks): a
+        :class:`~.csa_rows.Selection`, whose ``[rows, NB]`` masks are made chunk by chunk."""
         spec = self.spec
         m = spec.compress_ratio
-        local_rows = x.shape[0]
         device = x.device
         cu = cu_seqlens_padded.to(device=device, dtype=torch.long)
         n_blocks = (cu[1:] - cu[:-1]) // m  # per sequence
@@ -480,7 +437,7 @@ class DS4HybridAttention(nn.Module):
         first_block = torch.cumsum(n_blocks, 0) - n_blocks
         block_idx = torch.arange(block_seq.numel(), device=device) - first_block[block_seq]
         block_end = cu[block_seq] + block_idx * m + (m - 1)  # global row of each block's last row
-        owner = block_end // local_rows
+        owner = block_end // x.shape[0]
         mine = owner == cp_rank
         counts = torch.bincount(owner, minlength=cp_size).tolist() if block_seq.numel() else [0] * cp_size
 
@@ -489,27 +446,15 @@ class DS4HybridAttention(nn.Module):
         comp = self.compressor(xe, end_local, block_idx[mine], cos_b, sin_b)
         if cp_size > 1:
             comp = all_gather_rows(comp, counts, cp_group)
-
-        q_pos, q_seq = rows.pos[rows.halo :], rows.seq[rows.halo :]
-        visible = (block_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (block_idx.unsqueeze(0) < ((q_pos + 1) // m).unsqueeze(1))
-        loss_inputs = None
+        sel = Selection(comp=comp, block_seq=block_seq, block_idx=block_idx, ratio=m, q_seq=rows.seq[rows.halo :], q_pos=rows.pos[rows.halo :])
         if self.indexer is not None and block_seq.numel():
             # The indexer sees detached inputs and top-k has no gradient. Only the indexer loss needs
             # autograd here (the indexer's own parameters); the scores are the same values either way.
-            with_loss = self._indexer_loss_active()
-            with torch.set_grad_enabled(with_loss):
+            with torch.set_grad_enabled(self._indexer_loss_active()):
                 keys = self.indexer.compressor(xe.detach(), end_local, block_idx[mine], cos_b, sin_b)
                 if cp_size > 1:
                     keys = all_gather_rows(keys, counts, cp_group)
-                index_scores = self.indexer.scores(x.detach(), q_r.detach(), keys, cos_q, sin_q)
-            with torch.no_grad():
-                scores = index_scores.detach().masked_fill(~visible, float("-inf"))
-                k = min(spec.index_topk, scores.shape[1])
-                order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-                chosen = torch.zeros_like(visible).scatter_(1, order, True)
-                if getattr(self, "indexer_replay", None) is not None:  # rollout indexer replay (record / replay)
-                    chosen = self._replayed_choice(chosen & visible, visible, n_blocks, first_block, q_seq)
-            if with_loss:
-                loss_inputs = (index_scores, visible)
-            visible = visible & chosen
-        return comp, visible, loss_inputs
+            sel.index_inputs = (x.detach(), q_r.detach(), keys, cos_q, sin_q)
+            sel.with_loss = self._indexer_loss_active()
+            choose(self, sel, n_blocks, first_block)
+        return sel
