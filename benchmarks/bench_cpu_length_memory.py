@@ -1,0 +1,171 @@
+"""Each rank's peak memory against the tokens it holds: the CPU SFT job (tiny DS4) at several lengths and CP sizes.
+
+For every ``LENGTH:CP`` case it runs ``scripts/run_ds4_proxy_sft_cpu.sh`` (verl's SFT trainer under torchrun) with
+``TASK=long MAX_SEQ_LEN=LENGTH`` (one row of about LENGTH tokens per step, ``BATCH=1``), ``NPROC=CP CP=CP`` (each
+rank holds LENGTH / CP tokens of the one sequence) for ``--steps`` steps, and samples every rank's ``VmHWM`` (the
+kernel's high-water mark of the process's resident set, /proc/<pid>/status) every 0.2 s while it runs: a rank's peak
+is the largest value read (VmHWM never falls, so only a peak in the last 0.2 s before the rank exits could be
+missed). The ranks are the launcher's descendants whose environment has torchrun's ``RANK``.
+
+It writes a markdown table (peak per rank, MiB) and a least-squares line ``peak = a + b x tokens per rank`` over the
+cases (with each case's residual), and a JSON-lines file of the raw numbers.
+
+    python benchmarks/bench_cpu_length_memory.py --cases 2048:4,4096:4,8192:4,16384:4,16384:2 \\
+        --out benchmarks/results/cpu_length_memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in _children(p):
+            seen.append(c)
+            todo.append(c)
+    return seen
+
+
+def _rank_and_hwm(pid: int) -> tuple[int, int] | None:
+    """(torchrun RANK, VmHWM in KiB) of a rank process, None for any other process."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    if b"verl.trainer.sft_trainer" not in cmd or b"torch.distributed.run" in cmd:
+        return None
+    rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")), None)
+    hwm = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return None if rank is None or hwm is None else (rank, int(hwm.group(1)))
+
+
+def run_case(length: int, cp: int, steps: int, python: str, port: int, work: Path) -> dict:
+    env = dict(os.environ, PYTHON=python, NPROC=str(cp), CP=str(cp), MAX_SEQ_LEN=str(length),
+               MAX_POSITIONS=str(max(length, 4096)), TASK="long", N_TRAIN="2", BATCH="1", MICRO_BATCH="1",
+               STEPS=str(steps), SAVE_FREQ="1000", RESUME_MODE="disable", MASTER_PORT=str(port),
+               WORK_DIR=str(work / f"len{length}_cp{cp}"), PYTHONPATH=str(ROOT))
+    cmd = ["bash", str(ROOT / "scripts" / "run_ds4_proxy_sft_cpu.sh")]
+    start = time.time()
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peaks: dict[int, int] = {}
+    import threading
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        for pid in _descendants(proc.pid):
+            got = _rank_and_hwm(pid)
+            if got:
+                peaks[got[0]] = max(peaks.get(got[0], 0), got[1])
+        time.sleep(0.2)
+    reader.join(timeout=10)
+    text = "".join(lines)
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {length}:{cp} failed (exit {proc.returncode}):\n{text[-3000:]}")
+    speed = re.search(r"speed\s+(\d+) tokens/s", text)
+    losses = [float(x) for x in re.findall(r"step \d+/\d+ \| loss ([0-9.]+)", text)]
+    return {"length": length, "cp": cp, "tokens_per_rank": length / cp, "steps": steps,
+            "peak_mib": {r: round(k / 1024, 1) for r, k in sorted(peaks.items())},
+            "tokens_per_s": int(speed.group(1)) if speed else None, "losses": losses,
+            "wall_s": round(time.time() - start, 1)}
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares ``y = a + b x``: (a, b, R^2)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    ss = sum((y - my) ** 2 for y in ys)
+    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / ss if ss else 1.0
+    return a, b, r2
+
+
+def table(rows: list[dict], command: str) -> str:
+    xs = [r["tokens_per_rank"] for r in rows]
+    ys = [max(r["peak_mib"].values()) for r in rows]
+    a, b, r2 = fit(xs, ys)
+    out = [
+        "# CPU SFT (tiny DS4): each rank's peak memory against the tokens it holds",
+        "",
+        "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", command) for r in rows)),
+        "",
+        "Peak = VmHWM (the kernel's resident-set high-water mark) of each torchrun rank, sampled every 0.2 s; one row "
+        "of about LENGTH tokens per step (TASK=long, BATCH=1), spread over CP ranks (NPROC=CP, DP 1), fp32, "
+        "2 CPU cores shared with other jobs (times are loaded-machine times).",
+        "",
+        "| length | CP | tokens per rank | peak per rank (MiB, rank 0..CP-1) | max | fit | residual | tokens/s |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r, x, y in zip(rows, xs, ys):
+        per = ", ".join(f"{v:.0f}" for v in r["peak_mib"].values())
+        out.append(f"| {r['length']} | {r['cp']} | {x:.0f} | {per} | {y:.0f} | {a + b * x:.0f} | {y - a - b * x:+.0f} | "
+                   f"{r['tokens_per_s']} |")
+    out += ["", f"Least-squares line over the cases: peak = {a:.0f} MiB + {b * 1024:.1f} MiB per 1,024 tokens per rank "
+            f"(R^2 = {r2:.4f}). The intercept is the process itself (Python, torch, Megatron, verl imported; the tiny "
+            "model and its optimizer); the slope is what length costs."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="2048:4,4096:4,8192:4,16384:4",
+                        help="comma-separated LENGTH:CP (default 2048:4,4096:4,8192:4,16384:4)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--port", type=int, default=29891)
+    parser.add_argument("--work", default="runs/bench_cpu_length_memory")
+    parser.add_argument("--out", default="benchmarks/results/cpu_length_memory", help="writes OUT.md and OUT.jsonl")
+    parser.add_argument("--table-only", action="store_true", help="write OUT.md from the rows already in OUT.jsonl")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/bench_cpu_length_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.table_only:
+        rows = [json.loads(line) for line in Path(args.out).with_suffix(".jsonl").read_text().splitlines() if line.strip()]
+        Path(args.out).with_suffix(".md").write_text(table(rows, command))
+        print(Path(args.out).with_suffix(".md").read_text())
+        return 0
+    cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
+    rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = out.with_suffix(".jsonl")
+    for length, cp in cases:
+        row = run_case(length, cp, args.steps, args.python, args.port, Path(args.work)) | {"command": command}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        with jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    if len(rows) >= 2:
+        out.with_suffix(".md").write_text(table(rows, command))
+        print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Long SFT rows for the CPU main job (``TASK=long`` with ``MAX_SEQ_LEN=N``), and the launcher's length checks.
+
+* :func:`long_conversations` - multi-turn arithmetic chats (:func:`verl_ds4.cpu.sft_data.arithmetic_conversations`'
+  turns) packed into conversations of at most ``seq_len`` tokens each, counted with the job's tokenizer and DS4's
+  chat encoding (:class:`verl_ds4.models.ds4.sft_dataset.DS4ChatSFTDataset`'s), so every row is one sequence of
+  nearly ``seq_len`` tokens: a 16k row is one 16k-token sequence spread over the CP ranks, not many short ones.
+  The loss falls as the model learns the turns' format and arithmetic (the same lesson as the short job); it is a
+  length and memory test, not a long-range recall task.
+* :func:`check_max_seq_len` (``python -m verl_ds4.cpu.long_data check ...``, the launcher runs it before torchrun):
+  refuses a length above the model folder's ``max_position_embeddings`` (with the fix: a shorter length, or
+  ``MAX_POSITIONS`` to raise the tiny model's field for the run), and data rows longer than the length through the
+  SFT dataset's own count (``DS4ChatSFTDataset`` with ``data.truncation=error``): never a silent cut.
+* :func:`check_rl_lengths` (``... rl-check``, the CPU RL launcher with ``PROMPT_LENGTH``): prompt + response above the
+  model's ``max_position_embeddings`` refused before Ray starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_max_seq_len", "check_rl_lengths", "long_conversations", "model_positions", "token_count"]
+
+
+def token_count(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of ``messages`` as the SFT dataset encodes them (DS4's chat encoding, BOS included)."""
+    from verl_ds4.models.ds4.chat import render_conversation, tokenize_conversation
+
+    return len(tokenize_conversation(tokenizer, render_conversation(messages))[0])
+
+
+def long_conversations(n: int, seq_len: int, tokenizer: Any, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` conversations of arithmetic Q/A turns, each filled with turns while it stays within ``seq_len``
+    tokens (deterministic in ``(n, seq_len, seed)``). Every returned conversation has at most ``seq_len``
+    tokens; a ``seq_len`` too short for one Q/A turn is an error."""
+    from verl_ds4.cpu.sft_data import arithmetic_conversations
+
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    # A pool of single Q/A pairs, drawn in a seeded order.
+    pairs = [turns[i:i + 2] for turns in arithmetic_conversations(max(64, n * 8), seed=seed) for i in range(0, len(turns), 2)]
+    rng = random.Random(seed + 1)
+    pair_cost = max(token_count(tokenizer, p) for p in pairs[:64])
+    conversations = []
+    for _ in range(n):
+        conv: list[dict[str, str]] = []
+        used = token_count(tokenizer, [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]) - 2
+        while True:
+            pair = pairs[rng.randrange(len(pairs))]
+            if used + 2 * pair_cost <= seq_len:  # far from the end: add without re-encoding the whole row
+                conv += pair
+                used = token_count(tokenizer, conv) if len(conv) % 64 == 0 else used + token_count(tokenizer, pair) - 1
+                continue
+            if token_count(tokenizer, conv + pair) > seq_len:
+                break
+            conv += pair
+            used = token_count(tokenizer, conv)
+        while conv and token_count(tokenizer, conv) > seq_len:  # the running count is an estimate: trim to the length
+            conv = conv[:-2]
+        if not conv:
+            raise ValueError(f"seq_len={seq_len}: shorter than one Q/A turn ({pair_cost} tokens); give MAX_SEQ_LEN >= {pair_cost}")
+        conversations.append(conv)
+    return conversations
+
+
+def model_positions(model_dir: str | Path) -> int | None:
+    """The model folder's ``max_position_embeddings`` (config.json), None when it has none."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    value = cfg.get("max_position_embeddings", (cfg.get("text_config") or {}).get("max_position_embeddings"))
+    return None if value is None else int(value)
+
+
+def check_max_seq_len(seq_len: int, model_dir: str | Path, train_file: str | Path | None = None,
+                      max_positions: int | None = None) -> list[str]:
+    """Problems (empty: none) of training ``seq_len``-token rows of ``train_file`` on the model of ``model_dir``."""
+    problems = []
+    limit = model_positions(model_dir)
+    if limit is not None and seq_len > limit:
+        hint = (f"MAX_POSITIONS={max_positions} is below it too" if max_positions else
+                f"or MAX_POSITIONS={seq_len} (raises the tiny model folder's max_position_embeddings for the run: a size of "
+                "our choosing, no weight or RoPE value reads it)")
+        problems.append(f"MAX_SEQ_LEN={seq_len}: the model folder {model_dir} has max_position_embeddings = {limit}, "
+                        f"expected MAX_SEQ_LEN <= {limit}; give MAX_SEQ_LEN={limit} or less, {hint}")
+    if train_file is not None and not problems:
+        from verl.utils import hf_tokenizer
+
+        from verl_ds4.models.ds4.sft_dataset import DS4ChatSFTDataset
+
+        try:  # the trainer's own dataset, as the run will build it: counts the rows over the length, refuses them
+            DS4ChatSFTDataset(str(train_file), hf_tokenizer(str(model_dir)), {"max_length": seq_len, "truncation": "error"})
+        except ValueError as err:
+            problems.append(f"MAX_SEQ_LEN={seq_len}: {err}")
+    return problems
+
+
+def check_rl_lengths(prompt_len: int, response_len: int, model_dir: str | Path) -> list[str]:
+    """Problems (empty: none) of prompts of ``prompt_len`` + responses of ``response_len`` tokens on the model of
+    ``model_dir``: their sum above its ``max_position_embeddings`` (the rollout's longest sequence) is refused."""
+    limit = model_positions(model_dir)
+    total = prompt_len + response_len
+    if limit is None or total <= limit:
+        return []
+    return [f"PROMPT_LENGTH={prompt_len} + RESPONSE_LENGTH={response_len} = {total} tokens: the model {model_dir} has "
+            f"max_position_embeddings = {limit}, expected prompt + response <= {limit}; shorten them, or "
+            f"MAX_POSITIONS={total} (raises the assets' tiny model's field: no weight or RoPE value reads it)"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_ds4.cpu.long_data",
+                                     description="Refuse a CPU SFT length (check) or RL prompt + response (rl-check) the "
+                                                 "model or the data cannot take (no training).")
+    parser.add_argument("command", choices=["check", "rl-check"])
+    parser.add_argument("--max-seq-len", type=int, default=None, help="check: the SFT length")
+    parser.add_argument("--prompt-len", type=int, default=None, help="rl-check: the prompt length")
+    parser.add_argument("--response-len", type=int, default=None, help="rl-check: the response length")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--train-file", default=None)
+    parser.add_argument("--max-positions", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.command == "rl-check":
+        problems = check_rl_lengths(args.prompt_len, args.response_len, args.model_dir)
+        for p in problems:
+            print(p, file=sys.stderr)
+        return 2 if problems else 0
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the tiny config's raised positions make transformers' YaRN note noise
+    problems = check_max_seq_len(args.max_seq_len, args.model_dir, args.train_file, args.max_positions)
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
