@@ -80,7 +80,7 @@ def check_max_seq_len(seq_len: int, model_dir: str | Path, train_file: str | Pat
     problems = []
     limit = model_positions(model_dir)
     if limit is not None and seq_len > limit:
-        hint = (f"MAX_POSITIONS={max_positions} is below it too" if max_positions else
+        hint = (f"or raise MAX_POSITIONS={max_positions} to {seq_len} or more" if max_positions else
                 f"or MAX_POSITIONS={seq_len} (raises the tiny model folder's max_position_embeddings for the run: a size of "
                 "our choosing, no weight or RoPE value reads it)")
         problems.append(f"MAX_SEQ_LEN={seq_len}: the model folder {model_dir} has max_position_embeddings = {limit}, "
