@@ -95,22 +95,22 @@ def run_case(length: int, cp: int, steps: int, python: str, port: int, work: Pat
             "wall_s": round(time.time() - start, 1)}
 
 
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least squares ``y = a + b x``: (a, b, R^2)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    ss = sum((y - my) ** 2 for y in ys)
-    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / ss if ss else 1.0
-    return a, b, r2
+def fit(columns: list[list[float]], ys: list[float]) -> tuple[list[float], list[float]]:
+    """Least squares ``y = sum_k c_k x_k``: (coefficients, residuals)."""
+    import numpy as np
+
+    x = np.array(columns, dtype=float).T
+    coef, *_ = np.linalg.lstsq(x, np.array(ys, dtype=float), rcond=None)
+    return coef.tolist(), (np.array(ys) - x @ coef).tolist()
 
 
 def table(rows: list[dict], command: str) -> str:
-    xs = [r["tokens_per_rank"] for r in rows]
+    t = [float(r["length"]) for r in rows]
+    per = [r["tokens_per_rank"] for r in rows]
     ys = [max(r["peak_mib"].values()) for r in rows]
-    a, b, r2 = fit(xs, ys)
+    ones = [1.0] * len(rows)
+    (a1, b1), res1 = fit([ones, per], ys)
+    (a2, b2, c2), res2 = fit([ones, per, [x * n for x, n in zip(t, per)]], ys)
     out = [
         "# CPU SFT (tiny DS4): each rank's peak memory against the tokens it holds",
         "",
@@ -120,16 +120,23 @@ def table(rows: list[dict], command: str) -> str:
         "of about LENGTH tokens per step (TASK=long, BATCH=1), spread over CP ranks (NPROC=CP, DP 1), fp32, "
         "2 CPU cores shared with other jobs (times are loaded-machine times).",
         "",
-        "| length | CP | tokens per rank | peak per rank (MiB, rank 0..CP-1) | max | fit | residual | tokens/s |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| length T | CP | tokens per rank T/CP | peak per rank (MiB, rank 0..CP-1) | max | linear fit | residual "
+        "| fit with T x T/CP | residual | tokens/s |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r, x, y in zip(rows, xs, ys):
-        per = ", ".join(f"{v:.0f}" for v in r["peak_mib"].values())
-        out.append(f"| {r['length']} | {r['cp']} | {x:.0f} | {per} | {y:.0f} | {a + b * x:.0f} | {y - a - b * x:+.0f} | "
-                   f"{r['tokens_per_s']} |")
-    out += ["", f"Least-squares line over the cases: peak = {a:.0f} MiB + {b * 1024:.1f} MiB per 1,024 tokens per rank "
-            f"(R^2 = {r2:.4f}). The intercept is the process itself (Python, torch, Megatron, verl imported; the tiny "
-            "model and its optimizer); the slope is what length costs."]
+    for r, x, y, e1, e2 in zip(rows, per, ys, res1, res2):
+        ranks = ", ".join(f"{v:.0f}" for v in r["peak_mib"].values())
+        out.append(f"| {r['length']} | {r['cp']} | {x:.0f} | {ranks} | {y:.0f} | {y - e1:.0f} | {e1:+.0f} | {y - e2:.0f} | "
+                   f"{e2:+.0f} | {r['tokens_per_s']} |")
+    out += [
+        "",
+        f"Linear in tokens per rank: peak = {a1:.0f} MiB + {b1 * 1024:.1f} MiB per 1,024 tokens per rank (largest "
+        f"residual {max(res1, key=abs):+.0f} MiB).",
+        "",
+        f"With a term in T x T/CP (each of a rank's rows against every token of the sequence): peak = {a2:.0f} MiB + "
+        f"{b2 * 1024:.1f} MiB per 1,024 tokens per rank + {c2 * 2**20:.2f} bytes x T x T/CP (largest residual "
+        f"{max(res2, key=abs):+.0f} MiB).",
+    ]
     return "\n".join(out) + "\n"
 
 

@@ -1,6 +1,6 @@
 """Long SFT rows for the CPU main job (``TASK=long`` with ``MAX_SEQ_LEN=N``), and the launcher's length checks.
 
-* :func:`long_conversations` - multi-turn arithmetic chats (:func:`verl_ds4.cpu.sft_data.arithmetic_conversations`'
+* :func:`long_conversations` (in :mod:`verl_ds4.cpu.sft_data`, re-exported here) - multi-turn arithmetic chats (:func:`verl_ds4.cpu.sft_data.arithmetic_conversations`'
   turns) packed into conversations of at most ``seq_len`` tokens each, counted with the job's tokenizer and DS4's
   chat encoding (:class:`verl_ds4.models.ds4.sft_dataset.DS4ChatSFTDataset`'s), so every row is one sequence of
   nearly ``seq_len`` tokens: a 16k row is one 16k-token sequence spread over the CP ranks, not many short ones.
@@ -18,53 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
-from typing import Any
+
+from verl_ds4.cpu.sft_data import long_conversations, token_count
 
 __all__ = ["check_max_seq_len", "check_rl_lengths", "long_conversations", "model_positions", "token_count"]
-
-
-def token_count(tokenizer: Any, messages: list[dict[str, str]]) -> int:
-    """Tokens of ``messages`` as the SFT dataset encodes them (DS4's chat encoding, BOS included)."""
-    from verl_ds4.models.ds4.chat import render_conversation, tokenize_conversation
-
-    return len(tokenize_conversation(tokenizer, render_conversation(messages))[0])
-
-
-def long_conversations(n: int, seq_len: int, tokenizer: Any, seed: int = 0) -> list[list[dict[str, str]]]:
-    """``n`` conversations of arithmetic Q/A turns, each filled with turns while it stays within ``seq_len``
-    tokens (deterministic in ``(n, seq_len, seed)``). Every returned conversation has at most ``seq_len``
-    tokens; a ``seq_len`` too short for one Q/A turn is an error."""
-    from verl_ds4.cpu.sft_data import arithmetic_conversations
-
-    if n <= 0:
-        raise ValueError(f"n must be positive, got {n}")
-    # A pool of single Q/A pairs, drawn in a seeded order.
-    pairs = [turns[i:i + 2] for turns in arithmetic_conversations(max(64, n * 8), seed=seed) for i in range(0, len(turns), 2)]
-    rng = random.Random(seed + 1)
-    pair_cost = max(token_count(tokenizer, p) for p in pairs[:64])
-    conversations = []
-    for _ in range(n):
-        conv: list[dict[str, str]] = []
-        used = token_count(tokenizer, [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]) - 2
-        while True:
-            pair = pairs[rng.randrange(len(pairs))]
-            if used + 2 * pair_cost <= seq_len:  # far from the end: add without re-encoding the whole row
-                conv += pair
-                used = token_count(tokenizer, conv) if len(conv) % 64 == 0 else used + token_count(tokenizer, pair) - 1
-                continue
-            if token_count(tokenizer, conv + pair) > seq_len:
-                break
-            conv += pair
-            used = token_count(tokenizer, conv)
-        while conv and token_count(tokenizer, conv) > seq_len:  # the running count is an estimate: trim to the length
-            conv = conv[:-2]
-        if not conv:
-            raise ValueError(f"seq_len={seq_len}: shorter than one Q/A turn ({pair_cost} tokens); give MAX_SEQ_LEN >= {pair_cost}")
-        conversations.append(conv)
-    return conversations
 
 
 def model_positions(model_dir: str | Path) -> int | None:

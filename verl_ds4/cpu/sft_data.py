@@ -5,6 +5,9 @@
 * :func:`digit_conversations` - demonstrations of the CPU RL task (``"Repeat the digit 7."`` ->
   ``"7777"``, :data:`DIGIT_PROMPT`, the prompt :mod:`verl_ds4.rollout.demo_task` asks), for the SFT
   that starts the RL learning benchmark (``task="digits"``).
+* :func:`long_conversations` - arithmetic Q/A turns packed into conversations of at most ``seq_len`` tokens each
+  (``task="long"``, the launcher's ``TASK=long MAX_SEQ_LEN=N``; counted by :func:`token_count` with DS4's chat
+  encoding), for the CPU job at length (:mod:`verl_ds4.cpu.long_data` checks the length).
 * :func:`write_sft_parquet` - verl's SFT format: a parquet file with a ``messages`` column.
 * :func:`build_char_tokenizer` - a character-level ``PreTrainedTokenizerFast`` (HF
   ``tokenizers`` WordLevel model over single characters) with a tiny chat template; built
@@ -40,6 +43,8 @@ __all__ = [
     "SFT_TASKS",
     "build_char_tokenizer",
     "digit_conversations",
+    "long_conversations",
+    "token_count",
     "ds4_control_tokens",
     "ds4_proxy_hf_config",
     "padded_vocab_size",
@@ -108,7 +113,7 @@ def arithmetic_conversations(n: int = 400, seed: int = 0) -> list[list[dict[str,
 #: The CPU RL task's prompt (verl_ds4.rollout.demo_task asks it; the SFT "digits" task demonstrates it).
 DIGIT_PROMPT = "Repeat the digit {digit}."
 #: The SFT datasets: arithmetic chats (the main job), the RL task's demonstrations, or arithmetic turns packed into
-#: conversations of up to ``seq_len`` tokens (``long``: :mod:`verl_ds4.cpu.long_data`).
+#: conversations of up to ``seq_len`` tokens (``long``: :func:`long_conversations`).
 SFT_TASKS = ("arithmetic", "digits", "long")
 
 
@@ -127,6 +132,45 @@ def digit_conversations(n: int = 400, seed: int = 0, min_repeat: int = 3, max_re
             {"role": "user", "content": DIGIT_PROMPT.format(digit=digit)},
             {"role": "assistant", "content": digit * rng.randint(min_repeat, max_repeat)},
         ])
+    return conversations
+
+
+def token_count(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of ``messages`` as the SFT dataset encodes them (DS4's chat encoding, BOS included)."""
+    from verl_ds4.models.ds4.chat import render_conversation, tokenize_conversation
+
+    return len(tokenize_conversation(tokenizer, render_conversation(messages))[0])
+
+
+def long_conversations(n: int, seq_len: int, tokenizer: Any, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` conversations of arithmetic Q/A turns, each filled with turns while it stays within ``seq_len``
+    tokens (deterministic in ``(n, seq_len, seed)``). Every returned conversation has at most ``seq_len``
+    tokens; a ``seq_len`` too short for one Q/A turn is an error."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    # A pool of single Q/A pairs, drawn in a seeded order.
+    pairs = [turns[i:i + 2] for turns in arithmetic_conversations(max(64, n * 8), seed=seed) for i in range(0, len(turns), 2)]
+    rng = random.Random(seed + 1)
+    pair_cost = max(token_count(tokenizer, p) for p in pairs[:64])
+    conversations = []
+    for _ in range(n):
+        conv: list[dict[str, str]] = []
+        used = token_count(tokenizer, [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]) - 2
+        while True:
+            pair = pairs[rng.randrange(len(pairs))]
+            if used + 2 * pair_cost <= seq_len:  # far from the end: add without re-encoding the whole row
+                conv += pair
+                used = token_count(tokenizer, conv) if len(conv) % 64 == 0 else used + token_count(tokenizer, pair) - 1
+                continue
+            if token_count(tokenizer, conv + pair) > seq_len:
+                break
+            conv += pair
+            used = token_count(tokenizer, conv)
+        while conv and token_count(tokenizer, conv) > seq_len:  # the running count is an estimate: trim to the length
+            conv = conv[:-2]
+        if not conv:
+            raise ValueError(f"seq_len={seq_len}: shorter than one Q/A turn ({pair_cost} tokens); give MAX_SEQ_LEN >= {pair_cost}")
+        conversations.append(conv)
     return conversations
 
 
@@ -369,7 +413,7 @@ def prepare_cpu_sft_assets(
 
     ``task``: ``arithmetic`` (:func:`arithmetic_conversations`, the main job) or ``digits``
     (:func:`digit_conversations`, the RL task's demonstrations) or ``long`` (arithmetic turns packed into rows of at
-    most ``seq_len`` tokens, :func:`verl_ds4.cpu.long_data.long_conversations`). ``max_positions``: the model
+    most ``seq_len`` tokens, :func:`long_conversations`). ``max_positions``: the model
     config's ``max_position_embeddings`` (:func:`write_cpu_model_folder`).
 
     Returns strings: ``model``, ``train``, (if ``n_val``) ``val``, and ``external_lib`` (the
@@ -398,8 +442,6 @@ def prepare_cpu_sft_assets(
         return paths
     write_cpu_model_folder(out_dir / "model", model, max_positions)
     if task == "long":
-        from verl_ds4.cpu.long_data import long_conversations
-
         conversations = long_conversations(n_train + n_val, int(seq_len), build_char_tokenizer(), seed=seed)
     else:
         make = arithmetic_conversations if task == "arithmetic" else digit_conversations
