@@ -232,7 +232,7 @@ CONSOLE=(
     --fact "job=$JOB, verl.trainer.main_ppo on CPU (Ray, recipe $RECIPE_NAME)"
     "${MODEL_FACT[@]}"
     --fact "parallel=CP $CP ($ROLES), TP 1, PP 1; $NNODES node(s) x $NPROC_PER_NODE processes$CLUSTER_FACT"
-    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH (updates of $MINI_BATCH), prompt <= ${PROMPT_LENGTH:-96} + response <= $RESPONSE_LENGTH tokens, $STEPS steps"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts${PROMPT_LENGTH:+ of <= $PROMPT_LENGTH tokens}), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)"); indexer replay $([ "$INDEXER_REPLAY" = 1 ] && echo on || echo off) (INDEXER_REPLAY)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )

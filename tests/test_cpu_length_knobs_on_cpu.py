@@ -109,3 +109,28 @@ def test_the_check_command_exits_2_with_the_message(model_dir):
     cmd[5] = "6"
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode == 0  # negative control
+
+
+def test_the_knobs_reach_verl_and_the_assets(tmp_path):
+    """The command lines the launchers build, read through a stand-in interpreter that prints its arguments (nothing
+    runs): MAX_SEQ_LEN is data.max_length, TASK=long asks the assets for rows of that length, PROMPT_LENGTH is
+    data.max_prompt_length and the prompts' length; without them the defaults stand (the control)."""
+    stub, log = tmp_path / "python", tmp_path / "calls.txt"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" | tee -a {log}\n')  # every call's arguments, captured or not
+    stub.chmod(0o755)
+
+    def args(script, **knobs):
+        log.write_text("")
+        env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "WORK_DIR": str(tmp_path / "w"), **knobs}
+        out = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return log.read_text().splitlines()
+
+    sft = args("run_ds4_proxy_sft_cpu.sh", MAX_SEQ_LEN="16384", MAX_POSITIONS="16384", TASK="long")
+    assert "data.max_length=16384" in sft and "data.max_length=256" not in sft
+    assert any(a == "--seq-len" for a in sft) and "--max-positions" in sft and "--max-seq-len" in sft
+    assert "data.max_length=256" in args("run_ds4_proxy_sft_cpu.sh") and "--max-seq-len" not in args("run_ds4_proxy_sft_cpu.sh")
+    rl = args("run_ds4_proxy_ppo_cpu.sh", PROMPT_LENGTH="4000", RESPONSE_LENGTH="8")
+    assert "data.max_prompt_length=4000" in rl and "--prompt-len" in rl and "rl-check" in rl
+    assert not any(a.startswith("data.max_prompt_length=") for a in args("run_ds4_proxy_ppo_cpu.sh"))
