@@ -7,7 +7,9 @@ kernel's high-water mark of the process's resident set, /proc/<pid>/status) ever
 is the largest value read (VmHWM never falls, so only a peak in the last 0.2 s before the rank exits could be
 missed). The ranks are the launcher's descendants whose environment has torchrun's ``RANK``.
 
-It writes a markdown table (peak per rank, MiB) and a least-squares line ``peak = a + b x tokens per rank`` over the
+Run it under ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc) to measure what the ranks hold: with glibc's default the row
+chunks' many transient buffers fragment the heap, and the resident set grows with T x T/CP beyond it (recorded in each
+row). It writes a markdown table (peak per rank, MiB) and a least-squares line ``peak = a + b x tokens per rank`` over the
 cases (with each case's residual), and a JSON-lines file of the raw numbers.
 
     python benchmarks/bench_cpu_length_memory.py --cases 2048:4,4096:4,8192:4,16384:4,16384:2 \\
@@ -92,7 +94,7 @@ def run_case(length: int, cp: int, steps: int, python: str, port: int, work: Pat
     return {"length": length, "cp": cp, "tokens_per_rank": length / cp, "steps": steps,
             "peak_mib": {r: round(k / 1024, 1) for r, k in sorted(peaks.items())},
             "tokens_per_s": int(speed.group(1)) if speed else None, "losses": losses,
-            "wall_s": round(time.time() - start, 1)}
+            "wall_s": round(time.time() - start, 1), "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
 
 
 def fit(columns: list[list[float]], ys: list[float]) -> tuple[list[float], list[float]]:
@@ -118,7 +120,9 @@ def table(rows: list[dict], command: str) -> str:
         "",
         "Peak = VmHWM (the kernel's resident-set high-water mark) of each torchrun rank, sampled every 0.2 s; one row "
         "of about LENGTH tokens per step (TASK=long, BATCH=1), spread over CP ranks (NPROC=CP, DP 1), fp32, "
-        "2 CPU cores shared with other jobs (times are loaded-machine times).",
+        "2 CPU cores shared with other jobs (times are loaded-machine times). glibc's MALLOC_MMAP_THRESHOLD_: "
+        + ", ".join(sorted({str(r.get("MALLOC_MMAP_THRESHOLD_")) for r in rows}))
+        + " (None: glibc's dynamic default; 131072: every block above 128 KiB is mmap-ed and returned when freed).",
         "",
         "| length T | CP | tokens per rank T/CP | peak per rank (MiB, rank 0..CP-1) | max | linear fit | residual "
         "| fit with T x T/CP | residual | tokens/s |",
