@@ -47,6 +47,10 @@ STEPS=${STEPS:-3}                       # RL steps (each: rollout, reward, [valu
 BATCH=${BATCH:-8}                       # prompts per step
 MINI_BATCH=${MINI_BATCH:-$BATCH}        # prompts per actor/critic update (BATCH / MINI_BATCH updates per step)
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}  # tokens sampled per prompt (at most)
+PROMPT_LENGTH=${PROMPT_LENGTH:-}        # empty: the short task (data.max_prompt_length 96); N: every prompt filled to about N
+                                        # tokens with arithmetic text before its instruction (data.max_prompt_length=N)
+MAX_POSITIONS=${MAX_POSITIONS:-}        # the tiny model folder's max_position_embeddings (empty: its own, 4096); prompt +
+                                        # response above the model's is refused
 CP=${CP:-2}                             # context-parallel size of actor, reference and critic
 NNODES=${NNODES:-1}                     # Ray nodes the trainer spreads over (trainer.nnodes)
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}     # trainer processes per node (trainer.n_gpus_per_node, logical GPUs)
@@ -90,6 +94,15 @@ for knob in NNODES NPROC_PER_NODE CP; do
         echo "$knob=${!knob}: expected a positive integer" >&2; exit 2
     fi
 done
+for knob in PROMPT_LENGTH MAX_POSITIONS; do
+    if [ -n "${!knob}" ] && ! [[ ${!knob} =~ ^[1-9][0-9]*$ ]]; then
+        echo "$knob=${!knob}: expected a positive integer (tokens), e.g. $knob=4096" >&2; exit 2
+    fi
+done
+if [ -n "$MAX_POSITIONS" ] && [ -n "$MODEL_PATH" ]; then
+    echo "MAX_POSITIONS=$MAX_POSITIONS with MODEL_PATH=$MODEL_PATH: MAX_POSITIONS sizes the assets' tiny model only; set" \
+         "max_position_embeddings in $MODEL_PATH/config.json instead" >&2; exit 2
+fi
 if [ $((NNODES * NPROC_PER_NODE % CP)) != 0 ]; then
     echo "CP=$CP does not divide the trainer's $((NNODES * NPROC_PER_NODE)) processes (NNODES=$NNODES x NPROC_PER_NODE=$NPROC_PER_NODE)" >&2; exit 2
 fi
@@ -139,6 +152,7 @@ DATA=(
     data.max_response_length="$RESPONSE_LENGTH"
     reward.custom_reward_function.path="$REWARD_FILE"
 )
+[ -n "$PROMPT_LENGTH" ] && DATA+=(data.max_prompt_length="$PROMPT_LENGTH")
 MODEL_ARGS=(
     actor_rollout_ref.model.path="$START_MODEL"
     actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH"
@@ -177,12 +191,22 @@ if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys ppo_trainer --before 
     exit 2
 fi
 # The assets (data, the seeded model folder), written once the overrides passed.
+ASSET_ARGS=(--out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL")
+[ -n "$PROMPT_LENGTH" ] && ASSET_ARGS+=(--prompt-len "$PROMPT_LENGTH")
+[ -n "$MAX_POSITIONS" ] && ASSET_ARGS+=(--max-positions "$MAX_POSITIONS")
 if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" >/dev/null
-elif ! assets_out=$("$PYTHON" "$REWARD_FILE" --out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" 2>&1); then
+    "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" >/dev/null
+elif ! assets_out=$("$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
+fi
+# Prompt + response within the model's max_position_embeddings (the rollout's max_model_len), before Ray starts.
+if [ -n "$PROMPT_LENGTH" ]; then
+    if ! "$PYTHON" -m verl_ds4.cpu.long_data rl-check --prompt-len "$PROMPT_LENGTH" --response-len "$RESPONSE_LENGTH" \
+            --model-dir "$START_MODEL"; then
+        exit 2
+    fi
 fi
 
 # Resuming: refuse at start-up, before Ray starts, a checkpoint another run wrote (a changed CP size,
@@ -208,7 +232,7 @@ CONSOLE=(
     --fact "job=$JOB, verl.trainer.main_ppo on CPU (Ray, recipe $RECIPE_NAME)"
     "${MODEL_FACT[@]}"
     --fact "parallel=CP $CP ($ROLES), TP 1, PP 1; $NNODES node(s) x $NPROC_PER_NODE processes$CLUSTER_FACT"
-    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts${PROMPT_LENGTH:+ of <= $PROMPT_LENGTH tokens}), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)"); indexer replay $([ "$INDEXER_REPLAY" = 1 ] && echo on || echo off) (INDEXER_REPLAY)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
 )

@@ -46,7 +46,11 @@ NODE_RANK=${NODE_RANK:-0}               # this node's rank (torchrun --node_rank
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}   # rendezvous address: node 0's (torchrun --master_addr)
 CP=${CP:-2}                             # context-parallel size; data-parallel size = NNODES * NPROC / CP
 MODEL=${MODEL:-ds4}                     # ds4 (full tiny DS4) | ds4_proxy (attention-only) | tiny_dense | ds41 (DeepSeek-V4.1)
-TASK=${TASK:-arithmetic}                # arithmetic (Q/A chats) | digits (the CPU RL task's demonstrations)
+TASK=${TASK:-arithmetic}                # arithmetic (Q/A chats) | digits (the CPU RL task's demonstrations) | long (arithmetic
+                                        # turns packed into rows of up to MAX_SEQ_LEN tokens: one long sequence per row)
+MAX_SEQ_LEN=${MAX_SEQ_LEN:-}            # the longest sequence (data.max_length; empty: 256). Refused above the model's
+                                        # max_position_embeddings (tiny DS4: 4096), and rows longer than it are counted and refused
+MAX_POSITIONS=${MAX_POSITIONS:-}        # the tiny model folder's max_position_embeddings (empty: the model's own), e.g. 16384
 WORK_DIR=${WORK_DIR:-runs/${MODEL}_sft_cpu}
 N_TRAIN=${N_TRAIN:-400}                 # conversations written to the training parquet
 STEPS=${STEPS:-80}                      # optimizer steps
@@ -75,6 +79,23 @@ for knob in NPROC NNODES CP; do
         echo "$knob=${!knob}: expected a positive integer" >&2; exit 2
     fi
 done
+for knob in MAX_SEQ_LEN MAX_POSITIONS; do
+    if [ -n "${!knob}" ] && ! [[ ${!knob} =~ ^[1-9][0-9]*$ ]]; then
+        echo "$knob=${!knob}: expected a positive integer (tokens), e.g. $knob=16384" >&2; exit 2
+    fi
+done
+if [ "$TASK" = long ] && [ -z "$MAX_SEQ_LEN" ]; then
+    echo "TASK=long: needs MAX_SEQ_LEN (the tokens of each packed row), e.g. MAX_SEQ_LEN=16384 MAX_POSITIONS=16384 TASK=long" >&2; exit 2
+fi
+for arg in ${OVERRIDES[@]+"${OVERRIDES[@]}"}; do
+    case "${arg#"${arg%%[!+]*}"}" in   # the key without leading + signs
+        data.max_length=*)
+            if [ -n "$MAX_SEQ_LEN" ] && [ "${arg#*=}" != "$MAX_SEQ_LEN" ]; then
+                echo "$arg with MAX_SEQ_LEN=$MAX_SEQ_LEN: two different lengths; give one (MAX_SEQ_LEN sets data.max_length)" >&2; exit 2
+            fi ;;
+    esac
+done
+SEQ_LEN=${MAX_SEQ_LEN:-256}
 if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
     echo "NODE_RANK=$NODE_RANK: expected 0 to $((NNODES - 1)) (NNODES=$NNODES)" >&2; exit 2
 fi
@@ -112,7 +133,7 @@ DATA=(
     data.train_batch_size="$BATCH"
     data.micro_batch_size_per_gpu="$MICRO_BATCH"
     data.use_dynamic_bsz=False
-    data.max_length=256
+    data.max_length="$SEQ_LEN"
     data.num_workers=0
     data.custom_cls.path=pkg://verl_ds4.models.ds4.sft_dataset
     data.custom_cls.name=DS4ChatSFTDataset
@@ -155,7 +176,7 @@ CONSOLE=(
     --fact "job=SFT, verl.trainer.sft_trainer on $WORLD CPU processes (torchrun, engine=megatron, $DTYPE)"
     --fact "model=$MODEL ($ASSETS/model)"
     --fact "parallel=CP $CP x DP $(( WORLD / CP )), TP 1, PP 1"
-    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN $TASK conversations), batch $BATCH, $STEPS steps, lr $LR"
+    --fact "data=$ASSETS/data/train.parquet ($N_TRAIN $TASK conversations, <= $SEQ_LEN tokens each), batch $BATCH, $STEPS steps, lr $LR"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
@@ -195,12 +216,26 @@ if [ "$NODE_RANK" = 0 ] && ! "$PYTHON" -W ignore -m verl_ds4.recipes.ckpt_resume
 fi
 
 # The assets (data, the seeded model folder), written once the overrides passed.
+ASSET_ARGS=(--out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN")
+[ "$TASK" = long ] && ASSET_ARGS+=(--seq-len "$MAX_SEQ_LEN")
+[ -n "$MAX_POSITIONS" ] && ASSET_ARGS+=(--max-positions "$MAX_POSITIONS")
 if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN"
-elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data --out "$ASSETS" --model "$MODEL" --task "$TASK" --n-train "$N_TRAIN" 2>&1); then
+    "$PYTHON" -m verl_ds4.cpu.sft_data "${ASSET_ARGS[@]}"
+elif ! assets_out=$("$PYTHON" -m verl_ds4.cpu.sft_data "${ASSET_ARGS[@]}" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
+fi
+
+# The length, before torchrun starts: refused above the model folder's max_position_embeddings (MAX_POSITIONS
+# raises the tiny model's), and rows longer than it counted and refused by the trainer's own dataset
+# (DS4ChatSFTDataset, data.truncation=error): never cut silently.
+if [ -n "$MAX_SEQ_LEN" ]; then
+    LENGTH_CHECK=(--max-seq-len "$MAX_SEQ_LEN" --model-dir "$ASSETS/model" --train-file "$ASSETS/data/train.parquet")
+    [ -n "$MAX_POSITIONS" ] && LENGTH_CHECK+=(--max-positions "$MAX_POSITIONS")
+    if ! "$PYTHON" -W ignore -m verl_ds4.cpu.long_data check "${LENGTH_CHECK[@]}" >/dev/null; then
+        exit 2
+    fi
 fi
 
 if [ "$NNODES" -gt 1 ]; then

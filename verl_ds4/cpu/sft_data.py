@@ -5,6 +5,9 @@
 * :func:`digit_conversations` - demonstrations of the CPU RL task (``"Repeat the digit 7."`` ->
   ``"7777"``, :data:`DIGIT_PROMPT`, the prompt :mod:`verl_ds4.rollout.demo_task` asks), for the SFT
   that starts the RL learning benchmark (``task="digits"``).
+* :func:`long_conversations` - arithmetic Q/A turns packed into conversations of at most ``seq_len`` tokens each
+  (``task="long"``, the launcher's ``TASK=long MAX_SEQ_LEN=N``; counted by :func:`token_count` with DS4's chat
+  encoding), for the CPU job at length (:mod:`verl_ds4.cpu.long_data` checks the length).
 * :func:`write_sft_parquet` - verl's SFT format: a parquet file with a ``messages`` column.
 * :func:`build_char_tokenizer` - a character-level ``PreTrainedTokenizerFast`` (HF
   ``tokenizers`` WordLevel model over single characters) with a tiny chat template; built
@@ -40,6 +43,8 @@ __all__ = [
     "SFT_TASKS",
     "build_char_tokenizer",
     "digit_conversations",
+    "long_conversations",
+    "token_count",
     "ds4_control_tokens",
     "ds4_proxy_hf_config",
     "padded_vocab_size",
@@ -107,8 +112,9 @@ def arithmetic_conversations(n: int = 400, seed: int = 0) -> list[list[dict[str,
 
 #: The CPU RL task's prompt (verl_ds4.rollout.demo_task asks it; the SFT "digits" task demonstrates it).
 DIGIT_PROMPT = "Repeat the digit {digit}."
-#: The SFT datasets: arithmetic chats (the main job) or the RL task's demonstrations.
-SFT_TASKS = ("arithmetic", "digits")
+#: The SFT datasets: arithmetic chats (the main job), the RL task's demonstrations, or arithmetic turns packed into
+#: conversations of up to ``seq_len`` tokens (``long``: :func:`long_conversations`).
+SFT_TASKS = ("arithmetic", "digits", "long")
 
 
 def digit_conversations(n: int = 400, seed: int = 0, min_repeat: int = 3, max_repeat: int = 6) -> list[list[dict[str, str]]]:
@@ -126,6 +132,45 @@ def digit_conversations(n: int = 400, seed: int = 0, min_repeat: int = 3, max_re
             {"role": "user", "content": DIGIT_PROMPT.format(digit=digit)},
             {"role": "assistant", "content": digit * rng.randint(min_repeat, max_repeat)},
         ])
+    return conversations
+
+
+def token_count(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of ``messages`` as the SFT dataset encodes them (DS4's chat encoding, BOS included)."""
+    from verl_ds4.models.ds4.chat import render_conversation, tokenize_conversation
+
+    return len(tokenize_conversation(tokenizer, render_conversation(messages))[0])
+
+
+def long_conversations(n: int, seq_len: int, tokenizer: Any, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` conversations of arithmetic Q/A turns, each filled with turns while it stays within ``seq_len``
+    tokens (deterministic in ``(n, seq_len, seed)``). Every returned conversation has at most ``seq_len``
+    tokens; a ``seq_len`` too short for one Q/A turn is an error."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    # A pool of single Q/A pairs, drawn in a seeded order.
+    pairs = [turns[i:i + 2] for turns in arithmetic_conversations(max(64, n * 8), seed=seed) for i in range(0, len(turns), 2)]
+    rng = random.Random(seed + 1)
+    pair_cost = max(token_count(tokenizer, p) for p in pairs[:64])
+    conversations = []
+    for _ in range(n):
+        conv: list[dict[str, str]] = []
+        used = token_count(tokenizer, [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]) - 2
+        while True:
+            pair = pairs[rng.randrange(len(pairs))]
+            if used + 2 * pair_cost <= seq_len:  # far from the end: add without re-encoding the whole row
+                conv += pair
+                used = token_count(tokenizer, conv) if len(conv) % 64 == 0 else used + token_count(tokenizer, pair) - 1
+                continue
+            if token_count(tokenizer, conv + pair) > seq_len:
+                break
+            conv += pair
+            used = token_count(tokenizer, conv)
+        while conv and token_count(tokenizer, conv) > seq_len:  # the running count is an estimate: trim to the length
+            conv = conv[:-2]
+        if not conv:
+            raise ValueError(f"seq_len={seq_len}: shorter than one Q/A turn ({pair_cost} tokens); give MAX_SEQ_LEN >= {pair_cost}")
+        conversations.append(conv)
     return conversations
 
 
@@ -334,10 +379,16 @@ def model_hf_config(model: str):
     raise ValueError(f"model={model!r}; expected one of {MODELS}.")
 
 
-def write_cpu_model_folder(model_dir: str | Path, model: str) -> Path:
+def write_cpu_model_folder(model_dir: str | Path, model: str, max_positions: int | None = None) -> Path:
     """The CPU jobs' model folder for ``model`` (one of :data:`MODELS`): the tokenizer, the config and, for
-    ``ds4`` and ``ds41``, the seeded weights."""
+    ``ds4`` and ``ds41``, the seeded weights. ``max_positions``: the config's ``max_position_embeddings`` instead
+    of the tiny model's own (a size of our choosing; no weight or RoPE value reads it)."""
     hf_config = model_hf_config(model)
+    if max_positions is not None:
+        if isinstance(hf_config, dict):
+            hf_config["max_position_embeddings"] = int(max_positions)
+        else:
+            hf_config.max_position_embeddings = int(max_positions)
     if model == "ds41":
         from verl_ds4.cpu.ds41_model_dir import write_ds41_weights
 
@@ -355,12 +406,15 @@ def write_cpu_model_folder(model_dir: str | Path, model: str) -> Path:
 
 
 def prepare_cpu_sft_assets(
-    out_dir: str | Path, *, model: str = "ds4", n_train: int = 400, n_val: int = 0, seed: int = 0, task: str = "arithmetic"
+    out_dir: str | Path, *, model: str = "ds4", n_train: int = 400, n_val: int = 0, seed: int = 0, task: str = "arithmetic",
+    seq_len: int | None = None, max_positions: int | None = None,
 ) -> dict[str, str]:
     """Create ``model/`` (tokenizer + HF config; for ``ds4`` also the weights) and ``data/train.parquet``.
 
     ``task``: ``arithmetic`` (:func:`arithmetic_conversations`, the main job) or ``digits``
-    (:func:`digit_conversations`, the RL task's demonstrations).
+    (:func:`digit_conversations`, the RL task's demonstrations) or ``long`` (arithmetic turns packed into rows of at
+    most ``seq_len`` tokens, :func:`long_conversations`). ``max_positions``: the model
+    config's ``max_position_embeddings`` (:func:`write_cpu_model_folder`).
 
     Returns strings: ``model``, ``train``, (if ``n_val``) ``val``, and ``external_lib`` (the
     module to pass as verl's ``model.external_lib`` so the CPU engine can build the model).
@@ -373,16 +427,25 @@ def prepare_cpu_sft_assets(
         raise ValueError(f"model={model!r}; expected one of {MODELS}.")
     if task not in SFT_TASKS:
         raise ValueError(f"task={task!r}; expected one of {SFT_TASKS}.")
+    if task == "long" and not seq_len:
+        raise ValueError("task='long' needs seq_len (the launcher's MAX_SEQ_LEN), e.g. MAX_SEQ_LEN=16384 TASK=long")
     recorded = {"model": model, "task": task, "n_train": n_train, "n_val": n_val, "seed": seed}
+    if task == "long":
+        recorded["seq_len"] = int(seq_len)
+    if max_positions is not None:
+        recorded["max_positions"] = int(max_positions)
     files = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet")}
     if n_val:
         files["val"] = str(out_dir / "data" / "val.parquet")
     paths = {"external_lib": MODEL_EXTERNAL_LIBS[model], **files}
     if reuse_assets(out_dir, recorded, files.values()):
         return paths
-    write_cpu_model_folder(out_dir / "model", model)
-    make = arithmetic_conversations if task == "arithmetic" else digit_conversations
-    conversations = make(n_train + n_val, seed=seed)
+    write_cpu_model_folder(out_dir / "model", model, max_positions)
+    if task == "long":
+        conversations = long_conversations(n_train + n_val, int(seq_len), build_char_tokenizer(), seed=seed)
+    else:
+        make = arithmetic_conversations if task == "arithmetic" else digit_conversations
+        conversations = make(n_train + n_val, seed=seed)
     used = {ch for conv in conversations for turn in conv for ch in turn["content"]}
     unknown = used - set(ALPHABET)
     if unknown:
@@ -426,13 +489,17 @@ def main(argv: list[str] | None = None) -> int:
                              "ds41: the tiny DeepSeek-V4.1 (our names, seeded; Engram tables from the tokenizer)")
     parser.add_argument("--task", choices=SFT_TASKS, default="arithmetic",
                         help="arithmetic: integer Q/A chats (default); digits: demonstrations of the CPU RL task "
-                             "('Repeat the digit 7.' -> '7777'), the SFT before the RL learning benchmark")
+                             "('Repeat the digit 7.' -> '7777'), the SFT before the RL learning benchmark; long: arithmetic "
+                             "turns packed into conversations of at most --seq-len tokens")
     parser.add_argument("--n-train", type=int, default=400, help="training conversations (default 400)")
+    parser.add_argument("--seq-len", type=int, default=None, help="--task long: the tokens of each packed conversation, at most")
+    parser.add_argument("--max-positions", type=int, default=None,
+                        help="the model config's max_position_embeddings (default: the tiny model's own)")
     parser.add_argument("--n-val", type=int, default=0, help="validation conversations (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = parser.parse_args(argv)
     paths = prepare_cpu_sft_assets(args.out, model=args.model, n_train=args.n_train, n_val=args.n_val, seed=args.seed,
-                                   task=args.task)
+                                   task=args.task, seq_len=args.seq_len, max_positions=args.max_positions)
     for key, value in paths.items():
         print(f"{key}={value}")
     return 0

@@ -38,18 +38,42 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     return score / len(text)
 
 
-def digit_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` RL rows (a pure function of ``n`` and ``seed``)."""
+#: Tokens of the chat template around a prompt's content (<|user|> ... <|end|><|assistant|>), with room to spare.
+PROMPT_OVERHEAD = 8
+
+
+def long_context(chars: int, seed: int) -> str:
+    """``chars`` characters of arithmetic Q/A text (one token each with the CPU jobs' character tokenizer), a pure
+    function of ``(chars, seed)``: the context in front of a long prompt's instruction."""
+    from verl_ds4.cpu.sft_data import arithmetic_conversations
+
+    text, k = "", 0
+    while len(text) < chars:
+        batch = arithmetic_conversations(64, seed=seed * 1000 + k)
+        text += " ".join(turn["content"] for conv in batch for turn in conv) + " "
+        k += 1
+    return text[:chars]
+
+
+def digit_prompts(n: int, seed: int = 0, prompt_len: int | None = None) -> list[dict[str, Any]]:
+    """``n`` RL rows (a pure function of ``n``, ``seed`` and ``prompt_len``). ``prompt_len``: each prompt is filled
+    to about that many tokens (at most) with arithmetic text in front of the instruction (a long-context run)."""
     from verl_ds4.cpu.sft_data import DIGIT_PROMPT
 
     rng = random.Random(seed)
     rows = []
     for index in range(n):
         digit = str(rng.randrange(10))
+        content = DIGIT_PROMPT.format(digit=digit)
+        if prompt_len:
+            fill = prompt_len - PROMPT_OVERHEAD - len(content) - 1
+            if fill < 1:
+                raise ValueError(f"prompt_len={prompt_len}: expected more than {len(content) + PROMPT_OVERHEAD + 1} tokens")
+            content = long_context(fill, seed + index) + "\n" + content
         rows.append(
             {
                 "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": DIGIT_PROMPT.format(digit=digit)}],
+                "prompt": [{"role": "user", "content": content}],
                 "ability": "copy",
                 "reward_model": {"style": "rule", "ground_truth": digit},
                 "extra_info": {"index": index, "digit": digit},
@@ -70,7 +94,8 @@ PPO_MODELS = ("ds4", "ds4_proxy", "ds41")
 
 
 def write_ppo_assets(
-    out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0, model: str = "ds4"
+    out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0, model: str = "ds4",
+    prompt_len: int | None = None, max_positions: int | None = None,
 ) -> dict[str, str]:
     """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths. A folder
     that an earlier call with the same arguments completed (its ``assets.json``) is reused as it is."""
@@ -82,12 +107,13 @@ def write_ppo_assets(
     from verl_ds4.cpu.sft_data import record_assets, reuse_assets, write_cpu_model_folder
 
     recorded = {"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}
+    recorded |= {k: int(v) for k, v in (("prompt_len", prompt_len), ("max_positions", max_positions)) if v}
     paths = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet"),
              "val": str(out_dir / "data" / "val.parquet")}
     if reuse_assets(out_dir, recorded, paths.values()):
         return paths
-    write_cpu_model_folder(out_dir / "model", model)
-    rows = digit_prompts(n_train + n_val, seed=seed)
+    write_cpu_model_folder(out_dir / "model", model, max_positions)
+    rows = digit_prompts(n_train + n_val, seed=seed, prompt_len=prompt_len)
     _write_parquet(Path(paths["train"]), rows[:n_train])
     _write_parquet(Path(paths["val"]), rows[n_train:] or rows[:1])
     record_assets(out_dir, recorded)
@@ -101,8 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-val", type=int, default=16, help="validation prompts (default 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", choices=PPO_MODELS, default="ds4", help="ds4: the full tiny DS4 (default); ds4_proxy: attention-only proxy; ds41: the tiny DeepSeek-V4.1")
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="fill each prompt to about this many tokens with arithmetic text before the instruction")
+    parser.add_argument("--max-positions", type=int, default=None,
+                        help="the model config's max_position_embeddings (default: the tiny model's own)")
     args = parser.parse_args(argv)
-    for name, path in write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, model=args.model).items():
+    paths = write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, model=args.model,
+                             prompt_len=args.prompt_len, max_positions=args.max_positions)
+    for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
 
