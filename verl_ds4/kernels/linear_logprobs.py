@@ -18,8 +18,9 @@ Tensor parallel (``group`` with more than one rank): ``weight`` holds this rank'
 rank's part (Megatron's tensor-parallel region sums it) and that of ``weight`` its own rows.
 
 Why it exists: verl's kernel is Triton (no CPU), so the CPU tests run verl's fused path with this one
-in its place; and it is the chunked loss for the passes verl does not give its fused kernel
-(docs/memory.md, "The logits").
+in its place. It is also the building block of a chunked loss for the passes verl does not give its
+fused kernel (SFT with MTP); that loss is not wired yet: verl's engine has no hook for the head's loss
+beside Megatron's MTP (docs/memory.md, "The logits").
 """
 
 from __future__ import annotations
