@@ -140,3 +140,29 @@ def test_cost_model_is_the_balancers():
     own = MODELS["dense"]
     assert engine_straggler.straggler_cost_model(own, None, is_ds4_family=True) is own
     assert engine_straggler.straggler_cost_model("dense", None, is_ds4_family=True).name == "dense"
+
+
+def test_a_model_config_without_its_layers_takes_flashs_shape_and_verls_length_lists_are_read():
+    """The engine's step must not fail on its metrics: a bare DS4 model type (no layer count) costs with
+    DS4-Flash's shape (it raised ``TypeError`` before), and ``global_token_num`` assigned as a plain list
+    (a ``NonTensorStack`` in the TensorDict, as the CPU value head's forward does) is read as lengths."""
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    bare = SimpleNamespace(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"])
+    assert engine_straggler.straggler_cost_model(None, bare, is_ds4_family=True).name == "ds4"
+    # negative control: the balancer's own shape builder needs the layers, so it cannot be used on this config
+    from verl_ds4.engine.config import cp_balance_cost_model
+
+    with pytest.raises(TypeError):
+        cp_balance_cost_model("ds4", bare)
+    for assign in (lambda td: tu.assign_non_tensor(td, global_token_num=[5, 7, 9]),
+                   lambda td: tu.assign_non_tensor_data(td, "global_token_num", [5, 7, 9])):
+        td = TensorDict({"x": torch.zeros(3)}, batch_size=[3])
+        assign(td)
+        assert engine_straggler.global_token_num(td) == [5, 7, 9]
+    td = TensorDict({"x": torch.zeros(3)}, batch_size=[3])
+    tu.assign_non_tensor(td, global_token_num=[[1], [2], [3]])  # not a flat list of lengths: no DP ratio
+    assert engine_straggler.global_token_num(td) is None

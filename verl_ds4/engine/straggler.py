@@ -39,10 +39,11 @@ def straggler_cost_model(balance, hf_config, is_ds4_family: bool) -> TokenCostMo
     """The cost model the ratios use: the engine's ``cp_balance`` model when set (``PlanOptions.balance``:
     a name or a model), else the DS4 model for a DS4 / V4.1 model (from the model's own shape where
     ``cp_balance=ds4`` would use it: ``cp_balance_cost_model``) and dense causal attention otherwise."""
+    text = getattr(hf_config, "text_config", None) or hf_config
     if balance is None and not is_ds4_family:
         balance = "dense"
-    elif balance is None and hf_config is None:
-        balance = "ds4"
+    elif balance is None and getattr(text, "num_hidden_layers", None) is None:
+        balance = "ds4"  # no model config, or one without its layers (a bare model type): DS4-Flash's shape
     elif balance is None:
         from verl_ds4.engine.config import cp_balance_cost_model  # imports verl: only here
 
@@ -84,10 +85,15 @@ def record(micro_batch, plans) -> None:
 
 
 def global_token_num(data):
-    """verl's ``global_token_num`` of a step's batch (every DP rank's lengths, rank order), or ``None``."""
+    """verl's ``global_token_num`` of a step's batch (every DP rank's lengths, rank order) as a list of ints, or
+    ``None`` (absent, or not a flat list of lengths). ``tu.get`` unwraps both ``NonTensorData`` (verl's
+    ``train_mini_batch``) and the ``NonTensorStack`` a plain list assigned with ``assign_non_tensor`` becomes."""
     from verl.utils import tensordict_utils as tu
 
-    return tu.get_non_tensor_data(data, key="global_token_num", default=None)
+    value = tu.get(data, key="global_token_num", default=None)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return None
 
 
 def reported(data, forward_only: bool) -> bool:
