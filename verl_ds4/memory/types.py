@@ -24,7 +24,7 @@ __all__ = ["Finding", "KernelSettings", "MemoryInputs", "Mesh", "OptimizerSettin
 @dataclass(frozen=True)
 class Finding:
     """One finding of the model: the setting it is about, what is wrong, and how to fix it (the recipe
-    layer's ``Problem`` carries the same three)."""
+    layer's ``Problem`` is this class)."""
 
     setting: str
     message: str

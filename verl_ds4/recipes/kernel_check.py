@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_ds4.memory.kernels import has_csa, kernel_findings
-from verl_ds4.recipes.memory_inputs import as_problem, kernel_settings
+from verl_ds4.recipes.memory_inputs import kernel_settings
 from verl_ds4.recipes.roles import Problem, _get
 
 __all__ = ["check_kernels"]
@@ -46,5 +46,5 @@ def check_kernels(cfg: Any, report) -> None:
             continue
         seen.add(role.engine_key)
         errors, warnings = kernel_findings(kernel_settings(_get(cfg, role.engine_key) or {}, role.engine_key), hardware, csa)
-        report.errors.extend(as_problem(f) for f in errors)
-        report.warnings.extend(as_problem(f) for f in warnings)
+        report.errors.extend(errors)
+        report.warnings.extend(warnings)

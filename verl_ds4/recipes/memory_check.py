@@ -17,7 +17,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from verl_ds4.memory.roles import MemoryReport, evaluate
-from verl_ds4.recipes.memory_inputs import as_problem, read_memory_inputs
+from verl_ds4.recipes.memory_inputs import read_memory_inputs
 from verl_ds4.recipes.roles import Problem
 
 __all__ = ["check_memory"]
@@ -27,11 +27,11 @@ def check_memory(cfg: DictConfig, report) -> MemoryReport:
     """Add the memory findings of the composed recipe to ``report`` (a ``ValidationReport``)."""
     inputs = read_memory_inputs(cfg, report)
     memory, found, warnings, notes = evaluate(inputs)
-    report.warnings.extend(as_problem(w) for w in warnings)
+    report.warnings.extend(warnings)
     if inputs.mode == "warn" and found:
         report.warnings.extend(Problem(p.setting, p.message + " (ds4.memory_check=warn: not refused)", p.fix) for p in found)
         report.notes.append(f"ds4.memory_check=warn: {len(found)} memory finding(s) reported as warnings; the run is NOT refused.")
     else:
-        report.errors.extend(as_problem(p) for p in found)
+        report.errors.extend(found)
     report.notes.extend(notes)
     return memory

@@ -31,12 +31,12 @@ from verl_ds4.memory.micro_batches import static_rows
 from verl_ds4.memory.peak import DEFAULT_HEADROOM, check_headroom
 from verl_ds4.memory.stages import gpu_memory_gib
 from verl_ds4.memory.types import (
-    Finding, KernelSettings, MemoryInputs, Mesh, OptimizerSettings, PassSetting, RoleInput, RolloutInput,
+    KernelSettings, MemoryInputs, Mesh, OptimizerSettings, PassSetting, RoleInput, RolloutInput,
 )
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
 __all__ = [
-    "MEMORY_CHECK_MODES", "PASS_KEYS", "as_problem", "kernel_settings", "optimizer_settings", "pass_settings",
+    "MEMORY_CHECK_MODES", "PASS_KEYS", "kernel_settings", "optimizer_settings", "pass_settings",
     "read_memory_inputs", "role_input",
 ]
 
@@ -261,8 +261,3 @@ def read_memory_inputs(cfg: DictConfig, report) -> MemoryInputs:
         object_store_memory=_get(cfg, "ray_kwargs.ray_init.object_store_memory") if _get(cfg, "actor_rollout_ref") is not None else None,
         max_seq_len_knob=None if knob is None else int(knob), fit_model=model, fit_recipe=recipe,
     )
-
-
-def as_problem(finding: Finding) -> Problem:
-    """A finding of the memory model as the validator's :class:`~verl_ds4.recipes.roles.Problem`."""
-    return Problem(finding.setting, finding.message, finding.fix)  # error-catalogue: passes on a Finding, catalogued where it is built

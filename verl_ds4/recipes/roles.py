@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from verl_ds4.memory.types import Finding
+
 
 class RecipeValidationError(ValueError):
     """A composed recipe cannot run; ``problems`` lists every reason (setting, what, fix)."""
@@ -23,16 +25,9 @@ class RecipeValidationError(ValueError):
         super().__init__("\n".join(lines))
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One finding: the config key it is about, what is wrong, and how to fix it."""
-
-    setting: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.setting}: {self.message} Fix: {self.fix}"
+#: One finding: the config key it is about, what is wrong, and how to fix it. The memory model's ``Finding``
+#: (a lower floor) is the same record, so the validator passes the model's findings on as they are.
+Problem = Finding
 
 
 @dataclass(frozen=True)
