@@ -23,6 +23,9 @@ verl 0.9.1's order, and what verl-ds4 changes (:mod:`verl_ds4.ckpt_manifest` say
 * ``load_checkpoint`` verifies the folder against its manifest (sizes) before Megatron reads a byte, and
   raises :class:`~verl_ds4.ckpt_manifest.CheckpointDamagedError` naming the file and the fix.
 
+Every save first gives Megatron's checkpoint writer a results queue whose server process ends with the rank
+(:mod:`verl_ds4.engine.writer_queue`): Megatron's own outlives a killed rank.
+
 Async saves (``checkpoint.async_save``) get no manifest (the files are still being written when the save
 returns); the start-up check then treats them as checkpoints without one.
 """
@@ -36,6 +39,7 @@ import sys
 import time
 
 from verl_ds4.ckpt_manifest import TRACKER_NAME, CheckpointDamagedError, mark_manifests_since, verify_folder, write_manifest
+from verl_ds4.engine import writer_queue
 
 __all__ = [
     "ManifestCheckpointEngine",
@@ -84,6 +88,7 @@ class ManifestCheckpointEngine:
     _verl_ds4_manifest_seconds = 0.0
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        writer_queue.install()  # Megatron's writer-results process then ends with this rank (see the module)
         if getattr(getattr(self, "checkpoint_config", None), "async_save", False):
             return super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
         result = super().save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)

@@ -1,0 +1,65 @@
+"""Megatron's checkpoint-writer results queue, served by a process that ends with its rank.
+
+Megatron-Core's ``torch_dist`` save (``FileSystemWriterAsync``, used for synchronous saves too) collects its
+writers' results through a queue served by a :mod:`multiprocessing` manager process. Megatron spawns that
+process on a rank's first save (``filesystem_async``'s ``get_write_results_queue``, cached in the module's
+``_results_queue``) and nothing ties it to the rank: when the rank is killed (SIGKILL, a node-local
+``kill``, or a SIGTERM from ``scancel`` / torchrun, which skips Python's exit handlers) the manager and
+the ``resource_tracker`` beside it stay alive, orphaned, one pair per rank, holding the launcher's
+output pipe open. Under Slurm's ``proctrack/linuxproc`` they even outlive the job.
+
+:func:`install` (called by :class:`verl_ds4.engine.checkpoint.ManifestCheckpointEngine` before each save)
+fills that cache first with a queue of a manager started with :func:`_exit_with_parent` as its
+initializer: a daemon thread in the manager process that ends the process within :data:`POLL_S`
+seconds of its rank's death (its parent process id changes when it is orphaned). The resource
+tracker then exits by itself (its last writer is gone). The queue is Megatron's own kind (a
+``SyncManager().Queue()``), so Megatron's save path is unchanged. A Megatron without that cache
+(a renamed global) is left alone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from multiprocessing.managers import SyncManager
+
+__all__ = ["POLL_S", "install"]
+
+#: How often the manager process checks that its rank is alive (seconds).
+POLL_S = 0.5
+
+_MANAGER: SyncManager | None = None
+
+
+def _exit_with_parent(parent: int, poll_s: float = POLL_S) -> None:
+    """Runs in the manager process: end it (``os._exit``) once its parent ``parent`` is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="verl-ds4-exit-with-rank", daemon=True).start()
+
+
+def install() -> SyncManager | None:
+    """Give Megatron's writer a results queue whose manager process ends with this process.
+
+    Returns the manager (started here, or by an earlier call), or ``None`` when Megatron had already made
+    its own queue or has no such cache (nothing is changed then)."""
+    global _MANAGER
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return None
+    if _MANAGER is not None:
+        return _MANAGER
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        return None
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _MANAGER = manager
+    return manager
