@@ -4,7 +4,7 @@
    only packages on lower floors (imports inside functions included); ``ds4_facts`` imports
    nothing but the standard library, ``layout`` neither verl nor megatron, and ``testing`` is
    imported by tests and benchmarks only. No import cycle between modules. ``verl_ds4/__init__.py``
-   and the README list the same floors.
+   and docs/architecture.md list the same floors.
 2. One layout decision: no module except ``verl_ds4/mcore/resolver.py`` decides a CP layout (or
    its padding) from a model name / attention variant. verl 0.9.1 copies such a rule into several
    files; the checker is also run on verl's own engine to show it finds that pattern.
@@ -227,21 +227,30 @@ def test_cycle_finder_finds_a_cycle():
 _FLOOR_LINE = re.compile(r"^\s*(\d+)\.\s+(.*)$")
 
 
+_FLOOR_ROW = re.compile(r"^\|\s*(\d+)\s*\|(.*)$")  # docs/architecture.md: | floor | `package` | owns | may not |
+
+
 def _documented_floors(text: str) -> dict[str, int]:
     floors = {}
     for line in text.splitlines():
         match = _FLOOR_LINE.match(line)
+        if match is None and (row := _FLOOR_ROW.match(line)):
+            floors[row.group(2).split("|")[0].strip().strip("`")] = int(row.group(1))
+            continue
         if match:
             for name in re.findall(r"``verl_ds4\.(\w+)``|`verl_ds4\.(\w+)`", match.group(2)):
                 floors[name[0] or name[1]] = int(match.group(1))
     return floors
 
 
-def test_init_and_readme_list_the_same_floors():
+def test_init_and_architecture_doc_list_the_same_floors():
     init_doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
     assert _documented_floors(init_doc) == FLOORS
-    readme = (ROOT / "README.md").read_text()
-    assert _documented_floors(readme) == FLOORS
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert _documented_floors(architecture) == FLOORS
+    # Negative control: a package moved to another floor in the table is noticed.
+    moved = architecture.replace("| 5 | `memory` |", "| 4 | `memory` |")
+    assert moved != architecture and _documented_floors(moved) != FLOORS
 
 
 def test_testing_is_imported_by_tests_and_benchmarks_only():
