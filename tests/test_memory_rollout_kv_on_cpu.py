@@ -126,3 +126,25 @@ def test_plan_fit_counts_the_recipes_logits_kernel():
     with contextlib.redirect_stderr(err):  # negative control: MTP (sft) has no fused kernel in verl
         rc, _ = plan_fit("--model", "flash", "--gpu", "GB300", "--gpus", "128", "--recipe", "sft", "--logits", "fused")
     assert rc != 0 and "--logits fused with MTP on" in err.getvalue()
+
+
+def test_plan_fit_rollout_holds_one_longest_sequence_and_says_how_many():
+    """plan --fit's rollout column: the smallest TP / weights whose weights and one longest sequence's KV cache fit
+    vLLM's share, with how many such sequences an engine holds. Control: a share that holds the bf16 weights but not
+    one sequence beside them moves to FP8 (the weights-only rule would have kept bf16)."""
+    from verl_ds4.memory.fit import find_meshes
+    from verl_ds4.memory.stages import rollout_weights_gib
+
+    flash, cap, seq = sizes("flash"), 139.8, 65536
+    kw = dict(recipe="grpo", tokens_per_gpu=8192, max_seq_len=seq, path="linear", logits_kernel="fused", levers_for=0)
+    rows = find_meshes(flash, cap, [64], **kw)
+    kv = kv_cache_gib(flash, seq, 1)
+    for row in rows:
+        r = row.rollout
+        assert (r.tp, r.weights, r.length) == (8, "bf16", seq) and r.kv_gib_per_sequence == pytest.approx(kv)
+        assert r.weights_gib + r.sequences * kv <= 0.6 * cap < r.weights_gib + (r.sequences + 1) * kv
+    bf16 = rollout_weights_gib(flash, 8, None)
+    share = (bf16 + kv / 2) / cap  # the bf16 weights fit, one sequence beside them does not
+    [tight, *_] = find_meshes(flash, cap, [64], rollout_share=share, **kw)
+    assert (tight.rollout.tp, tight.rollout.weights) == (8, "fp8") and tight.rollout.sequences >= 1
+    assert bf16 <= share * cap  # negative control: by weights alone bf16 would have been chosen

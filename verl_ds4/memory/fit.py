@@ -13,8 +13,10 @@ check's rule, :data:`verl_ds4.memory.peak.DEFAULT_HEADROOM`); ``check_activation
 states alone (the old rule, for comparison). Rows are ranked: meshes that fit first, then fewest GPUs,
 then the lowest peak. For the best rows that do not fit, :func:`verl_ds4.memory.fixes.fixes`
 lists the levers (tokens per GPU with the CP it then needs, recompute, the linear or fused kernel, EP, PP, more
-GPUs, optimizer offload) that bring the worst role under the limit. For the RL recipes the rollout's
-weights are reported at the smallest TP (from one node up) that fits vLLM's share, bf16 first, then FP8.
+GPUs, optimizer offload) that bring the worst role under the limit. For the RL recipes the rollout is reported
+at the smallest TP (from one node up) whose weights and the KV cache of one sequence of the longest length fit
+vLLM's share, bf16 first, then FP8, with the number of such sequences one engine holds at once
+(:class:`RolloutFit`; a recipe whose ``max_num_seqs`` or batch asks for more is refused at start-up, with levers).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from dataclasses import dataclass, field
 from verl_ds4.memory.fixes import fixes
 from verl_ds4.memory.peak import DEFAULT_HEADROOM, check_headroom
 from verl_ds4.memory.roles import role_memory
+from verl_ds4.memory.rollout import kv_cache_gib
 from verl_ds4.memory.stages import StageMemory, rollout_weights_gib
 from verl_ds4.memory.types import Mesh, OptimizerSettings, RoleInput
 from verl_ds4.models.ds4.sizes import DS4Sizes
 
-__all__ = ["MeshFit", "find_meshes", "DEFAULT_HEADROOM", "PP_CHOICES", "CP_CHOICES", "ROLES"]
+__all__ = ["MeshFit", "RolloutFit", "find_meshes", "DEFAULT_HEADROOM", "PP_CHOICES", "CP_CHOICES", "ROLES"]
 
 PP_CHOICES = (1, 2, 4, 5, 8, 10, 16)
 CP_CHOICES = (1, 2, 4, 8, 16)
@@ -42,7 +45,7 @@ class MeshFit:
     peaks: dict[str, tuple[str, StageMemory]]  # role -> (pass, the stage with its highest peak)
     limit_gib: float
     capacity_gib: float
-    rollout: tuple[int, str, float] | None  # (TP, "bf16" | "fp8", GiB per GPU) or None
+    rollout: RolloutFit | None
     cps: tuple[int, ...] = (1,)  # the CP sizes this (PP, EP) allows at the budget; self.mesh has the smallest
     states_only: bool = False
     levers: list[str] = field(default_factory=list)
@@ -87,18 +90,40 @@ class MeshFit:
         if self.levers:
             out["levers"] = self.levers
         if self.rollout:
-            out["rollout"] = {"tp": self.rollout[0], "weights": self.rollout[1], "gib_per_gpu": round(self.rollout[2], 2)}
+            out["rollout"] = self.rollout.as_dict()
         return out
 
 
-def _rollout(sizes: DS4Sizes, gpus_per_node: int, world: int, share_gib: float) -> tuple[int, str, float] | None:
-    """The smallest rollout TP (one node and up) whose weights fit vLLM's share; bf16 before FP8 at equal TP."""
+@dataclass(frozen=True)
+class RolloutFit:
+    """The rollout an RL mesh gets: the smallest TP (one node and up) whose weights and the KV cache of one sequence of
+    the longest length fit vLLM's share, bf16 before FP8 at equal TP, and how many such sequences one engine holds."""
+
+    tp: int
+    weights: str  # "bf16" | "fp8"
+    weights_gib: float  # per GPU
+    kv_gib_per_sequence: float  # per GPU (vLLM's TP replicates DS4's one-head cache)
+    sequences: int  # full-length sequences one engine holds at once beside the weights
+    length: int
+
+    def as_dict(self) -> dict:
+        return {"tp": self.tp, "weights": self.weights, "gib_per_gpu": round(self.weights_gib, 2),
+                "kv_gib_per_sequence": round(self.kv_gib_per_sequence, 3), "sequences_at_once": self.sequences,
+                "length": self.length}
+
+    def cell(self) -> str:
+        return f"TP{self.tp} {self.weights} {self.weights_gib:.1f}, {self.sequences} x {self.length // 1024}k"
+
+
+def _rollout(sizes: DS4Sizes, gpus_per_node: int, world: int, share_gib: float, length: int) -> RolloutFit | None:
+    """See :class:`RolloutFit`; ``None`` when no TP up to ``world`` holds the weights and one sequence."""
+    kv = kv_cache_gib(sizes, length, 1)
     tp = gpus_per_node
     while tp <= world:
         for quant in (None, "fp8"):
             gib = rollout_weights_gib(sizes, tp, quant)
-            if gib <= share_gib:
-                return tp, quant or "bf16", gib
+            if gib + kv <= share_gib:
+                return RolloutFit(tp, quant or "bf16", gib, kv, int((share_gib - gib) // kv), length)
         tp *= 2
     return None
 
@@ -163,7 +188,7 @@ def find_meshes(
                     continue
                 roles = _roles(sizes, mesh, recipe, mtp, optimizer, settings)
                 peaks = {role: rm.peak for role, rm in roles.items()}
-                rollout = None if recipe == "sft" else _rollout(sizes, gpus_per_node, world, rollout_share * capacity_gib)
+                rollout = None if recipe == "sft" else _rollout(sizes, gpus_per_node, world, rollout_share * capacity_gib, seq)
                 out.append(MeshFit(mesh, peaks, limit, capacity_gib, rollout, cps, not check_activations, roles=roles))
     out.sort(key=lambda f: (not f.fits, f.mesh.world, f.peak_gib, f.mesh.pp))
     for f in [f for f in out if not f.fits][:levers_for]:

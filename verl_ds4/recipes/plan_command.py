@@ -167,7 +167,7 @@ def _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp) -> No
         row = [str(m.world), str(m.pp), str(m.ep), ",".join(map(str, f.cps)), str(f.dp), str(m.expert_dp), f"{f.states_gib:.1f}"]
         row += [f"{f.peaks[r][1].peak_gib:.1f}" for r in roles] + ["yes" if f.fits else "NO"]
         if args.recipe != "sft":
-            row.append("none fits" if f.rollout is None else f"TP{f.rollout[0]} {f.rollout[1]} {f.rollout[2]:.1f}")
+            row.append("none fits" if f.rollout is None else f.rollout.cell())
         table.append(row)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
@@ -180,6 +180,9 @@ def _print_fit(args, facts, capacity, headroom, settings, rows, fits, mtp) -> No
             print(f"  PP{m.pp}/EP{m.ep} on {m.world} GPUs ({f.worst_role} peak {f.peak_gib:.1f}): " + "; ".join(f.levers))
     print("per GPU, GiB, on each role's highest pipeline stage and pass (verl_ds4/memory/peak.py; docs/memory.md); "
           "CP: the sizes that hold the longest sequence at this budget and divide DP x CP.")
+    if args.recipe != "sft":
+        print("rollout: the smallest TP whose weights (GiB per GPU) and one longest sequence's KV cache fit vLLM's share, and "
+              "how many such sequences one engine holds at once (the recipe's max_num_seqs must not ask for more).")
 
 
 def run(args: argparse.Namespace) -> int:
