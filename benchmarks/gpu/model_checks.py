@@ -168,8 +168,8 @@ def check_ds41(device: str, quick: bool = False):
     import torch
     from megatron.core import parallel_state
 
-    from verl_ds4.verify import parity
     from verl_ds4.verify.routes import count_differences
+    from verl_ds4.verify.table import Row, group_diff, max_diff
 
     text, table, state, lengths = _ds41_case(quick)
     close = _single_rank(device)
@@ -184,12 +184,12 @@ def check_ds41(device: str, quick: bool = False):
             dev_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             ours, our_routes, ms = _ds41_step(case_text, table, dev_state, lengths, dtype, device, replay)
             tol = TOLERANCE[_NAMES[d]]
-            rows = [parity.Row(f"{d} ragged {q}", *parity._diff(ours[q], ref[q]), tol) for q in ("loss", "log_probs", "entropy")]
+            rows = [Row(f"{d} ragged {q}", *max_diff(ours[q], ref[q]), tol) for q in ("loss", "log_probs", "entropy")]
             unjudged = []
             for g in sorted({_ds41_group(n) for n in ref["grads"]}):
                 pick = lambda gr: {n: v for n, v in gr.items() if _ds41_group(n) == g}  # noqa: E731
-                a, r, n, _ = parity._grad_diff(pick(ours["grads"]), pick(ref["grads"]))
-                row = parity.Row(f"{d} ragged grads {g} ({n} params)", a, r, tol)
+                a, r, n, _ = group_diff(pick(ours["grads"]), pick(ref["grads"]))
+                row = Row(f"{d} ragged grads {g} ({n} params)", a, r, tol)
                 (unjudged if g == "engram" and d == "bf16" else rows).append(row)
             ok, detail = _summary(rows, tol)
             for row in unjudged:

@@ -358,7 +358,7 @@ def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float
 
 
 def _diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None) -> tuple[float, float]:
-    from verl_ds4.verify.parity import _diff as diff
+    from verl_ds4.verify.table import max_diff as diff
 
     if mask is not None and a.shape == b.shape:
         a, b = a[mask], b[mask]
@@ -366,7 +366,7 @@ def _diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None) -> tuple
 
 
 def _grad_rows(prefix: str, ours: dict, ref: dict, facts, tol: float, groups=None) -> list:
-    from verl_ds4.verify.parity import Row, _grad_diff
+    from verl_ds4.verify.table import Row, group_diff
 
     rows = []
     present = {ds41_param_group(n, facts) for n in ref}
@@ -374,16 +374,16 @@ def _grad_rows(prefix: str, ours: dict, ref: dict, facts, tol: float, groups=Non
         if group not in present:
             continue
         pick = lambda d: {n: v for n, v in d.items() if ds41_param_group(n, facts) == group}  # noqa: E731
-        d_abs, d_rel, n, without = _grad_diff(pick(ours), pick(ref))
+        d_abs, d_rel, n, without = group_diff(pick(ours), pick(ref))
         note = f" + {without} frozen indexer" if without else ""
         rows.append(Row(f"{prefix}grads {label} ({n}{note})", d_abs, d_rel, tol))
     return rows
 
 
 def _all_grads_row(prefix: str, ours: dict, ref: dict, tol: float):
-    from verl_ds4.verify.parity import Row, _grad_diff
+    from verl_ds4.verify.table import Row, group_diff
 
-    d_abs, d_rel, n, without = _grad_diff(ours, ref)
+    d_abs, d_rel, n, without = group_diff(ours, ref)
     note = f" + {without} frozen indexer" if without else ""
     return Row(f"{prefix}grads, all ({n}{note})", d_abs, d_rel, tol)
 

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from verl_ds4.verify import routes, seqlen
+from verl_ds4.verify.table import Row, group_diff, max_diff, rows_passed
 
 __all__ = ["MODELS", "RAGGED", "SHORT", "ParityResult", "Row", "param_group", "run_parity", "compare", "rows_passed", "format_table"]
 
@@ -72,31 +73,6 @@ INDEXER_LOSS_COEFF = 1e-2
 #: because that tokenizer takes DS4's control tokens from verl, which a GPU machine running verify may
 #: lack (tests/test_verify_device_on_cpu.py checks the record against the tokenizer).
 TINY_VOCAB_SIZE = 104
-
-
-@dataclass
-class Row:
-    """One line of the parity table.
-
-    ``expect="match"``: passes when ``max_rel <= tol``. ``expect="differ"``: a negative control that
-    passes when ``max_rel > tol`` (the harness must be able to see a broken layout).
-    ``expect="error"``: passes when the expected error was raised (diffs are 0 then, inf otherwise).
-    ``expect="absent"``: a quantity the model does not have (the row says why); nothing is compared.
-    """
-
-    quantity: str
-    max_abs: float
-    max_rel: float
-    tol: float
-    expect: str = "match"
-
-    @property
-    def passed(self) -> bool:
-        if self.expect == "absent":
-            return True
-        if not math.isfinite(self.max_rel):
-            return False
-        return self.max_rel > self.tol if self.expect == "differ" else self.max_rel <= self.tol
 
 
 @dataclass
@@ -490,39 +466,6 @@ def run_parity(
     return results[0]
 
 
-def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    if a.shape != b.shape:
-        return math.inf, math.inf
-    abs_diff = float(np.max(np.abs(a - b))) if a.size else 0.0
-    scale = float(np.max(np.abs(b))) if b.size else 0.0
-    rel = abs_diff / scale if scale > 0 else (0.0 if abs_diff == 0 else math.inf)
-    return abs_diff, rel
-
-
-def _grad_diff(a: dict, b: dict) -> tuple[float, float, int, int]:
-    """Max abs diff over a group's parameters and rel = that / the group's max |gradient| (a parameter
-    whose gradient nearly cancels, e.g. an mHC bias of 1e-11 beside others of 1e-3, would otherwise
-    turn fp64 round-off into a large ratio); counts of compared and grad-less parameters."""
-    if set(a) != set(b):
-        return math.inf, math.inf, 0, 0
-    worst_abs = scale = 0.0
-    compared = without = 0
-    for name in a:
-        if (a[name] is None) != (b[name] is None):
-            return math.inf, math.inf, compared, without
-        if a[name] is None:
-            without += 1
-            continue
-        if a[name].shape != b[name].shape:
-            return math.inf, math.inf, compared, without
-        d_abs, _ = _diff(a[name], b[name])
-        worst_abs = max(worst_abs, d_abs)
-        scale = max(scale, float(np.max(np.abs(b[name]))) if b[name].size else 0.0)
-        compared += 1
-    rel = worst_abs / scale if scale > 0 else (0.0 if worst_abs == 0 else math.inf)
-    return worst_abs, rel, compared, without
-
-
 DEFAULT_TOLERANCES = {"fp64": 1e-10, "fp32": 1e-3}
 
 
@@ -537,22 +480,22 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         prefix = f"{dtype_name} {batch_name}"
         for q in ("loss", "mtp_loss", "indexer_loss", "log_probs", "entropy", "values", "value_loss"):
             if q in ref or q in ours:
-                rows.append(Row(f"{prefix} {q}", *(_diff(ours[q], ref[q]) if q in ours and q in ref else (math.inf, math.inf)), tol))
+                rows.append(Row(f"{prefix} {q}", *(max_diff(ours[q], ref[q]) if q in ours and q in ref else (math.inf, math.inf)), tol))
         groups = {param_group(n) for n in ref["grads"]}
         for g in GRAD_GROUPS:
             if g not in groups:
                 continue
             pick = lambda d: {n: v for n, v in d.items() if param_group(n) == g}  # noqa: E731
-            d_abs, d_rel, n, without = _grad_diff(pick(ours["grads"]), pick(ref["grads"]))
+            d_abs, d_rel, n, without = group_diff(pick(ours["grads"]), pick(ref["grads"]))
             note = f"; {without} without grad" + (": indexer" if g == "attention" else "") if without else ""
             rows.append(Row(f"{prefix} grads {g} ({n} params{note})", d_abs, d_rel, tol))
-        d_abs, d_rel, n, without = _grad_diff(ours["value_grads"], ref["value_grads"])
+        d_abs, d_rel, n, without = group_diff(ours["value_grads"], ref["value_grads"])
         note = f"; {without} without grad: indexer" if without else ""
         rows.append(Row(f"{prefix} value_grads, all ({n} params{note})", d_abs, d_rel, tol))
     checks = result.checks
     if "replay_other_blocks" in checks:
         batch_name, log_probs = checks["replay_other_blocks"]
-        d_abs, d_rel = _diff(log_probs, reference.results[(checks["dtype"], batch_name)]["log_probs"])
+        d_abs, d_rel = max_diff(log_probs, reference.results[(checks["dtype"], batch_name)]["log_probs"])
         rows.append(Row("indexer replay of other valid blocks: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
     if "zigzag_error" in checks:
         message = checks["zigzag_error"]
@@ -561,24 +504,20 @@ def compare(result: ParityResult, reference: ParityResult, tolerances: dict[str,
         rows.append(Row("zigzag rows rejected by DS4 attention", flag, flag, 0.0, expect="error"))
         first_batch = next(b for (d, b) in reference.results if d == checks["dtype"])
         ref = reference.results[(checks["dtype"], first_batch)]["log_probs"]
-        d_abs, d_rel = _diff(checks["zigzag_bypassed_log_probs"], ref)
+        d_abs, d_rel = max_diff(checks["zigzag_bypassed_log_probs"], ref)
         rows.append(Row("zigzag with guard bypassed: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
         if "hash_shifted_log_probs" in checks:
-            d_abs, d_rel = _diff(checks["hash_shifted_log_probs"], ref)
+            d_abs, d_rel = max_diff(checks["hash_shifted_log_probs"], ref)
             rows.append(Row("hash ids packed one row off: log_probs must differ", d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
         if "mtp_roll" in checks:
             within, across = checks["mtp_roll"]
-            d_abs, d_rel, _, _ = _grad_diff(across, within)
+            d_abs, d_rel, _, _ = group_diff(across, within)
             rows.append(Row(f"MTP roll across sequence ends ({len(MTP_CONTROL)} sequences): grads mtp must differ",
                             d_abs, d_rel, ZIGZAG_MIN_REL, expect="differ"))
     return rows
 
 
 ZIGZAG_MIN_REL = 1e-3
-
-
-def rows_passed(rows: list[Row]) -> bool:
-    return all(row.passed for row in rows)
 
 
 def format_table(rows: list[Row], title: str = "", notes: list[str] | None = None) -> str:
