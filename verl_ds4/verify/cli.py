@@ -136,14 +136,20 @@ def _run_ds41(args: argparse.Namespace) -> int:
     from verl_ds4.verify.ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
 
     cp = args.cp or 1
-    lengths = None
+    lengths = text = query_rows = position_note = None
     if args.seq_len is not None:
-        from verl_ds4.verify.seqlen import long_lengths
+        from verl_ds4.models.ds41.reference import tiny_text_config
+        from verl_ds4.verify.seqlen import QUERY_CHUNK_ROWS, bound_malloc, fit_positions, long_lengths
 
         lengths = long_lengths(args.seq_len)
+        text, position_note = fit_positions(args.seq_len, tiny_text_config(), given=False)
+        query_rows = QUERY_CHUNK_ROWS  # the CP=N run's row chunks end inside the long sequence (CP=1: its budget)
+        bound_malloc()
+        if position_note:
+            print(f"verify: {position_note}.", file=sys.stderr)
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks, lengths=lengths,
                              timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core,
-                             indexer_replay=args.indexer_replay)  # fmt: skip
+                             indexer_replay=args.indexer_replay, text=text, query_rows=query_rows)  # fmt: skip
     rows = result["rows"]
     ok = rows_passed(rows)
     notes = [
@@ -152,6 +158,10 @@ def _run_ds41(args: argparse.Namespace) -> int:
         f"Batch: {len(result['lengths'])} sequences, {sum(result['lengths'])} tokens {result['lengths']} (ragged: they cross "
         f"every rank boundary); a control differs when rel > {NEGATIVE_MIN_REL:g}.",
     ]
+    if query_rows:
+        notes.append(f"CP > 1: {query_rows} query rows per chunk of the CSA2 layers' per-query work (CP 1: its 64 MiB budget).")
+    if position_note:
+        notes.append(position_note[0].upper() + position_note[1:] + ".")
     title = f"DeepSeek-V4.1 (tiny, every component on) in Megatron-Core: CP={cp} vs CP=1 and vs NeMo Automodel (fp64, {args.sparse_core} sparse core)"
     print(format_table(rows, title, notes=notes))
     print(f"{'PASSED' if ok else 'FAILED'} in {result['seconds']:.1f} s")
@@ -233,12 +243,6 @@ def run(args: argparse.Namespace) -> int:
                 check_seq_len(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
             except ValueError as err:
                 problems.append(str(err))
-            limit = int(tiny_text_config()["max_position_embeddings"])
-            if args.seq_len > limit:
-                problems.append(f"--seq-len {args.seq_len}: expected N <= {limit} with --model ds41 (the tiny V4.1's "
-                                "max_position_embeddings): its CSA2 layers and NeMo Automodel's reference still score every "
-                                f"row against every entry of the sequence on the CPU; give --seq-len {limit} or less "
-                                "(--model ds4 runs 32k)")  # fmt: skip
         if problems:
             print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2
