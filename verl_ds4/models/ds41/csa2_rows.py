@@ -75,7 +75,7 @@ def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state) -> tuple[torch.Tenso
     replay = getattr(attn, "indexer_replay", None)
     with torch.no_grad():
         for start, end in chunk_bounds(rows, chunk):
-            reach = (q_pos[start:end] + 1) // m
+            reach = _reach(q_pos, m, start, end)
             one = bool(q_seq[start] == q_seq[end - 1])  # rows are in buffer order: one sequence
             width = int(reach.max()) if one else state.width
             reachable = torch.arange(width, device=x.device) < reach.unsqueeze(1)  # [c, width]
@@ -93,6 +93,11 @@ def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state) -> tuple[torch.Tenso
                 selected = replay.select(selected, reachable, start, rows)
             selection[start:end] = compact(selected & reachable, k)
     return selection, candidates
+
+
+def _reach(q_pos, m: int, start: int, end: int) -> torch.Tensor:
+    """``[c]``: how many entries rows ``start..end`` reach (``(pos + 1) // m``)."""
+    return (q_pos[start:end] + 1) // m
 
 
 def _stable_topk_mask():
