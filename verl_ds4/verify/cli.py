@@ -31,7 +31,8 @@ compared with CP=1 on the CPU in fp64 (:mod:`verl_ds4.verify.device_run`): bf16 
 expert choices and keeps every indexer block; the negative controls run on the GPUs at N > 1.
 
 With ``--seq-len N`` the batch is one N-token sequence between short ones, spread over every CP rank (long-context
-parity, :mod:`verl_ds4.verify.seqlen`); ``--indexer-replay on|both`` runs the training step with the indexer's
+parity, :mod:`verl_ds4.verify.seqlen`; V4.1: NeMo Automodel's rows up to ``N`` = 4096,
+:data:`verl_ds4.verify.ds41.NEMO_MAX_TOKENS`); ``--indexer-replay on|both`` runs the training step with the indexer's
 recorded top-k replayed (DS4; V4.1 with --model ds41), with a negative control.
 
 Examples:  verl-ds4 verify --cp 8
@@ -39,6 +40,7 @@ Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
+           verl-ds4 verify --model ds41 --cp 8 --seq-len 32768 --indexer-replay both
            verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.verify.ds41_hf: our
                Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
 """
@@ -84,9 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-context parity: the batch is one sequence of N tokens (its longest) between short ones (5, 300 before; "
         "37, 129, 3 after; each clipped to N), so at CP=8 and N=32768 it spreads over every rank, its compressed blocks "
         "and top-k choices cross rank boundaries and every rank but the first exchanges its halo inside it; --model ds4 "
-        "or ds41 (N <= 4096); N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). "
-        "The tiny DS4's max_position_embeddings (4096) is raised to N for the run (said on stderr); a --config's is not "
-        "(N above it is refused). Time and memory: docs/verify-cp.md",
+        "or ds41; N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). The tiny "
+        "models' max_position_embeddings (4096) is raised to N for the run (said on stderr); a --config's is not (N above "
+        "it is refused). ds41: NeMo Automodel's reference runs up to N = 4096 (above: CP=N vs CP=1 only). Time and "
+        "memory: docs/verify-cp.md",
     )  # fmt: skip
     parser.add_argument(
         "--indexer-replay", choices=("off", "on", "both"), default="off",

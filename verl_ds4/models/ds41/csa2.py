@@ -58,6 +58,7 @@ from ..ds4.csa_rows import stable_top
 from ..ds4.rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 from . import csa2_rows
 from .cache_qdq import cache_qdq
+from .csa2_rows import own_entries as _own_entries  # noqa: F401  (the name the tests and verify read)
 
 __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stable_topk_mask"]
 
@@ -324,7 +325,7 @@ class DS41Attention(nn.Module):
             if state.selection is None:
                 raise ValueError(f"Reuse layer {self.role.layer} needs a selection from a Full or Reindex layer before it.")
             return state
-        selection, candidates = csa2_rows.choose(self, x.detach(), q_r.detach(), cos, sin, cu, q_seq, q_pos, state)
+        selection, candidates = csa2_rows.choose(self, x.detach(), q_r.detach(), cos, sin, cu, q_seq, q_pos, state, stable_topk_mask)
         return replace(state, selection=selection, candidate_blocks=candidates)
 
     def _candidate_blocks(self, scores, reachable) -> torch.Tensor:
@@ -363,19 +364,6 @@ def _blocks(cu: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch
     block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=cu.device), n_blocks)
     block_idx = torch.arange(block_seq.numel(), device=cu.device) - (torch.cumsum(n_blocks, 0) - n_blocks)[block_seq]
     return block_seq, block_idx, cu[block_seq] + block_idx * m + (m - 1)
-
-
-def _own_entries(cu: torch.Tensor, m: int, q_seq: torch.Tensor) -> torch.Tensor:
-    """``[T, E]``: for each query (its sequence ``q_seq``), the indices into the buffer's entries
-    (:func:`_blocks`' order) of its sequence's entries ``0..E-1``, where ``E`` is the most entries of any
-    sequence; columns past the query's sequence's own count repeat a valid index (callers mask them:
-    an entry ``e`` is visible only when ``e < (pos + 1) // m``). A query never needs another sequence's
-    entries, so attention and indexer scores cost ``T * E``, not ``T * W`` over the whole packed buffer."""
-    n_blocks = (cu[1:] - cu[:-1]) // m
-    first = torch.cumsum(n_blocks, 0) - n_blocks
-    width = int(n_blocks.max()) if n_blocks.numel() else 0
-    index = first[q_seq].unsqueeze(1) + torch.arange(width, device=cu.device)
-    return index.clamp(max=max(int(n_blocks.sum()) - 1, 0))
 
 
 def _maybe_qdq(values: torch.Tensor, fmt: str, on: bool) -> torch.Tensor:

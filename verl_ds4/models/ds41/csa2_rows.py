@@ -10,7 +10,7 @@ at ratio 1 and 32k tokens, 1G values per tensor). Here:
   ``-1`` past its count) and, on the candidate-source layer, its candidate blocks as ids
   ``[T, candidate_topk_blocks]``. A chunk inside one sequence scores only the entries its rows reach (``(pos + 1)
   // m`` of its last row) against that sequence's index keys ``[E', d_I]``, shared by its rows; a chunk across
-  sequences gathers each row's own sequence's keys ``[c, E, d_I]`` (:func:`~.csa2._own_entries`). Unreached
+  sequences gathers each row's own sequence's keys ``[c, E, d_I]`` (:func:`own_entries`). Unreached
   entries score ``-inf`` and are never chosen, so the width changes no choice;
 * :func:`attend` (the dense core) runs the attention over each row's window keys and chosen entries (``W + k``
   keys per row: an unchosen entry is masked to ``-inf`` and adds an exact zero, so leaving it out changes no term)
@@ -29,13 +29,26 @@ import torch
 from ..ds4.csa_rows import block_ids
 from ..query_chunks import chunk_bounds, query_chunk_rows, run_rows
 
-__all__ = ["attend", "choose", "compact", "first_entries", "global_ids", "ids_mask"]
+__all__ = ["attend", "choose", "compact", "first_entries", "global_ids", "ids_mask", "own_entries"]
 
 
 def first_entries(cu: torch.Tensor, m: int) -> torch.Tensor:
     """``[B]``: the index (into the buffer's entries, sequence by sequence) of each sequence's first entry."""
     n_blocks = (cu[1:] - cu[:-1]) // m
     return torch.cumsum(n_blocks, 0) - n_blocks
+
+
+def own_entries(cu: torch.Tensor, m: int, q_seq: torch.Tensor) -> torch.Tensor:
+    """``[T, E]``: for each query (its sequence ``q_seq``), the indices into the buffer's entries
+    (:func:`_blocks`' order) of its sequence's entries ``0..E-1``, where ``E`` is the most entries of any
+    sequence; columns past the query's sequence's own count repeat a valid index (callers mask them:
+    an entry ``e`` is visible only when ``e < (pos + 1) // m``). A query never needs another sequence's
+    entries, so attention and indexer scores cost ``T * E``, not ``T * W`` over the whole packed buffer."""
+    n_blocks = (cu[1:] - cu[:-1]) // m
+    first = torch.cumsum(n_blocks, 0) - n_blocks
+    width = int(n_blocks.max()) if n_blocks.numel() else 0
+    index = first[q_seq].unsqueeze(1) + torch.arange(width, device=cu.device)
+    return index.clamp(max=max(int(n_blocks.sum()) - 1, 0))
 
 
 def compact(mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -58,11 +71,10 @@ def global_ids(ids: torch.Tensor, cu: torch.Tensor, m: int, q_seq: torch.Tensor)
     return torch.where(ids >= 0, first_entries(cu, m)[q_seq].unsqueeze(1) + ids, -1)
 
 
-def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state) -> tuple[torch.Tensor, torch.Tensor | None]:
+def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state, top_k) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(selection [T, index_topk], candidate blocks [T, candidate_topk_blocks] or the state's)`` of the Full /
-    Reindex layer ``attn`` (see the module doc), without gradient."""
-    from .csa2 import _own_entries
-
+    Reindex layer ``attn`` (see the module doc), without gradient; ``top_k(scores, k)``: the ``[c, E']`` bool mask
+    of each row's ``k`` best (:func:`.csa2.stable_topk_mask`)."""
     m, indexer = attn.role.ratio, attn.core_attention.indexer
     rows, k = x.shape[0], attn.index_topk
     first = first_entries(cu, m)
@@ -80,7 +92,7 @@ def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state) -> tuple[torch.Tenso
             width = int(reach.max()) if one else state.width
             reachable = torch.arange(width, device=x.device) < reach.unsqueeze(1)  # [c, width]
             if width:  # one sequence: its entries 0..width-1, shared; else each row's own sequence's entries
-                keys = state.index_keys[int(first[q_seq[start]]) :][:width] if one else state.index_keys[_own_entries(cu, m, q_seq[start:end])]
+                keys = state.index_keys[int(first[q_seq[start]]) :][:width] if one else state.index_keys[own_entries(cu, m, q_seq[start:end])]
                 scores = indexer.scores(x[start:end], q_r[start:end], keys, cos[start:end], sin[start:end]).masked_fill(~reachable, float("-inf"))
             else:
                 scores = x.new_zeros(end - start, 0)
@@ -88,7 +100,7 @@ def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state) -> tuple[torch.Tenso
                 candidates[start:end] = attn._candidate_blocks(scores, reachable)
             elif hierarchical:
                 scores = scores.masked_fill(~attn._candidate_mask(candidates[start:end], width), float("-inf"))
-            selected = _stable_topk_mask()(scores, k)
+            selected = top_k(scores, k)
             if replay is not None:  # rollout indexer replay (record / replay), chunk by chunk in row order
                 selected = replay.select(selected, reachable, start, rows)
             selection[start:end] = compact(selected & reachable, k)
@@ -98,12 +110,6 @@ def choose(attn, x, q_r, cos, sin, cu, q_seq, q_pos, state) -> tuple[torch.Tenso
 def _reach(q_pos, m: int, start: int, end: int) -> torch.Tensor:
     """``[c]``: how many entries rows ``start..end`` reach (``(pos + 1) // m``)."""
     return (q_pos[start:end] + 1) // m
-
-
-def _stable_topk_mask():
-    from . import csa2  # looked up at call time (the tie-rule test swaps it)
-
-    return csa2.stable_topk_mask
 
 
 def _rows(attn, window_rows, window_visible, ids, q, kv, comp):
