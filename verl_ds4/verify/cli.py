@@ -175,6 +175,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
                     "model": "ds41",
                     "cp": cp,
                     "sparse_core": args.sparse_core,
+                    "seq_len": args.seq_len,
+                    "indexer_replay": args.indexer_replay,
                     "passed": ok,
                     "seconds": result["seconds"],
                     "stages": result["stages"],
