@@ -84,7 +84,49 @@ def test_bad_lengths_are_refused(capsys):
     assert main(["verify", "--cp", "2", "--seq-len", "300", "--model", "ds4_proxy"]) == 2
     assert main(["verify", "--model", "ds41", "--cp", "8", "--seq-len", "20"]) == 2
     assert "expected N >= cp x min_local_rows = 32" in capsys.readouterr().err
-    assert main(["verify", "--model", "ds41", "--cp", "8", "--seq-len", "8192"]) == 2
-    assert "expected N <= 4096 with --model ds41" in capsys.readouterr().err
     assert main(["verify", "--cp", "8", "--seq-len", "40000", "--config", '{"max_position_embeddings": 4096, "sliding_window": 32}']) == 2
     assert "give --seq-len 4096 or less, or a config with max_position_embeddings >= 40000" in capsys.readouterr().err
+
+
+def test_ds41_seq_len_above_the_tiny_positions_runs(monkeypatch, capsys):
+    """``--model ds41 --seq-len 8192`` (above the tiny V4.1's 4,096 positions) runs: the field raised for the run and
+    said, the CP=N run in QUERY_CHUNK_ROWS-row chunks; with a sequence above NEMO_MAX_TOKENS the NeMo rows are one
+    n/a row (control: at NEMO_MAX_TOKENS they are there)."""
+    import types
+
+    import numpy as np
+
+    from verl_ds4 import ds41_facts
+    from verl_ds4.cli import main
+    from verl_ds4.models.ds41.reference import tiny_text_config
+    from verl_ds4.verify import ds41 as verify_ds41
+
+    from verl_ds4.verify.parity import Row
+
+    seen = {}
+
+    def fake(cp, **kw):
+        seen.update(kw, cp=cp)
+        return {"rows": [Row("loss", 0.0, 0.0, 1e-10)], "seconds": 0.0, "stages": {}, "lengths": list(kw["lengths"])}
+
+    monkeypatch.setattr(verify_ds41, "run_ds41_verify", fake)
+    assert main(["verify", "--model", "ds41", "--cp", "8", "--seq-len", "8192"]) == 0
+    err = capsys.readouterr().err
+    assert "raised from 4096 to 8192" in err and "expected N <=" not in err
+    assert seen["text"]["max_position_embeddings"] == 8192 and tiny_text_config()["max_position_embeddings"] == 4096
+    assert seen["query_rows"] == QUERY_CHUNK_ROWS and max(seen["lengths"]) == 8192
+
+    text = tiny_text_config()
+    facts = ds41_facts.read_config({"model_type": ds41_facts.HF_MODEL_TYPE, "text_config": text})
+    run = {"loss": np.ones(1), "log_probs": np.ones(4), "entropy": np.ones(4), "logits": np.ones((4, 2)),
+           "grads": {"embedding.word_embeddings.weight": np.ones(3)}}  # fmt: skip
+    for longest, nemo in ((verify_ds41.NEMO_MAX_TOKENS + 1, None), (verify_ds41.NEMO_MAX_TOKENS, run)):
+        case = types.SimpleNamespace(facts=facts, lengths=(2, longest), loss_mask=lambda: np.ones(4, dtype=bool))
+        rows = verify_ds41.ds41_rows(case, nemo, {1: run, 8: run}, 8)
+        names = [r.quantity for r in rows]
+        assert all(r.passed for r in rows) and "CP=8 vs CP=1: log_probs" in names
+        against = [q for q in names if "vs NeMo" in q]
+        if nemo is None:
+            assert len(against) == 1 and "not run" in against[0] and rows[names.index(against[0])].expect == "absent"
+        else:
+            assert "CP=8 vs NeMo: log_probs" in against and "CP=1 vs NeMo: logits" in against

@@ -31,7 +31,8 @@ compared with CP=1 on the CPU in fp64 (:mod:`verl_ds4.verify.device_run`): bf16 
 expert choices and keeps every indexer block; the negative controls run on the GPUs at N > 1.
 
 With ``--seq-len N`` the batch is one N-token sequence between short ones, spread over every CP rank (long-context
-parity, :mod:`verl_ds4.verify.seqlen`); ``--indexer-replay on|both`` runs the training step with the indexer's
+parity, :mod:`verl_ds4.verify.seqlen`; V4.1: NeMo Automodel's rows up to ``N`` = 4096,
+:data:`verl_ds4.verify.ds41.NEMO_MAX_TOKENS`); ``--indexer-replay on|both`` runs the training step with the indexer's
 recorded top-k replayed (DS4; V4.1 with --model ds41), with a negative control.
 
 Examples:  verl-ds4 verify --cp 8
@@ -39,6 +40,7 @@ Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
+           verl-ds4 verify --model ds41 --cp 8 --seq-len 32768 --indexer-replay both
            verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.verify.ds41_hf: our
                Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
 """
@@ -84,9 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-context parity: the batch is one sequence of N tokens (its longest) between short ones (5, 300 before; "
         "37, 129, 3 after; each clipped to N), so at CP=8 and N=32768 it spreads over every rank, its compressed blocks "
         "and top-k choices cross rank boundaries and every rank but the first exchanges its halo inside it; --model ds4 "
-        "or ds41 (N <= 4096); N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). "
-        "The tiny DS4's max_position_embeddings (4096) is raised to N for the run (said on stderr); a --config's is not "
-        "(N above it is refused). Time and memory: docs/verify-cp.md",
+        "or ds41; N >= 2 and, at CP > 1, N >= cp x the model's minimum rows per rank (ds4: 128, ds41: 4). The tiny "
+        "models' max_position_embeddings (4096) is raised to N for the run (said on stderr); a --config's is not (N above "
+        "it is refused). ds41: NeMo Automodel's reference runs up to N = 4096 (above: CP=N vs CP=1 only). Time and "
+        "memory: docs/verify-cp.md",
     )  # fmt: skip
     parser.add_argument(
         "--indexer-replay", choices=("off", "on", "both"), default="off",
@@ -136,14 +139,20 @@ def _run_ds41(args: argparse.Namespace) -> int:
     from verl_ds4.verify.ds41 import NEGATIVE_MIN_REL, print_progress, run_ds41_verify
 
     cp = args.cp or 1
-    lengths = None
+    lengths = text = query_rows = position_note = None
     if args.seq_len is not None:
-        from verl_ds4.verify.seqlen import long_lengths
+        from verl_ds4.models.ds41.reference import tiny_text_config
+        from verl_ds4.verify.seqlen import QUERY_CHUNK_ROWS, bound_malloc, fit_positions, long_lengths
 
         lengths = long_lengths(args.seq_len)
+        text, position_note = fit_positions(args.seq_len, tiny_text_config(), given=False)
+        query_rows = QUERY_CHUNK_ROWS  # the CP=N run's row chunks end inside the long sequence (CP=1: its budget)
+        bound_malloc()
+        if position_note:
+            print(f"verify: {position_note}.", file=sys.stderr)
     result = run_ds41_verify(cp, seed=args.seed, rtol=args.fp64_rtol, controls=not args.no_layout_checks, lengths=lengths,
                              timeout=args.timeout, progress=print_progress, sparse_core=args.sparse_core,
-                             indexer_replay=args.indexer_replay)  # fmt: skip
+                             indexer_replay=args.indexer_replay, text=text, query_rows=query_rows)  # fmt: skip
     rows = result["rows"]
     ok = rows_passed(rows)
     notes = [
@@ -152,6 +161,10 @@ def _run_ds41(args: argparse.Namespace) -> int:
         f"Batch: {len(result['lengths'])} sequences, {sum(result['lengths'])} tokens {result['lengths']} (ragged: they cross "
         f"every rank boundary); a control differs when rel > {NEGATIVE_MIN_REL:g}.",
     ]
+    if query_rows:
+        notes.append(f"CP > 1: {query_rows} query rows per chunk of the CSA2 layers' per-query work (CP 1: its 64 MiB budget).")
+    if position_note:
+        notes.append(position_note[0].upper() + position_note[1:] + ".")
     title = f"DeepSeek-V4.1 (tiny, every component on) in Megatron-Core: CP={cp} vs CP=1 and vs NeMo Automodel (fp64, {args.sparse_core} sparse core)"
     print(format_table(rows, title, notes=notes))
     print(f"{'PASSED' if ok else 'FAILED'} in {result['seconds']:.1f} s")
@@ -162,6 +175,8 @@ def _run_ds41(args: argparse.Namespace) -> int:
                     "model": "ds41",
                     "cp": cp,
                     "sparse_core": args.sparse_core,
+                    "seq_len": args.seq_len,
+                    "indexer_replay": args.indexer_replay,
                     "passed": ok,
                     "seconds": result["seconds"],
                     "stages": result["stages"],
@@ -233,12 +248,6 @@ def run(args: argparse.Namespace) -> int:
                 check_seq_len(args.seq_len, args.cp or 1, ds41_facts.min_local_rows(tiny_text_config()))
             except ValueError as err:
                 problems.append(str(err))
-            limit = int(tiny_text_config()["max_position_embeddings"])
-            if args.seq_len > limit:
-                problems.append(f"--seq-len {args.seq_len}: expected N <= {limit} with --model ds41 (the tiny V4.1's "
-                                "max_position_embeddings): its CSA2 layers and NeMo Automodel's reference still score every "
-                                f"row against every entry of the sequence on the CPU; give --seq-len {limit} or less "
-                                "(--model ds4 runs 32k)")  # fmt: skip
         if problems:
             print("verify --model ds41: " + "; ".join(problems), file=sys.stderr)
             return 2

@@ -73,6 +73,11 @@ __all__ = [
 RAGGED = (5, 27, 40, 9, 33, 3, 17)
 #: A negative control passes when its relative difference exceeds this.
 NEGATIVE_MIN_REL = 1e-3
+#: The longest sequence NeMo Automodel's reference runs (``verify --seq-len``): its attention holds ``[heads, S,
+#: S + S / m]`` fp64 logits per layer for backward (:func:`nemo_step`; 4096 tokens: 15.4 GiB max RSS, 83 s; the
+#: memory grows as S^2). Above it the table compares CP = N with CP = 1 only (an ``n/a`` row says so), as DS4's
+#: ``--seq-len`` does.
+NEMO_MAX_TOKENS = 4096
 
 _ATTENTION_ROLES = {"full": "Full", "reindex": "Reindex", "reuse": "Reuse", "window": "window-only"}
 _ROLE_NOTES = {"full": "KV/index-key source", "reindex": "reads KV + keys", "reuse": "reads KV + top-k", "window": ""}
@@ -110,13 +115,13 @@ class Case:
         return mask
 
 
-def build_case(seed: int = 1234, lengths: tuple[int, ...] | None = None):
-    """``(case, NeMo's model, our pure-PyTorch DS41Model with its weights)``."""
+def build_case(seed: int = 1234, lengths: tuple[int, ...] | None = None, text: dict | None = None):
+    """``(case, NeMo's model, our pure-PyTorch DS41Model with its weights)`` of ``text`` (default: the tiny V4.1)."""
     from verl_ds4.models.ds41 import reference as ref
     from verl_ds4.models.ds41.engram import engram_token_map
     from verl_ds4.models.ds41.model import DS41Model
 
-    text = ref.tiny_text_config()
+    text = text or ref.tiny_text_config()
     with ref.fp64_reference():
         theirs = ref.build_reference_model(text, seed=seed)
     table = engram_token_map(ref.local_tokenizer())[0]
@@ -280,7 +285,8 @@ def _zigzag_guard_bypassed():
     return cp_partition_guard_bypassed(DS41TransformerBlock)
 
 
-def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = "dense", replay: bool = False):
+def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = "dense", replay: bool = False,
+          query_rows: int | None = None):
     import logging
 
     from megatron.core import parallel_state
@@ -297,9 +303,12 @@ def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = 
             from verl_ds4.kernels import set_sparse_core
 
             set_sparse_core(model, sparse_core)
+        from verl_ds4.verify import seqlen
+
+        if query_rows:  # --seq-len: row-chunk boundaries inside the long sequence (verl_ds4.verify.seqlen)
+            seqlen.use_query_chunk_rows(model, query_rows)
         ids = case.nested_ids()
         model.zero_grad(set_to_none=True)
-        from verl_ds4.verify import seqlen
         from verl_ds4.verify.parity import _forward
 
         def record():  # the rollout's no-grad forward, every selecting layer recording its choice
@@ -342,16 +351,17 @@ def _rank(rank: int, world: int, case: Case, controls: bool, sparse_core: str = 
 
 
 def ours_on_cp_ranks(case: Case, cp: int, controls: bool = False, timeout: float = 600.0, sparse_core: str = "dense",
-                     replay: bool = False) -> dict[str, Any]:  # fmt: skip
+                     replay: bool = False, query_rows: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Rank 0's result of one training step of our Megatron V4.1 on ``cp`` gloo ranks (``controls``:
     also the negative controls, at ``cp > 1``; ``sparse_core``: the attention's sparse softmax; ``replay``: the
-    step replays the indexer choices a no-grad forward recorded, and the controls add replaying other blocks)."""
+    step replays the indexer choices a no-grad forward recorded, and the controls add replaying other blocks;
+    ``query_rows``: the attention's query rows per chunk, None: its budget)."""
     from verl_ds4.mcore.distributed import run_distributed
     from verl_ds4.models.ds41 import mcore_model as _mcore  # noqa: F401  (import Megatron once: forked ranks start fast)
 
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}.")
-    return run_distributed(_rank, world_size=cp, args=(case, controls, sparse_core, replay), timeout=timeout)[0]
+    return run_distributed(_rank, world_size=cp, args=(case, controls, sparse_core, replay, query_rows), timeout=timeout)[0]
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -388,10 +398,10 @@ def _all_grads_row(prefix: str, ours: dict, ref: dict, tol: float):
     return Row(f"{prefix}grads, all ({n}{note})", d_abs, d_rel, tol)
 
 
-def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: float = 1e-10, zigzag_config_error: str | None = None,
-              tag: str = "") -> list:  # fmt: skip
+def ds41_rows(case: Case, nemo: dict | None, runs: dict[int, dict], cp: int, rtol: float = 1e-10,
+              zigzag_config_error: str | None = None, tag: str = "") -> list:  # fmt: skip
     """The table's rows (:class:`verl_ds4.verify.parity.Row`) of :func:`run_ds41_verify`'s results (``tag``: after
-    each run's name, e.g. ``+replay``)."""
+    each run's name, e.g. ``+replay``; ``nemo`` None: the reference did not run, one ``n/a`` row says why)."""
     from verl_ds4.verify.parity import Row
 
     facts, mask = case.facts, case.loss_mask()
@@ -403,7 +413,11 @@ def ds41_rows(case: Case, nemo: dict, runs: dict[int, dict], cp: int, rtol: floa
             rows.append(Row(prefix + q, *_diff(other[q], one[q]), rtol))
         rows.append(Row(prefix + "indexer loss: none in V4.1 (indexer frozen, as NeMo)", 0.0, 0.0, rtol, expect="absent"))
         rows += _grad_rows(prefix, other["grads"], one["grads"], facts, rtol)
-    for size in sorted(runs):
+    if nemo is None:
+        rows.append(Row(f"vs NeMo{tag}: not run, a {max(case.lengths)}-token sequence > {NEMO_MAX_TOKENS} (NeMo's fp64 "
+                        "attention holds [heads, S, S + S/m] per layer); verify without --seq-len compares", 0.0, 0.0, rtol,
+                        expect="absent"))  # fmt: skip
+    for size in sorted(runs) if nemo is not None else ():
         ours, prefix = runs[size], f"CP={size}{tag} vs NeMo: "
         rows.append(Row(prefix + "logits", *_diff(ours["logits"], nemo["logits"]), rtol))
         rows.append(Row(prefix + "log_probs", *_diff(ours["log_probs"], nemo["log_probs"], mask), rtol))
@@ -458,11 +472,14 @@ def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Calla
 
 def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tuple[int, ...] | None = None,
                     controls: bool = True, timeout: float = 600.0, progress: Callable[[str], None] | None = None,
-                    dspark: bool = True, sparse_core: str = "dense", indexer_replay: str = "off") -> dict[str, Any]:  # fmt: skip
+                    dspark: bool = True, sparse_core: str = "dense", indexer_replay: str = "off", text: dict | None = None,
+                    query_rows: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``{"rows": [Row], "seconds": s, "stages": {stage: s}, "lengths": [...]}`` for ``verl-ds4 verify --model ds41 --cp cp``
     (``sparse_core``: the attention's sparse softmax in our runs, CP=1 and CP=cp; NeMo Automodel stays the reference;
     ``indexer_replay``: ``off``, ``on`` (our steps replay their recorded indexer choices) or ``both`` (each step twice:
-    rows without and with ``+replay``); the native choice replayed is the native step, so NeMo stays the reference)."""
+    rows without and with ``+replay``); the native choice replayed is the native step, so NeMo stays the reference;
+    ``text``: the model config (default: the tiny V4.1); ``query_rows``: the CP=cp run's attention query rows per chunk
+    (``--seq-len``); NeMo runs when no sequence is longer than :data:`NEMO_MAX_TOKENS`)."""
     from verl_ds4.models.ds41.mcore_model import ds41_transformer_config
 
     if cp < 1:
@@ -479,18 +496,20 @@ def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tup
         stages[name] = time.perf_counter() - stages[name]
 
     stage("building NeMo Automodel's tiny V4.1 (fp64) and copying its weights into ours")
-    case, theirs, ours_pure = build_case(seed, lengths)
+    case, theirs, ours_pure = build_case(seed, lengths, text)
     if not case.lengths or min(case.lengths) < 2:
         raise ValueError(f"lengths={list(case.lengths)}: give sequences of >= 2 tokens (each needs a next-token label).")
     done(next(reversed(stages)))
-    stage("NeMo Automodel forward + backward (fp64, one sequence per forward)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the gloo ranks: its many tiny scatter_adds crawl on shared, busy cores
-    try:
-        nemo = nemo_step(case, theirs, ours_pure)
-    finally:
-        torch.set_num_threads(threads)
-    done(next(reversed(stages)))
+    nemo = None
+    if max(case.lengths) <= NEMO_MAX_TOKENS:
+        stage("NeMo Automodel forward + backward (fp64, one sequence per forward)")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the gloo ranks: its many tiny scatter_adds crawl on shared, busy cores
+        try:
+            nemo = nemo_step(case, theirs, ours_pure)
+        finally:
+            torch.set_num_threads(threads)
+        done(next(reversed(stages)))
     if indexer_replay not in ("off", "on", "both"):
         raise ValueError(f"indexer_replay={indexer_replay!r}: expected off, on or both.")  # error-catalogue: internal: argparse restricts the choices
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[indexer_replay]
@@ -501,7 +520,8 @@ def run_ds41_verify(cp: int, seed: int = 1234, rtol: float = 1e-10, lengths: tup
             extra = " + negative controls" if controls and size > 1 else ""
             what = ", indexer choices replayed" if replay else ""
             stage(f"ours, CP={size}: one training step on {size} gloo rank{'s' if size > 1 else ''}{extra} ({sparse_core} sparse core{what})")
-            runs[size] = ours_on_cp_ranks(case, size, controls=controls and size > 1, timeout=timeout, sparse_core=sparse_core, replay=replay)
+            runs[size] = ours_on_cp_ranks(case, size, controls=controls and size > 1, timeout=timeout, sparse_core=sparse_core,
+                                          replay=replay, query_rows=query_rows if size > 1 else None)  # fmt: skip
             done(next(reversed(stages)))
     zigzag_config_error = None
     if cp > 1:

@@ -51,8 +51,9 @@ SHORT_BESIDE = (5, 300, 37, 129, 3)
 #: long sequence on every rank (not a divisor of a rank's rows).
 LINEAR_CHUNK_ROWS = 384
 #: ``--seq-len`` at CP > 1: the attention's query rows per chunk of its compressed-block work (scores, top-k, masks,
-#: the dense core, the indexer loss; :mod:`verl_ds4.models.query_chunks`), so that row-chunk boundaries fall inside
-#: the long sequence on every rank while the CP 1 reference runs its own (budget-sized) chunks.
+#: the dense core, the indexer loss; :mod:`verl_ds4.models.query_chunks`; V4.1: :mod:`verl_ds4.models.ds41.csa2_rows`),
+#: so that row-chunk boundaries fall inside the long sequence on every rank while the CP 1 reference runs its own
+#: (budget-sized) chunks.
 QUERY_CHUNK_ROWS = 160
 #: A batch name with this suffix runs the training step with the indexer's recorded choices replayed.
 REPLAY_SUFFIX = "+replay"

@@ -54,8 +54,11 @@ from verl_ds4.kernels import linear_sparse_attn
 
 from ..ds4.attention import _RMSNorm
 from ..ds4.cp_comm import all_gather_rows, exchange_left_halo
+from ..ds4.csa_rows import stable_top
 from ..ds4.rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
+from . import csa2_rows
 from .cache_qdq import cache_qdq
+from .csa2_rows import own_entries as _own_entries  # noqa: F401  (the name the tests and verify read)
 
 __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stable_topk_mask"]
 
@@ -63,23 +66,30 @@ __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stabl
 @dataclass(frozen=True)
 class CSA2State:
     """What a Full layer publishes and later layers read: ``compressed_kv`` ``[W, d]`` and ``index_keys``
-    ``[W, d_I]`` (rotated; every entry of the packed buffer, sequence by sequence), ``selected`` /
-    ``candidates`` ``[S, E]`` bool over each query's own sequence's entries (:func:`_own_entries`: column
-    ``e`` is the sequence's entry ``e``; ``E`` is the most entries of any sequence)."""
+    ``[W, d_I]`` (rotated; every entry of the packed buffer, sequence by sequence); per local query, compact ids
+    (:mod:`.csa2_rows`): ``selection`` ``[S, index_topk]``, the entries it attends to, and ``candidate_blocks``
+    ``[S, candidate_topk_blocks]``, the candidate source's blocks of ``candidate_block_size`` entries, both counted
+    from the query's own sequence's first entry, ascending, ``-1`` past the row's count; ``width``: ``E``, the most
+    entries of any sequence."""
 
     ratio: int = 0
     compressed_kv: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
-    selected: torch.Tensor | None = None
-    candidates: torch.Tensor | None = None
+    selection: torch.Tensor | None = None
+    candidate_blocks: torch.Tensor | None = None
+    width: int = 0
+
+    @property
+    def selected(self) -> torch.Tensor | None:
+        """``[S, E]`` bool view of :attr:`selection` (column ``e``: the sequence's entry ``e``, :func:`_own_entries`);
+        ``S x E`` values, for tests and small batches (the layers read the ids)."""
+        return None if self.selection is None else csa2_rows.ids_mask(self.selection, self.width)
 
 
 def stable_topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool mask ``[..., W]`` of the ``k`` largest scores per row that are not ``-inf``, equal scores in index order."""
-    k = min(k, scores.shape[-1])
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    picked = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True)
-    return picked & (scores > float("-inf"))
+    """Bool mask ``[R, W]`` of the ``k`` largest scores per row that are not ``-inf``, equal scores in index order
+    (a stable descending sort's first ``k``, found without sorting: :func:`~verl_ds4.models.ds4.csa_rows.stable_top`)."""
+    return stable_top(scores, min(k, scores.shape[-1])) & (scores > float("-inf"))
 
 
 class CSA2Compressor(nn.Module):
@@ -124,12 +134,13 @@ class CSA2Indexer(nn.Module):
         return _maybe_qdq(apply_interleaved_rope(self.k_norm(self.linear_wk(latent)), cos, sin), "mxfp4", self.qdq)
 
     def scores(self, x, q_r, keys, cos, sin) -> torch.Tensor:
-        """``[S, E]`` unmasked scores of queries ``x`` ``[S, h]`` / ``q_r`` against each query's own keys
-        ``[S, E, d_I]``."""
+        """``[S, E]`` unmasked scores of queries ``x`` ``[S, h]`` / ``q_r`` against keys ``[E, d_I]`` shared by the
+        rows (one sequence's: :func:`.csa2_rows.choose`) or each query's own ``[S, E, d_I]``."""
         q = self.linear_wq_b(q_r).unflatten(-1, (self.n_heads, self.head_dim))
         q = _maybe_qdq(apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), "mxfp4", self.qdq)
         weights = self.linear_weights_proj(x) * (self.head_dim * self.n_heads) ** -0.5
-        return (torch.einsum("shd,sed->she", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
+        dots = torch.einsum("shd,ed->she", q, keys) if keys.dim() == 2 else torch.einsum("shd,sed->she", q, keys)
+        return (dots.relu() * weights.unsqueeze(-1)).sum(dim=1)
 
 
 class _Core(nn.Module):
@@ -179,6 +190,10 @@ class DS41Attention(nn.Module):
         self.linear_proj = nn.Linear(self.o_groups * self.o_lora, h, bias=False, dtype=dtype)
         self.core_attention = _Core(text, self.role, dtype=dtype, qdq=cache_qdq)
         self.sparse_core: str = "dense"  # or "linear" (verl_ds4.kernels.set_sparse_core)
+        # query rows per chunk of the per-query work (verl_ds4.models.query_chunks; None: a 64 MiB budget) and
+        # False: each chunk's transients are kept for backward, not recomputed
+        self.query_chunk_rows: int | None = None
+        self.query_chunk_recompute: bool = True
         rope_dim = int(get("qk_rope_head_dim"))
         if self.role.ratio == 0:
             inv_freq = default_inv_freq(rope_dim, float(get("rope_theta")))
@@ -235,22 +250,18 @@ class DS41Attention(nn.Module):
         back = torch.arange(self.window, device=x.device)
         window_rows = (halo + torch.arange(local, device=x.device)).unsqueeze(1) - back  # [T, W]
         window_visible = back <= q_pos.unsqueeze(1)
-        selected = entries = None
-        if self.role.ratio:
-            state, selected = self._compressed(x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state)
-            entries = _own_entries(cu, self.role.ratio, q_seq)
+        chosen = comp = None
+        if self.role.ratio:  # each row's chosen entries as ids into the buffer's compressed KV
+            state = self._compressed(x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state)
+            chosen, comp = csa2_rows.global_ids(state.selection, cu, self.role.ratio, q_seq), state.compressed_kv
         if self.sparse_core == "linear":  # ids into [kv ; compressed KV], -1 = no key (Megatron-LM dev's layout)
             ids, kv_full = torch.where(window_visible, window_rows, -1), kv
-            if entries is not None:
-                ids = torch.cat([torch.where(selected, entries + kv.shape[0], -1), ids], dim=1)
-                kv_full = torch.cat([kv, state.compressed_kv])
+            if chosen is not None:
+                ids = torch.cat([torch.where(chosen >= 0, chosen + kv.shape[0], -1), ids], dim=1)
+                kv_full = torch.cat([kv, comp])
             out = linear_sparse_attn(q, kv_full, self.core_attention.attn_sink, ids, d**-0.5).view(local, n, d)
             return self._project(out, cos, sin), state
-        keys, visible = [kv[window_rows.clamp(min=0)]], [window_visible]
-        if entries is not None:
-            keys.append(state.compressed_kv[entries])
-            visible.append(selected)
-        return self._attend(q, torch.cat(keys, dim=1), torch.cat(visible, dim=1), cos, sin), state
+        return self._project(csa2_rows.attend(self, q, kv, window_rows, window_visible, comp, chosen), cos, sin), state
 
     def attend_context(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """A DSpark stage's attention (window-only layer): queries ``x`` ``[D, h]`` over the keys of
@@ -265,14 +276,18 @@ class DS41Attention(nn.Module):
         return self._attend(q, kv.expand(x.shape[0], -1, -1), visible, cos, sin)
 
     def _attend(self, q, keys, visible, cos, sin) -> torch.Tensor:
-        """Queries ``q`` ``[T, n, d]`` (rotated) over ``keys`` ``[T, K, d]`` (K = V) where ``visible``
-        ``[T, K]``, a per-head sink in the denominator, inverse RoPE, the grouped output projection -> ``[T, h]``."""
+        """:meth:`_core`, inverse RoPE, the grouped output projection -> ``[T, h]``."""
+        return self._project(self._core(q, keys, visible), cos, sin)
+
+    def _core(self, q, keys, visible) -> torch.Tensor:
+        """Queries ``q`` ``[T, n, d]`` (rotated) over ``keys`` ``[T, K, d]`` (K = V) where ``visible`` ``[T, K]``, a
+        per-head sink in the denominator -> ``[T, n, d]``."""
         rows, n, d = q.shape
         logits = torch.einsum("tnd,tkd->tnk", q, keys) * d**-0.5
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = self.core_attention.attn_sink.view(1, n, 1).expand(rows, n, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return self._project(torch.einsum("tnk,tkd->tnd", probs, keys), cos, sin)
+        return torch.einsum("tnk,tkd->tnd", probs, keys)
 
     def _project(self, out, cos, sin) -> torch.Tensor:
         """Attention output ``[T, n, d]`` -> inverse RoPE -> the grouped output projection -> ``[T, h]``."""
@@ -282,8 +297,8 @@ class DS41Attention(nn.Module):
         weight = self.linear_o_group_proj.view(self.o_groups, self.o_lora, -1)
         return self.linear_proj(torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1))
 
-    def _compressed(self, x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state: CSA2State):
-        """The state after this layer and the ``[T, E]`` entries of its own sequence each local query attends to."""
+    def _compressed(self, x, xe, q_r, cos, sin, cu, q_seq, q_pos, cp_rank, cp_size, cp_group, state: CSA2State) -> CSA2State:
+        """The state after this layer, with each local query's chosen entries (``selection``, compact ids)."""
         m, core, local = self.role.ratio, self.core_attention, x.shape[0]
         block_seq, block_idx, block_end = _blocks(cu, m)
         if core.compressor is not None:
@@ -296,7 +311,8 @@ class DS41Attention(nn.Module):
             if cp_size > 1:
                 counts = torch.bincount(owner, minlength=cp_size).tolist()
                 entries, index_keys = all_gather_rows(entries, counts, cp_group), all_gather_rows(index_keys, counts, cp_group)
-            state = CSA2State(ratio=m, compressed_kv=entries, index_keys=index_keys)
+            n_blocks = (cu[1:] - cu[:-1]) // m
+            state = CSA2State(ratio=m, compressed_kv=entries, index_keys=index_keys, width=int(n_blocks.max()) if n_blocks.numel() else 0)
         elif state.compressed_kv is None or state.ratio != m:
             raise ValueError(
                 f"layer {self.role.layer} (compress ratio {m}, {self.role.role}) needs the compressed KV of a Full "
@@ -305,40 +321,31 @@ class DS41Attention(nn.Module):
         if state.compressed_kv.shape[0] != block_seq.numel():
             raise ValueError(f"layer {self.role.layer}: the shared state has {state.compressed_kv.shape[0]} entries, "
                              f"this batch makes {block_seq.numel()}: the state belongs to another batch.")  # fmt: skip
-        own = _own_entries(cu, m, q_seq)
-        reachable = torch.arange(own.shape[1], device=x.device) < ((q_pos + 1) // m).unsqueeze(1)  # [T, E]
         if core.indexer is None:
-            if state.selected is None:
+            if state.selection is None:
                 raise ValueError(f"Reuse layer {self.role.layer} needs a selection from a Full or Reindex layer before it.")
-            return state, state.selected
-        with torch.no_grad():
-            scores = core.indexer.scores(x.detach(), q_r.detach(), state.index_keys[own], cos, sin).masked_fill(~reachable, float("-inf"))
-            candidates = state.candidates
-            if self.is_candidate_source:
-                candidates = self._candidate_blocks(scores, reachable)
-            elif self.role.candidate_source is not None:
-                if candidates is None:
-                    raise ValueError(f"hierarchical layer {self.role.layer} needs the candidates of layer {self.role.candidate_source}.")
-                scores = scores.masked_fill(~candidates, float("-inf"))
-            selected = stable_topk_mask(scores, self.index_topk)
-            if getattr(self, "indexer_replay", None) is not None:  # rollout indexer replay (record / replay)
-                selected = self.indexer_replay.select(selected, reachable)
-        state = replace(state, selected=selected, candidates=candidates)
-        return state, selected
+            return state
+        selection, candidates = csa2_rows.choose(self, x.detach(), q_r.detach(), cos, sin, cu, q_seq, q_pos, state, stable_topk_mask)
+        return replace(state, selection=selection, candidate_blocks=candidates)
 
     def _candidate_blocks(self, scores, reachable) -> torch.Tensor:
-        """``[T, E]``: entries inside each query's best ``candidate_topk_blocks`` blocks of
-        ``candidate_block_size`` entries, counted from its sequence's first entry (block score: its
-        best entry; the newest visible block always)."""
-        entry_block = torch.arange(scores.shape[1], device=scores.device) // self.candidate_block_size  # [E]
+        """``[c, candidate_topk_blocks]`` ids of each query's best blocks of ``candidate_block_size`` entries
+        (:attr:`CSA2State.candidate_blocks`), counted from its sequence's first entry (block score: its best
+        entry; the newest visible block always), of the masked scores ``[c, E']`` over entries ``0..E'-1``."""
+        entry_block = torch.arange(scores.shape[1], device=scores.device) // self.candidate_block_size  # [E']
         total = int(entry_block[-1]) + 1 if entry_block.numel() else 0
         best = scores.new_full((scores.shape[0], total), float("-inf"))
         best = best.scatter_reduce(1, entry_block.expand_as(scores), scores, reduce="amax")
         count = reachable.sum(-1)
         newest = (count - 1).clamp(min=0) // self.candidate_block_size
         best = best.masked_fill((torch.arange(total, device=scores.device) == newest.unsqueeze(1)) & (count > 0).unsqueeze(1), float("inf"))
-        keep = stable_topk_mask(best, self.candidate_blocks)
-        return keep.gather(1, entry_block.expand_as(scores)) & reachable
+        return csa2_rows.compact(stable_topk_mask(best, self.candidate_blocks), self.candidate_blocks)
+
+    def _candidate_mask(self, blocks, width: int) -> torch.Tensor:
+        """``[c, width]`` bool: the entries ``0..width-1`` inside the candidate blocks ``blocks`` ``[c, K]``."""
+        entry_block = torch.arange(width, device=blocks.device) // self.candidate_block_size
+        total = -(-width // self.candidate_block_size)
+        return csa2_rows.ids_mask(blocks, total).gather(1, entry_block.expand(blocks.shape[0], width))
 
 
 def _row_positions(cu: torch.Tensor, local: int, rank: int, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,19 +364,6 @@ def _blocks(cu: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch
     block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=cu.device), n_blocks)
     block_idx = torch.arange(block_seq.numel(), device=cu.device) - (torch.cumsum(n_blocks, 0) - n_blocks)[block_seq]
     return block_seq, block_idx, cu[block_seq] + block_idx * m + (m - 1)
-
-
-def _own_entries(cu: torch.Tensor, m: int, q_seq: torch.Tensor) -> torch.Tensor:
-    """``[T, E]``: for each query (its sequence ``q_seq``), the indices into the buffer's entries
-    (:func:`_blocks`' order) of its sequence's entries ``0..E-1``, where ``E`` is the most entries of any
-    sequence; columns past the query's sequence's own count repeat a valid index (callers mask them:
-    an entry ``e`` is visible only when ``e < (pos + 1) // m``). A query never needs another sequence's
-    entries, so attention and indexer scores cost ``T * E``, not ``T * W`` over the whole packed buffer."""
-    n_blocks = (cu[1:] - cu[:-1]) // m
-    first = torch.cumsum(n_blocks, 0) - n_blocks
-    width = int(n_blocks.max()) if n_blocks.numel() else 0
-    index = first[q_seq].unsqueeze(1) + torch.arange(width, device=cu.device)
-    return index.clamp(max=max(int(n_blocks.sum()) - 1, 0))
 
 
 def _maybe_qdq(values: torch.Tensor, fmt: str, on: bool) -> torch.Tensor:
