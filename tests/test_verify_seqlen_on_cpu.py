@@ -4,7 +4,8 @@ CI's shorter long-context case (N = 1536, CP 4: the long sequence covers all fou
 first exchanges its halo inside it, its ratio-4 / ratio-128 blocks and the indexer's top-k cross the rank
 boundaries, the linear core runs 384-row chunks and the attention's compressed-block work 160-row chunks, so chunk
 boundaries fall inside it on every rank),
-with the indexer replay off and on; the 8k-32k figures are in docs/verify-cp.md. Controls: replaying other
+with the indexer replay off and on; V4.1's (``--model ds41 --cp 4 --seq-len 1024 --indexer-replay both``, CSA2 in
+160-row chunks, NeMo Automodel's rows beside, about 20 s); the 8k-32k figures are in docs/verify-cp.md. Controls: replaying other
 valid blocks must change the log-probs; bad lengths are refused before any rank starts.
 """
 
@@ -130,3 +131,29 @@ def test_ds41_seq_len_above_the_tiny_positions_runs(monkeypatch, capsys):
             assert len(against) == 1 and "not run" in against[0] and rows[names.index(against[0])].expect == "absent"
         else:
             assert "CP=8 vs NeMo: log_probs" in against and "CP=1 vs NeMo: logits" in against
+
+
+def test_ds41_seq_len_parity_at_cp4_in_row_chunks(tmp_path):
+    """CI's shorter long-context case for V4.1: ``verify --model ds41 --cp 4 --seq-len 1024 --indexer-replay both``
+    for real (CSA2's choices, replay and dense core in QUERY_CHUNK_ROWS-row chunks at CP 4: the chunk boundaries
+    fall inside the long sequence on every rank; NeMo Automodel's rows run at this length). Control: replaying other
+    valid entries changes the log-probs."""
+    import json
+
+    from verl_ds4.cli import main
+    from verl_ds4.testing import ds41_reference as ref
+
+    if ref.reference_missing() is not None:
+        pytest.skip(str(ref.reference_missing()))
+    out = tmp_path / "ds41.json"
+    code = main(["verify", "--model", "ds41", "--cp", "4", "--seq-len", "1024", "--indexer-replay", "both", "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = {r["quantity"]: r for r in result["rows"]}
+    assert code == 0 and result["passed"], [q for q, r in rows.items() if not r["passed"]]
+    for needed in ("CP=4 vs CP=1: log_probs", "CP=4+replay vs CP=1+replay: log_probs", "CP=4 vs NeMo: log_probs",
+                   "CP=4+replay vs NeMo: log_probs"):  # fmt: skip
+        assert needed in rows, (needed, list(rows))
+    assert all(r["max_rel"] <= 1e-10 for r in rows.values() if r["expect"] == "match")
+    control = next(r for q, r in rows.items() if q.startswith("CP=4+replay control: indexer replay of other valid"))
+    assert control["max_rel"] > 1e-3, control
+    print(f"verify --model ds41 --cp 4 --seq-len 1024 --indexer-replay both: {result['seconds']:.1f} s")
