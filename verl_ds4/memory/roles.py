@@ -30,40 +30,22 @@ from verl_ds4.memory.kernels import GPU_ARCH
 from verl_ds4.memory.micro_batches import micro_batches as count_micro_batches, static_rows
 from verl_ds4.memory.peak import DEFAULT_HEADROOM
 from verl_ds4.memory.stages import StageMemory, peak_stage, training_memory, worst_stage
-from verl_ds4.memory.types import Finding, MemoryInputs, Mesh, OptimizerSettings, RoleInput
+from verl_ds4.memory.types import Finding, MemoryInputs, RoleInput
 
 __all__ = ["MemoryReport", "RoleMemory", "evaluate", "role_memory"]
 
 
-@dataclass
-class RoleMemory:
-    """One role's per-GPU figures (GiB): its passes (``update`` / ``forward``), each per pipeline stage.
+@dataclass(frozen=True)
+class RoleMemory(RoleInput):
+    """One role's settings (the fields of :class:`~verl_ds4.memory.types.RoleInput`) and its per-GPU figures (GiB):
+    its passes (``update`` / ``forward``), each per pipeline stage (:func:`role_memory` computes them).
 
     ``update``: a training step (SFT, actor, critic) with every state on the GPU; ``forward``: a
     forward-only pass (actor log-probs, reference, critic values) with the weights, the gradient
     buffers of a trainable engine and its optimizer states unless verl offloads them."""
 
-    role: str
-    mesh: Mesh
-    stages: list[StageMemory]  # the update (or, for the reference, the forward) pass
-    trainable: bool
-    tokens_per_gpu: int
-    param_offload: bool
-    optimizer_offload: bool
-    optimizer: OptimizerSettings
-    mtp: bool = False
-    recompute: frozenset[str] | None = frozenset({"moe_act", "mhc"})
-    sequences: int | None = None  # sequences one update packs over all DP ranks (None: not bounded)
-    path: str = "unfused"
-    max_seq_len: int | None = None
-    infer_tokens: int | None = None  # the forward pass's budget (None: no forward-only pass)
-    logits: str = "sft"
-    logits_kernel: str = "unfused"
-    dense_indexer_loss: bool = False
-    forward: list[StageMemory] = field(default_factory=list)
-    # use_dynamic_bsz=false: the pass's micro_batch_size_per_gpu and its key (rows = size x longest / CP); else None
-    micro_batch_size: tuple[str, int] | None = None
-    infer_micro_batch_size: tuple[str, int] | None = None
+    stages: list[StageMemory] = field(default_factory=list)  # the update (or, for the reference, the forward) pass
+    forward: list[StageMemory] = field(default_factory=list)  # the forward-only pass of a trainable role, or []
 
     def with_changes(self, sizes, **changes) -> "RoleMemory":
         """This role with other settings (``mesh``, ``optimizer``, ``tokens_per_gpu``, ``infer_tokens``,
@@ -72,11 +54,10 @@ class RoleMemory:
         rm = dataclasses.replace(self, **changes)
         seq = rm.max_seq_len or rm.tokens_per_gpu * rm.mesh.cp
         if rm.micro_batch_size and "tokens_per_gpu" not in changes:
-            rm.tokens_per_gpu = static_rows(rm.micro_batch_size[1], seq, rm.mesh.cp)
+            rm = dataclasses.replace(rm, tokens_per_gpu=static_rows(rm.micro_batch_size[1], seq, rm.mesh.cp))
         if rm.infer_micro_batch_size and "infer_tokens" not in changes:
-            rm.infer_tokens = static_rows(rm.infer_micro_batch_size[1], seq, rm.mesh.cp)
-        rm.stages, rm.forward = _passes(sizes, rm)
-        return rm
+            rm = dataclasses.replace(rm, infer_tokens=static_rows(rm.infer_micro_batch_size[1], seq, rm.mesh.cp))
+        return role_memory(sizes, rm)
 
     @property
     def micro_batches(self) -> int | None:
@@ -200,9 +181,9 @@ def _passes(sizes, rm: RoleMemory) -> tuple[list[StageMemory], list[StageMemory]
 
 def role_memory(sizes, settings: RoleInput) -> RoleMemory:
     """A role's memory from its settings, passes computed (the start-up check and ``plan --fit``)."""
-    rm = RoleMemory(stages=[], **{f.name: getattr(settings, f.name) for f in dataclasses.fields(RoleInput)})
-    rm.stages, rm.forward = _passes(sizes, rm)
-    return rm
+    bare = RoleMemory(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(RoleInput)})
+    stages, forward = _passes(sizes, bare)
+    return dataclasses.replace(bare, stages=stages, forward=forward)
 
 
 def evaluate(inputs: MemoryInputs) -> tuple[MemoryReport, list[Finding], list[Finding], list[str]]:

@@ -130,8 +130,8 @@ class KernelSettings:
 @dataclass(frozen=True)
 class RoleInput:
     """One engine's settings for the model (SFT engine, actor, reference or critic): its mesh, optimizer
-    storage, offload, kernel path and recompute, and each pass's rows per GPU. The fields are those of
-    :class:`verl_ds4.memory.roles.RoleMemory`, which adds the computed passes."""
+    storage, offload, kernel path and recompute, and each pass's rows per GPU. :class:`verl_ds4.memory.roles.RoleMemory`
+    extends it with the computed passes."""
 
     role: str
     mesh: Mesh
