@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_ds4.models.ds41 import csa2, names
+from verl_ds4.models.ds41 import csa2, csa2_rows, names
 from verl_ds4.models.ds41.csa2 import CSA2Compressor, CSA2State, DS41Attention
 from verl_ds4.testing import ds41_reference as ref
 
@@ -240,7 +240,7 @@ def _over_buffer(selected, cu, m, rank, world):
     the packed buffer, the reference's form."""
     local = int(cu[-1]) // world
     q_seq, _ = csa2._row_positions(cu, local, rank, 0)
-    own = csa2._own_entries(cu, m, q_seq)
+    own = csa2_rows.own_entries(cu, m, q_seq)
     n_entries = int(((cu[1:] - cu[:-1]) // m).sum())
     return torch.zeros(local, n_entries, dtype=torch.long).scatter_add(1, own, selected.long()) > 0
 

@@ -400,9 +400,9 @@ def _all_grads_row(prefix: str, ours: dict, ref: dict, tol: float):
 
 def ds41_rows(case: Case, nemo: dict | None, runs: dict[int, dict], cp: int, rtol: float = 1e-10,
               zigzag_config_error: str | None = None, tag: str = "") -> list:  # fmt: skip
-    """The table's rows (:class:`verl_ds4.verify.parity.Row`) of :func:`run_ds41_verify`'s results (``tag``: after
+    """The table's rows (:class:`verl_ds4.verify.table.Row`) of :func:`run_ds41_verify`'s results (``tag``: after
     each run's name, e.g. ``+replay``; ``nemo`` None: the reference did not run, one ``n/a`` row says why)."""
-    from verl_ds4.verify.parity import Row
+    from verl_ds4.verify.table import Row
 
     facts, mask = case.facts, case.loss_mask()
     rows: list[Row] = []
@@ -456,7 +456,7 @@ def dspark_rows(cp: int, seed: int, timeout: float, rtol: float, progress: Calla
     """The DSpark rows of :mod:`verl_ds4.verify.ds41_dspark` (its entries ``{"check", "value", "limit",
     "passed"}``; ``limit`` ``None`` = a count that must be above 0) as table rows."""
     from verl_ds4.verify import ds41_dspark as dspark
-    from verl_ds4.verify.parity import Row
+    from verl_ds4.verify.table import Row
 
     progress(f"DSpark drafter step (NeMo, CP=1, CP={cp})")
     rows = []

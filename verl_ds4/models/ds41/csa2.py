@@ -58,7 +58,6 @@ from ..ds4.csa_rows import stable_top
 from ..ds4.rope import apply_interleaved_rope, default_inv_freq, rope_cos_sin, yarn_inv_freq
 from . import csa2_rows
 from .cache_qdq import cache_qdq
-from .csa2_rows import own_entries as _own_entries  # noqa: F401  (the name the tests and verify read)
 
 __all__ = ["CSA2State", "CSA2Compressor", "CSA2Indexer", "DS41Attention", "stable_topk_mask"]
 
@@ -81,7 +80,7 @@ class CSA2State:
 
     @property
     def selected(self) -> torch.Tensor | None:
-        """``[S, E]`` bool view of :attr:`selection` (column ``e``: the sequence's entry ``e``, :func:`_own_entries`);
+        """``[S, E]`` bool view of :attr:`selection` (column ``e``: the sequence's entry ``e``, :func:`.csa2_rows.own_entries`);
         ``S x E`` values, for tests and small batches (the layers read the ids)."""
         return None if self.selection is None else csa2_rows.ids_mask(self.selection, self.width)
 
@@ -311,7 +310,7 @@ class DS41Attention(nn.Module):
             if cp_size > 1:
                 counts = torch.bincount(owner, minlength=cp_size).tolist()
                 entries, index_keys = all_gather_rows(entries, counts, cp_group), all_gather_rows(index_keys, counts, cp_group)
-            n_blocks = (cu[1:] - cu[:-1]) // m
+            n_blocks = csa2_rows.entry_counts(cu, m)
             state = CSA2State(ratio=m, compressed_kv=entries, index_keys=index_keys, width=int(n_blocks.max()) if n_blocks.numel() else 0)
         elif state.compressed_kv is None or state.ratio != m:
             raise ValueError(
@@ -360,9 +359,9 @@ def _row_positions(cu: torch.Tensor, local: int, rank: int, halo: int) -> tuple[
 def _blocks(cu: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every complete block of ``m`` rows in the buffer, sequence by sequence: its sequence, its index
     in the sequence and the global row of its last row (a trailing incomplete block is none)."""
-    n_blocks = (cu[1:] - cu[:-1]) // m
+    n_blocks = csa2_rows.entry_counts(cu, m)
     block_seq = torch.repeat_interleave(torch.arange(n_blocks.numel(), device=cu.device), n_blocks)
-    block_idx = torch.arange(block_seq.numel(), device=cu.device) - (torch.cumsum(n_blocks, 0) - n_blocks)[block_seq]
+    block_idx = torch.arange(block_seq.numel(), device=cu.device) - csa2_rows.first_entries(cu, m)[block_seq]
     return block_seq, block_idx, cu[block_seq] + block_idx * m + (m - 1)
 
 

@@ -29,25 +29,29 @@ import torch
 from ..ds4.csa_rows import block_ids
 from ..query_chunks import chunk_bounds, query_chunk_rows, run_rows
 
-__all__ = ["attend", "choose", "compact", "first_entries", "global_ids", "ids_mask", "own_entries"]
+__all__ = ["attend", "choose", "compact", "entry_counts", "first_entries", "global_ids", "ids_mask", "own_entries"]
+
+
+def entry_counts(cu: torch.Tensor, m: int) -> torch.Tensor:
+    """``[B]``: each sequence's entries (its complete blocks of ``m`` rows; a trailing incomplete block is none)."""
+    return (cu[1:] - cu[:-1]) // m
 
 
 def first_entries(cu: torch.Tensor, m: int) -> torch.Tensor:
     """``[B]``: the index (into the buffer's entries, sequence by sequence) of each sequence's first entry."""
-    n_blocks = (cu[1:] - cu[:-1]) // m
+    n_blocks = entry_counts(cu, m)
     return torch.cumsum(n_blocks, 0) - n_blocks
 
 
 def own_entries(cu: torch.Tensor, m: int, q_seq: torch.Tensor) -> torch.Tensor:
     """``[T, E]``: for each query (its sequence ``q_seq``), the indices into the buffer's entries
-    (:func:`_blocks`' order) of its sequence's entries ``0..E-1``, where ``E`` is the most entries of any
+    (:func:`first_entries`' order) of its sequence's entries ``0..E-1``, where ``E`` is the most entries of any
     sequence; columns past the query's sequence's own count repeat a valid index (callers mask them:
     an entry ``e`` is visible only when ``e < (pos + 1) // m``). A query never needs another sequence's
     entries, so attention and indexer scores cost ``T * E``, not ``T * W`` over the whole packed buffer."""
-    n_blocks = (cu[1:] - cu[:-1]) // m
-    first = torch.cumsum(n_blocks, 0) - n_blocks
+    n_blocks = entry_counts(cu, m)
     width = int(n_blocks.max()) if n_blocks.numel() else 0
-    index = first[q_seq].unsqueeze(1) + torch.arange(width, device=cu.device)
+    index = first_entries(cu, m)[q_seq].unsqueeze(1) + torch.arange(width, device=cu.device)
     return index.clamp(max=max(int(n_blocks.sum()) - 1, 0))
 
 
