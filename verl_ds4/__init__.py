@@ -7,7 +7,8 @@ checks it, imports inside functions included; ``docs/architecture.md`` says what
 1. ``verl_ds4.layout``, ``verl_ds4.kernels``, ``verl_ds4.ds41_facts``  context-parallel layouts as data
    (PyTorch + NumPy); the memory-linear DS4 sparse attention and indexer (PyTorch only); DeepSeek-V4.1
    config facts and start-up rules (standard library + ``ds4_facts``)
-2. ``verl_ds4.mcore``      Megatron-Core glue: THD pre/post-processing, forwards, the layout resolver
+2. ``verl_ds4.mcore``, ``verl_ds4.substitutes``  Megatron-Core glue: THD pre/post-processing, forwards, the layout
+   resolver; the CPU substitutes of the production path (Megatron-LM dev's DS4 on a CPU) and its dev tree
 3. ``verl_ds4.engine``     verl engine subclasses and the plugin that registers them
 4. ``verl_ds4.models``     DS4 model pieces (CPU attention, proxy, chat encoding, provider facts)
 5. ``verl_ds4.cpu``, ``verl_ds4.memory``  the CPU jobs; the memory model (each GPU's peak per role, pass and
