@@ -114,7 +114,7 @@ def test_cpu_process_group_initialiser_uses_gloo():
 
 
 def test_cuda_literals_redirected_only_inside_the_scope():
-    from verl_ds4.cpu.cuda_shim import cuda_literals_on_cpu
+    from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
 
     current_device = torch.cuda.current_device
     with cuda_literals_on_cpu(report_cuda_types=True):

@@ -152,7 +152,7 @@ def test_hf_logits_matches_transformers_at_cp2(hf_folder):
 def _dist_ckpt_rank(rank, world, folder, ckpt_dir):
     from megatron.core import dist_checkpointing, parallel_state
 
-    from verl_ds4.cpu.cuda_shim import cuda_literals_on_cpu
+    from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
     from verl_ds4.models.ds4.model import build_ds4_model
 
     import multiprocessing

@@ -10,7 +10,7 @@
 * :mod:`.sft_run`, :mod:`.value_forward`: launch helpers for the SFT main job and the critic path
   (:mod:`.training_worker`: verl's ``TrainingWorker`` on the CPU engine, composed as verl does);
   :mod:`.console`: the launchers' quiet console (progress, summary, loss plot; full log to a file).
-* :mod:`.engine_config`, :mod:`.cuda_shim`, :mod:`.rng`, :mod:`.builders`, :mod:`.optimizer_state`,
+* :mod:`.engine_config`, :mod:`verl_ds4.substitutes.cuda_literals`, :mod:`.rng`, :mod:`.builders`, :mod:`.optimizer_state`,
   :mod:`.progress`: the CPU engine's pieces, one job each (see :mod:`.engine`).
 
 Nothing here is imported by the layers below (layout, mcore, engine, models). ``verl-ds4 verify`` is not a CPU job:

@@ -50,7 +50,7 @@ What each override does, and why:
   (Megatron's non-TE/Apex load path shares one tensor between all parameters and
   overwrites it with the pre-load placeholder).
 
-Where each piece lives: :mod:`.engine_config` (fp32 config), :mod:`.cuda_shim`
+Where each piece lives: :mod:`.engine_config` (fp32 config), :mod:`verl_ds4.substitutes.cuda_literals`
 (:func:`cuda_literals_on_cpu`), :mod:`.rng` (the CPU RNG tracker), :mod:`.builders` (the model
 builder registry and CPU settings), :mod:`.optimizer_state` (the Adam step-state repair),
 :mod:`.progress` (the progress line); this module holds the engine mixin, the two engines and
@@ -70,7 +70,7 @@ import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.cpu.builders import CPU_MODEL_BUILDERS, CPUModelBuilder, cpu_transformer_overrides, register_cpu_model_builder
-from verl_ds4.cpu.cuda_shim import cuda_literals_on_cpu
+from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
 from verl_ds4.cpu.engine_config import CPUMcoreEngineConfig
 from verl_ds4.cpu.optimizer_state import create_empty_optimizer_state, restore_adam_step_counters
 from verl_ds4.cpu.progress import global_step_of, progress_line

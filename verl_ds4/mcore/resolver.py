@@ -233,6 +233,12 @@ def _ds4_window(tf_config) -> int:
     return ds4_facts.min_local_rows(ds4_facts.window_size(tf_config), ratios)
 
 
+def ds4_config_min_local_rows(tf_config) -> int | None:
+    """Rows every CP rank needs for a Megatron-LM dev DS4 ``TransformerConfig`` (``dsv4_hybrid``); None for another
+    model. Dev's DS4 attention declares no ``min_local_rows`` itself: this is the rule its boundary exchange enforces."""
+    return _ds4_window(tf_config) if _is_ds4_config(tf_config) else None
+
+
 def is_ds4_hf_config(hf_config) -> bool:
     """Whether a Hugging Face config describes a model Megatron-Bridge builds with DS4 attention."""
     return getattr(hf_config, "model_type", None) == ds4_facts.HF_MODEL_TYPE

@@ -30,11 +30,15 @@ _REFUSED = "verl-ds4: build refused"
 
 def min_local_rows_of(model) -> int:
     """The largest D_window over the model's DS4 attention layers (rows every CP rank must hold): the
-    model config's ``min_local_rows``, else the largest ``min_local_rows`` its attention modules
-    declare (the layout protocol the resolver reads)."""
+    model config's ``min_local_rows``, else the rule of a ``dsv4_hybrid`` config (Megatron-LM dev's DS4), else the
+    largest ``min_local_rows`` its attention modules declare (the layout protocol the resolver reads)."""
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "min_local_rows", None) is not None:
         return int(config.min_local_rows)
+    from verl_ds4.mcore.resolver import ds4_config_min_local_rows
+
+    if config is not None and (rows := ds4_config_min_local_rows(config)) is not None:
+        return rows  # Megatron-LM dev's DS4 (the production model): its config says it
     declared = [
         int(m.min_local_rows)
         for m in model.modules()

@@ -6,7 +6,7 @@ Inherent differences to know about when comparing the two:
    weighted RMSNorm (``hidden_states.to(torch.float32)``), the rotary tables (``.float()``), the
    rotation itself (``rope.float() * cos``), the compressor softmax (``dtype=torch.float32``) and
    the indexer scores. An fp64 copy of it is therefore only fp32-accurate (about 1e-7 relative).
-   :class:`PromoteFloat32ToFloat64` is a ``TorchFunctionMode`` that turns every float32 request
+   :class:`~verl_ds4.substitutes.precision.PromoteFloat32ToFloat64` is a ``TorchFunctionMode`` that turns every float32 request
    made inside it into float64 without touching the reference's code, which makes the reference a
    true fp64 computation for a 1e-10 comparison.
 2. **Top-k ties.** ``torch.topk`` leaves the order of equal scores unspecified; our indexer takes
@@ -17,11 +17,11 @@ Inherent differences to know about when comparing the two:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from verl_ds4.substitutes.precision import PromoteFloat32ToFloat64, StableTopK, fp64_reference
 
 __all__ = [
     "PromoteFloat32ToFloat64",
@@ -32,21 +32,6 @@ __all__ = [
     "hf_model_logits",
     "unambiguous_topk_queries",
 ]
-
-
-class PromoteFloat32ToFloat64(TorchFunctionMode):
-    """Inside this mode, ``Tensor.float()``, ``.to(torch.float32)`` and ``dtype=torch.float32`` arguments
-    produce float64 instead. Use together with ``torch.set_default_dtype(torch.float64)``."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.float:
-            return args[0].double()
-        if kwargs.get("dtype") is torch.float32:
-            kwargs["dtype"] = torch.float64
-        if func is torch.Tensor.to:
-            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        return func(*args, **kwargs)
 
 
 def _sliding_causal_mask(n: int, window: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,41 +82,6 @@ def unambiguous_topk_queries(scores: torch.Tensor, k: int) -> torch.Tensor:
         return torch.ones(scores.shape[0], dtype=torch.bool)
     kth, next_ = ordered[:, k - 1], ordered[:, k]
     return (n_visible <= k) | (kth != next_)
-
-
-class StableTopK(TorchFunctionMode):
-    """Inside this mode ``torch.topk`` / ``Tensor.topk`` take equal values in index order (lowest index
-    first), as ``torch.sort(..., stable=True)`` orders them: the DS4 tie rule of our indexer and router
-    (:mod:`.moe`), applied to the reference in tests. ``largest=False`` sorts ascending, also stably."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.topk or func is torch.Tensor.topk:
-            names = ("input", "k", "dim", "largest", "sorted")
-            bound = dict(zip(names, args))
-            bound.update(kwargs)
-            dim, largest = bound.get("dim", -1), bound.get("largest", True)
-            order = torch.sort(bound["input"], dim=dim, descending=largest, stable=True)
-            index = torch.arange(bound["k"], device=order.indices.device)
-            values, indices = order.values.index_select(dim, index), order.indices.index_select(dim, index)
-            return torch.return_types.topk((values, indices))
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def fp64_reference(stable_topk: bool = True):
-    """fp64 default dtype + :class:`PromoteFloat32ToFloat64` (+ :class:`StableTopK`): transformers' DS4
-    as a true fp64 computation with our top-k tie rule."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(PromoteFloat32ToFloat64())
-            if stable_topk:
-                stack.enter_context(StableTopK())
-            yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def hf_model_logits(hf_model: Any, sequences: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -54,6 +54,8 @@ class _CudaLiteralsToCPU(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_accelerator_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # page-locked host memory needs a CUDA driver; on a CPU it changes nothing
         if func is torch.Tensor.cuda and args and args[0].device.type == "cpu":
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_accelerator_device(args[1]):
@@ -87,7 +89,7 @@ def cuda_literals_on_cpu(report_cuda_types: bool = False):
     Inside the block: tensors requested on ``"cuda"`` (or a device index) are created on the
     CPU, ``torch.cuda.current_device()`` returns 0 (then mapped to the CPU),
     ``torch.cuda.synchronize()`` does nothing and ``torch.cuda.current_stream()`` is a stream whose
-    waits do nothing. Only the CPU engines use it, around the
+    waits do nothing; ``pin_memory=True`` is dropped. Only the CPU engines use it, around the
     Megatron calls listed in this module's docstring; it is a no-op for code that does not
     name CUDA.
     """
