@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PromoteFloat32ToFloat64", "StableTopK", "fp64_reference"]
+__all__ = ["PromoteFloat32ToFloat64", "StableTopK", "float_keeps_float64", "fp64_reference"]
 
 
 class PromoteFloat32ToFloat64(TorchFunctionMode):
@@ -70,3 +70,15 @@ def fp64_reference(stable_topk: bool = True):
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def float_keeps_float64(patches) -> None:
+    """Process-wide: ``Tensor.float()`` returns a float64 tensor unchanged. Megatron's custom autograd functions cast
+    with ``.float()`` in their *backward* (the indexer loss), which the autograd engine runs outside any
+    torch-function mode; a float64 proof rank (a process of its own) installs this through ``patches``."""
+    original = torch.Tensor.float
+
+    def as_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
+
+    patches.set(torch.Tensor, "float", as_float)

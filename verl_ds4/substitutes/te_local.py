@@ -50,15 +50,48 @@ class LocalLinear(torch.nn.Module):
         return None
 
 
+def _flattened(cls):
+    """``cls`` (Megatron's column / row parallel linear) taking inputs of any rank, as TE's linears do: leading
+    dimensions are folded into one before the call and unfolded after. Megatron's own linears run a 4-D input forward
+    but their weight-gradient step accepts 2-D and 3-D gradients only; DS4 attention feeds a 4-D one."""
+
+    class Flattened(cls):
+        def forward(self, input_, *args, **kwargs):
+            if input_.dim() <= 3:
+                return super().forward(input_, *args, **kwargs)
+            lead = input_.shape[:-1]
+            output, bias = super().forward(input_.reshape(-1, 1, input_.shape[-1]), *args, **kwargs)
+            return output.reshape(*lead, output.shape[-1]), bias
+
+    Flattened.__name__ = Flattened.__qualname__ = f"CPU{cls.__name__}"
+    return Flattened
+
+
+_CLASSES: dict = {}
+
+
 def _cpu_spec_provider_class():
+    if _CLASSES:
+        return _CLASSES["provider"]
     from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    column, row = _flattened(ColumnParallelLinear), _flattened(RowParallelLinear)
 
     class CPUSpecProvider(LocalSpecProvider):
-        """Megatron's local backend, with :class:`LocalLinear` as its replicated ``linear()``."""
+        """Megatron's local backend, with :class:`LocalLinear` as its replicated ``linear()`` and its column / row
+        parallel linears taking inputs of any rank."""
 
         def linear(self):
             return LocalLinear
 
+        def column_parallel_linear(self):
+            return column
+
+        def row_parallel_linear(self):
+            return row
+
+    _CLASSES.update(provider=CPUSpecProvider, column=column, row=row)
     return CPUSpecProvider
 
 
@@ -92,3 +125,6 @@ def install(patches: Patches) -> None:
     except ImportError:  # Megatron-LM dev without the bridge: nothing to register
         return
     AutoMapping.register_module_type("LocalLinear", "replicated")
+    _cpu_spec_provider_class()
+    AutoMapping.register_module_type(_CLASSES["column"].__name__, "column")
+    AutoMapping.register_module_type(_CLASSES["row"].__name__, "row")

@@ -50,7 +50,7 @@ from verl_ds4.verify.table import Row, group_diff, max_diff, rows_passed
 
 __all__ = ["MODELS", "RAGGED", "SHORT", "ParityResult", "Row", "param_group", "run_parity", "compare", "rows_passed", "format_table"]
 
-MODELS = ("ds4", "ds4_proxy")
+MODELS = ("ds4", "ds4_proxy", "production")
 
 # Ragged lengths around the 128-row window / HCA block size; they straddle rank boundaries at CP 2-8.
 RAGGED = (5, 127, 300, 23, 129, 520, 55, 181, 95, 1)
@@ -96,6 +96,7 @@ class RunOptions:
     sparse_core: str = "dense"  # the attention's sparse softmax: "dense" (reference) or "linear" (verl_ds4.kernels)
     linear_chunk_rows: int | None = None  # the linear core's query rows per chunk (None: its memory-budget default)
     query_chunk_rows: int | None = None  # the attention's row chunks over compressed blocks (None: verl_ds4.models.query_chunks' budget)
+    production_folder: str | None = None  # model="production": the harness's weights as a native HF folder (run_parity writes it)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -209,7 +210,7 @@ class _Models:
     """Builds the actor / critic of ``model`` (``ds4`` or ``ds4_proxy``) the same way on every rank."""
 
     def __init__(self, model: str, cfg, seed: int):
-        if model not in MODELS:
+        if model not in MODELS or model == "production":
             raise ValueError(f"model={model!r}; expected one of {MODELS}.")
         self.model, self.seed = model, seed
         if model == "ds4_proxy":
@@ -251,6 +252,22 @@ class _Models:
     @property
     def has_hash_layers(self) -> bool:
         return self.model == "ds4" and "hash_moe" in self.cfg.get("mlp_layer_types", [])
+
+    def aux_losses(self, actor) -> dict[str, np.ndarray]:
+        return _aux_losses(actor)
+
+    def layout_guard_bypassed(self):
+        return _layout_guard_bypassed()
+
+
+def _models_for(model: str, cfg, seed: int, world: int, opts: RunOptions):
+    """The harness's model builder: the project's DS4 / proxy, or (``production``) Megatron-LM dev's DS4 built by
+    Megatron-Bridge from the same weights (:class:`verl_ds4.verify.production.ProductionModels`)."""
+    if model != "production":
+        return _Models(model, cfg, seed)
+    from verl_ds4.verify.production import ProductionModels
+
+    return ProductionModels(_Models("ds4", cfg, seed), world, opts.production_folder)
 
 
 def _ds4_config(cfg) -> dict:
@@ -327,7 +344,7 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
     try:
         group = parallel_state.get_context_parallel_group() if world > 1 else None
         cp_rank = parallel_state.get_context_parallel_rank()
-        models = _Models(model_name, cfg, seed)
+        models = _models_for(model_name, cfg, seed, world, opts)
         result = ParityResult(cp_size=world)
         result.checks["model"] = model_name
         device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
@@ -361,7 +378,7 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                     seqlen.stop_replay(actor)
                 values, value_loss = _critic_step(critic, input_ids, targets, "contiguous", cp_rank, min_rows, world, hash_ids_shift)
                 value_loss.backward()
-                aux = _aux_losses(actor)
+                aux = models.aux_losses(actor)
                 result.results[(dtype_name, batch_name)] = {
                     **aux,
                     "log_probs": _np(per_token[:, 0]),
@@ -387,7 +404,7 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 result.checks["zigzag_error"] = None
             except ValueError as err:
                 result.checks["zigzag_error"] = str(err)
-            with _layout_guard_bypassed(), torch.no_grad():
+            with models.layout_guard_bypassed(), torch.no_grad():
                 per_token, _ = _actor_step(actor, input_ids, "zigzag", cp_rank, min_rows, world, group)
             result.checks["zigzag_bypassed_log_probs"] = _np(per_token[:, 0])
             if models.has_hash_layers:
@@ -444,6 +461,14 @@ def run_parity(
     options = options or RunOptions()
     from verl_ds4.mcore.distributed import run_distributed
 
+    if model == "production":
+        import dataclasses
+
+        from verl_ds4.verify.production import require_megatron_dev, write_harness_folder
+
+        require_megatron_dev()
+        if options.production_folder is None:
+            options = dataclasses.replace(options, production_folder=write_harness_folder(cfg, seed))
     from verl_ds4.models.ds4 import model as _ds4_model  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
 
     if cp_size < 1:

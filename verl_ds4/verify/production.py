@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "UnmappableFolder", "check_mappable", "verl_overrides"]
+__all__ = ["CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "ProductionModels", "UnmappableFolder", "check_mappable",
+           "verl_overrides"]
 
 #: Provider settings a CPU needs beside verl's: no fused (CUDA / TransformerEngine) kernel, CPU initialisation,
 #: SequentialMLP experts (grouped GEMM is a TE kernel), Megatron's local modules.
@@ -42,6 +43,19 @@ CPU_OVERRIDES: dict[str, Any] = {
     "use_fused_mhc": False,
     "apply_dsa_kernel_fusion": False,
 }
+
+
+def require_megatron_dev() -> None:
+    """Refuse, before any rank starts, a process whose ``megatron.core`` has no DeepSeek-V4 (not Megatron-LM dev)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention") is None:
+        from verl_ds4.substitutes.megatron_dev import make_command
+
+        raise RuntimeError(
+            "the production engine runs Megatron-LM dev's DeepSeek-V4, and this process's megatron.core has none "
+            "(a released megatron-core). Put a dev export first on the path: MEGATRON_DEV_DIR=<export> or "
+            f"verl_ds4.substitutes.megatron_dev.use(...); make one with: {make_command()}")
 
 
 class UnmappableFolder(ValueError):
@@ -64,7 +78,7 @@ def verl_overrides(cp_size: int) -> dict[str, Any]:
     return overrides
 
 
-def check_mappable(bridge, model_chunks, folder: str | Path) -> None:
+def check_mappable(bridge, model_chunks, folder: str | Path, allowed: tuple[str, ...] = ()) -> None:
     """Refuse, naming the tensors, a folder Bridge cannot load: a model parameter without a mapping, or a mapping
     whose HF tensor the folder lacks (Bridge 0.6.2 would log a warning and then fail on a ``None`` task)."""
     from megatron.bridge.models.conversion.model_bridge import get_model_bridge
@@ -75,6 +89,8 @@ def check_mappable(bridge, model_chunks, folder: str | Path) -> None:
     keys = set(bridge.hf_pretrained.state.source.get_all_keys())
     unmapped, missing = [], []
     for name, _ in model_chunks[0].named_parameters():
+        if name in allowed:
+            continue
         mapping = registry.megatron_to_hf_lookup(name)
         if mapping is None:
             unmapped.append(name)
@@ -100,7 +116,14 @@ class ProductionLM(torch.nn.Module):
         self.gpt = gpt_model
         self.config = gpt_model.config
 
+    #: A negative control only: rows packed with another layout handed over as contiguous (dev's guard reads the label).
+    relabel_contiguous = False
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, *, packed_seq_params=None, hash_token_ids=None, **kw):
+        if self.relabel_contiguous and packed_seq_params is not None:
+            import dataclasses
+
+            packed_seq_params = dataclasses.replace(packed_seq_params, cp_partition_mode="contiguous")
         if hash_token_ids is not None:
             raise ValueError("the production model reads hash-routing ids from input_ids; hash_token_ids is not taken")
         return self.gpt(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
@@ -122,7 +145,9 @@ class ProductionBuilder:
 
         return fp64_reference() if self.dtype == torch.float64 else StableTopK()
 
-    def __call__(self, cp_size: int) -> ProductionLM:
+    def __call__(self, cp_size: int, *, value_head: bool = False, overrides: dict | None = None) -> ProductionLM:
+        """The model of this rank. ``value_head``: verl's critic (Bridge's value-head hook replaces the output layer,
+        the MTP layers are dropped as verl drops them when MTP is off); ``overrides``: more provider settings."""
         from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
         from verl_ds4.substitutes.registry import install_all
 
@@ -131,12 +156,29 @@ class ProductionBuilder:
 
         bridge = AutoBridge.from_hf_pretrained(self.folder)
         provider = bridge.to_megatron_provider(load_weights=False)
-        provider.apply_overrides_and_finalize(dtype=self.dtype, overrides={**verl_overrides(cp_size), **CPU_OVERRIDES})
+        settings = {**verl_overrides(cp_size), **CPU_OVERRIDES, **(overrides or {})}
+        if self.dtype == torch.float64:
+            # the router's autograd function casts to this dtype in backward, outside any torch-function mode
+            settings["moe_router_dtype"] = "fp64"
+        if value_head:
+            from megatron.bridge.training.utils.train_utils import make_value_model
+
+            settings["share_embeddings_and_output_weights"] = False
+            if getattr(provider, "mtp_num_layers", 0):  # verl's rule for a model without MTP
+                settings["mtp_num_layers"] = 0
+                settings["csa_compress_ratios"] = list(provider.csa_compress_ratios)[: provider.num_layers]
+            provider.register_pre_wrap_hook(make_value_model(provider.hidden_size, False))
+        if settings.get("dsa_indexer_loss_coeff", getattr(provider, "dsa_indexer_loss_coeff", None)) is None:
+            # dev's unfused THD path at CP 1 multiplies by the raw config value (csa.py getattr(..., 0.0) finds
+            # None and raises TypeError in a training forward); None means 0 everywhere else in dev (`or 0.0`)
+            settings["dsa_indexer_loss_coeff"] = 0.0
+        provider.apply_overrides_and_finalize(dtype=self.dtype, overrides=settings)
         with cuda_literals_on_cpu(), self.precision():
             chunks = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-        check_mappable(bridge, chunks, self.folder)
-        with cuda_literals_on_cpu(), _quiet_progress():
-            bridge.load_hf_weights(chunks, self.folder)
+        check_mappable(bridge, chunks, self.folder, allowed=("output_layer.weight",) if value_head else ())
+        with cuda_literals_on_cpu(), _quiet_progress(), _no_torch_function_mode():
+            bridge.load_hf_weights(chunks, self.folder,
+                                   allowed_mismatched_params=["output_layer.weight"] if value_head else None)
         return _PrecisionLM(ProductionLM(chunks[0]).eval(), self.precision)
 
 
@@ -153,6 +195,17 @@ class _PrecisionLM(ProductionLM):
 
 
 @contextlib.contextmanager
+def _no_torch_function_mode():
+    """Safetensors reinterprets bytes with ``view(dtype)``: no dtype promotion may be active while weights load."""
+    from torch.overrides import _pop_mode_temporarily, _len_torch_function_stack
+
+    with contextlib.ExitStack() as stack:
+        for _ in range(_len_torch_function_stack()):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
+
+
+@contextlib.contextmanager
 def _quiet_progress():
     """Bridge draws a progress bar per load; the proofs print their own lines."""
     import logging
@@ -163,3 +216,92 @@ def _quiet_progress():
         yield
     finally:
         logging.getLogger("megatron.bridge").setLevel(level)
+
+
+def write_harness_folder(cfg, seed: int, timeout: float = 300.0) -> str:
+    """Write the parity harness's tiny DS4 (its seeded weights, hash table and expert bias) as a DeepSeek-native HF
+    folder in a temporary directory, from a child interpreter that imports the released megatron-core (verl-ds4's own
+    model is built on it, not on Megatron-LM dev). Returns the folder."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="verl_ds4_production_")
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DEV_DIR"}
+    dev_roots = {p for p in sys.path if (Path(p) / "megatron" / "core" / "transformer" / "experimental_attention_variant").is_dir()}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and p not in dev_roots)
+    args = json.dumps({"cfg": cfg if cfg is None or isinstance(cfg, (dict, str)) else str(cfg), "seed": seed, "folder": folder})
+    done = subprocess.run([sys.executable, "-m", "verl_ds4.verify.production_weights", args], env=env, text=True,
+                          capture_output=True, timeout=timeout)
+    if done.returncode != 0 or not (Path(folder) / "model.safetensors").is_file():
+        raise RuntimeError(f"writing the harness's DS4 folder failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return folder
+
+
+class ProductionModels:
+    """The parity harness's models (``verify --engine production``): the harness's tiny DS4 with its seeded weights
+    (:class:`verl_ds4.verify.parity._Models`, the project's own model) written as a DeepSeek-native HF folder, then
+    built through :class:`ProductionBuilder`. Both engines therefore run the same weights, and their CP = 1 results
+    can be compared number for number (the production model against the project's model)."""
+
+    def __init__(self, models, cp_size: int, folder: str | Path, *, reference_mhc_rms: bool = True):
+        self.inner, self.folder, self.cp_size, self.reference_mhc_rms = models, Path(folder), cp_size, reference_mhc_rms
+        self.cfg, self.vocab, self.seed = models.cfg, models.vocab, models.seed
+        self.indexer_loss_coeff = models.indexer_loss_coeff
+        self.has_hash_layers = False  # the hash-ids control is the project's model's (its forward takes shifted ids)
+        self._fp64 = None
+
+
+    def build(self, dtype, value_head: bool = False, device=None, overrides: dict | None = None):
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError("the production model runs on the CPU here (its substitutes are CPU stand-ins)")
+        settings = dict(overrides or {})
+        if not value_head:
+            settings["dsa_indexer_loss_coeff"] = self.indexer_loss_coeff
+        model = ProductionBuilder(self.folder, dtype, reference_mhc_rms=self.reference_mhc_rms)(
+            self.cp_size, value_head=value_head, overrides=settings)
+        if dtype == torch.float64 and self._fp64 is None:
+            # Megatron's autograd functions cast in backward too (the router's weight.to(float32)): after its first
+            # build (loading safetensors must not be promoted) the rank keeps the float64 promotion on for its whole
+            # life, forward and backward (it is a process of its own).
+            from verl_ds4.substitutes.patching import Patches
+            from verl_ds4.substitutes.precision import float_keeps_float64, fp64_reference
+
+            self._fp64 = fp64_reference()
+            self._fp64.__enter__()
+            float_keeps_float64(Patches())  # and in the backward of Megatron's autograd functions
+        if value_head:  # Bridge's hook initialises the value head from the process's RNG: seed it, as on every CP size
+            head = model.gpt.output_layer.weight
+            gen = torch.Generator().manual_seed(self.seed + 11)
+            with torch.no_grad():
+                head.copy_((0.02 * torch.randn(head.shape, generator=gen, dtype=torch.float64)).to(head.dtype))
+        return model.train()
+
+    @contextlib.contextmanager
+    def layout_guard_bypassed(self):
+        """The zigzag control: dev's DS4 attention refuses a batch labelled zigzag; labelled contiguous, the zigzag
+        rows run, and the log-probs must then differ from CP = 1."""
+        ProductionLM.relabel_contiguous = True
+        try:
+            yield
+        finally:
+            ProductionLM.relabel_contiguous = False
+
+    def min_local_rows(self, model) -> int:
+        from verl_ds4.mcore.resolver import ds4_config_min_local_rows
+
+        return int(ds4_config_min_local_rows(model.config))
+
+    def aux_losses(self, actor) -> dict:
+        """The last forward's indexer loss (Megatron's tracker, summed over layers; CP-global)."""
+        import numpy as np
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+        values = DSAIndexerLossLoggingHelper.tracker.get("values")
+        if values is None:
+            return {}
+        total = values.detach().sum()
+        DSAIndexerLossLoggingHelper.tracker["values"].zero_()
+        return {"indexer_loss": np.array([float(total)])}
