@@ -35,6 +35,11 @@
 #                verl 0.9.1's transformers fence (>= 5.5.3, < 5.11), so it cannot be a dependency of the
 #                test extra; its deepseek_v41 model modules import with what the extra already installs
 #                (docs/ds41-model.md). Empty: not installed (the V4.1 reference tests then skip).
+#   BRIDGE312_SPEC Megatron-Bridge for lane 2's production-path tests (default: megatron-bridge==0.6.2), installed
+#                with --no-deps beside BRIDGE312_IMPORT_DEPS (the packages `import megatron.bridge` and its value-head
+#                hook need): its wheel declares TransformerEngine, flashinfer, nvidia-resiliency-ext and others that need
+#                CUDA or clash with the test extra (docs/architecture.md, "The production path on a CPU"). Empty: not
+#                installed (the production-path tests then skip, saying so).
 #   TORCH312_SPEC torch requirement of lane 2 (default: torch==2.14.1; torch has no CPU build for
 #                Python 3.12 on PyPI, so this is the CUDA build, ~550 MB plus its CUDA wheels; it runs
 #                on a CPU)
@@ -47,6 +52,10 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VENV312=${VENV312:-.venv312}
 TORCH312_SPEC=${TORCH312_SPEC:-torch==2.14.1}
 NEMO_AUTOMODEL_SPEC=${NEMO_AUTOMODEL_SPEC-nemo-automodel==0.7.0}
+BRIDGE312_SPEC=${BRIDGE312_SPEC-megatron-bridge==0.6.2}
+# What `import megatron.bridge` (0.6.2) and megatron.bridge.training.utils.train_utils import at module level, found
+# by importing them on a fresh lane-2 venv; all pure Python or with wheels on PyPI.
+BRIDGE312_IMPORT_DEPS="einops megatron-energon multi-storage-client xattr lark wcmatch bracex braceexpand rapidyaml deprecation filetype webdataset"
 LANES=${LANES:-1 2}
 
 # setup VENV PYTHON TORCH_SPEC: create the venv if needed, install torch, then verl-ds4[test] (editable),
@@ -62,6 +71,10 @@ setup() {
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
     if [ -n "$NEMO_AUTOMODEL_SPEC" ]; then
         "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$NEMO_AUTOMODEL_SPEC"
+    fi
+    if [ -n "$BRIDGE312_SPEC" ] && [ "$venv" = "$VENV312" ]; then
+        # shellcheck disable=SC2086  # BRIDGE312_IMPORT_DEPS: package names, one word each
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$BRIDGE312_SPEC" $BRIDGE312_IMPORT_DEPS
     fi
 }
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "ProductionModels", "UnmappableFolder", "check_mappable",
-           "verl_overrides"]
+__all__ = ["BRIDGE_VERSION", "CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "ProductionModels", "UnmappableFolder", "check_mappable",
+           "require_bridge", "require_megatron_dev", "verl_overrides", "write_harness_folder"]
 
 #: Provider settings a CPU needs beside verl's: no fused (CUDA / TransformerEngine) kernel, CPU initialisation,
 #: SequentialMLP experts (grouped GEMM is a TE kernel), Megatron's local modules.
@@ -56,6 +56,31 @@ def require_megatron_dev() -> None:
             "the production engine runs Megatron-LM dev's DeepSeek-V4, and this process's megatron.core has none "
             "(a released megatron-core). Put a dev export first on the path: MEGATRON_DEV_DIR=<export> or "
             f"verl_ds4.substitutes.megatron_dev.use(...); make one with: {make_command()}")
+
+
+#: The Megatron-Bridge release the production path was proven with (lane 2 installs it; the image pins it).
+BRIDGE_VERSION = "0.6.2"
+
+
+def require_bridge() -> None:
+    """Refuse, with what to install, a Python or a Megatron-Bridge that cannot build DS4: Bridge needs Python 3.12
+    and must have its DeepSeek-V4 bridge (``megatron.bridge.models.deepseek.deepseek_v4_bridge``, from 0.6)."""
+    import importlib.util
+    import sys
+
+    if sys.version_info[:2] != (3, 12):
+        raise RuntimeError(
+            f"the production path needs Python 3.12 (Megatron-Bridge {BRIDGE_VERSION} requires it); this is Python "
+            f"{sys.version_info[0]}.{sys.version_info[1]}. Use the lane-2 venv (bash scripts/dev.sh test sets up "
+            ".venv312) or a Python 3.12 venv with `pip install --no-deps megatron-bridge==0.6.2`.")
+    if importlib.util.find_spec("megatron.bridge") is None:
+        raise RuntimeError(f"Megatron-Bridge is not installed: `pip install --no-deps megatron-bridge=={BRIDGE_VERSION}` "
+                           "and its import-time packages (scripts/dev.sh BRIDGE312_IMPORT_DEPS)")
+    if importlib.util.find_spec("megatron.bridge.models.deepseek.deepseek_v4_bridge") is None:
+        from importlib.metadata import version
+
+        raise RuntimeError(f"Megatron-Bridge {version('megatron-bridge')} has no DeepSeek-V4 bridge "
+                           f"(megatron.bridge.models.deepseek.deepseek_v4_bridge); install megatron-bridge=={BRIDGE_VERSION}")
 
 
 class UnmappableFolder(ValueError):
@@ -151,6 +176,7 @@ class ProductionBuilder:
         from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
         from verl_ds4.substitutes.registry import install_all
 
+        require_bridge()
         install_all(reference_mhc_rms=self.reference_mhc_rms)
         from megatron.bridge import AutoBridge
 
