@@ -73,10 +73,12 @@ def require_bridge() -> None:
             f"the production path needs Python 3.12 (Megatron-Bridge {BRIDGE_VERSION} requires it); this is Python "
             f"{sys.version_info[0]}.{sys.version_info[1]}. Use the lane-2 venv (bash scripts/dev.sh test sets up "
             ".venv312) or a Python 3.12 venv with `pip install --no-deps megatron-bridge==0.6.2`.")
-    if importlib.util.find_spec("megatron.bridge") is None:
+    spec = importlib.util.find_spec("megatron.bridge")  # imports the namespace `megatron` only, not the bridge
+    if spec is None:
         raise RuntimeError(f"Megatron-Bridge is not installed: `pip install --no-deps megatron-bridge=={BRIDGE_VERSION}` "
                            "and its import-time packages (scripts/dev.sh BRIDGE312_IMPORT_DEPS)")
-    if importlib.util.find_spec("megatron.bridge.models.deepseek.deepseek_v4_bridge") is None:
+    roots = [Path(p) for p in spec.submodule_search_locations or ()]
+    if not any((r / "models" / "deepseek" / "deepseek_v4_bridge.py").is_file() for r in roots):
         from importlib.metadata import version
 
         raise RuntimeError(f"Megatron-Bridge {version('megatron-bridge')} has no DeepSeek-V4 bridge "
