@@ -97,6 +97,7 @@ class RunOptions:
     linear_chunk_rows: int | None = None  # the linear core's query rows per chunk (None: its memory-budget default)
     query_chunk_rows: int | None = None  # the attention's row chunks over compressed blocks (None: verl_ds4.models.query_chunks' budget)
     production_folder: str | None = None  # model="production": the harness's weights as a native HF folder (run_parity writes it)
+    indexer_loss_coeff: float | None = None  # the actor's indexer-loss coefficient (None: INDEXER_LOSS_COEFF)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -263,11 +264,14 @@ class _Models:
 def _models_for(model: str, cfg, seed: int, world: int, opts: RunOptions):
     """The harness's model builder: the project's DS4 / proxy, or (``production``) Megatron-LM dev's DS4 built by
     Megatron-Bridge from the same weights (:class:`verl_ds4.verify.production.ProductionModels`)."""
+    models = _Models("ds4" if model == "production" else model, cfg, seed)
+    if opts.indexer_loss_coeff is not None:
+        models.indexer_loss_coeff = opts.indexer_loss_coeff
     if model != "production":
-        return _Models(model, cfg, seed)
+        return models
     from verl_ds4.verify.production import ProductionModels
 
-    return ProductionModels(_Models("ds4", cfg, seed), world, opts.production_folder)
+    return ProductionModels(models, world, opts.production_folder)
 
 
 def _ds4_config(cfg) -> dict:
