@@ -13,6 +13,8 @@ selects that lane. Left to lane 1 only, to keep CI under 30 minutes: the balance
 differential against verl's stock engine (four torchrun jobs, ~100 s; verl is the same 0.9.1 in both
 lanes, and our engine's data paths on megatron-core 0.19.2 are ``test_engine_data_paths``), the
 attention-only fidelity test (the full model's fidelity test runs in both) and the proxy.
+The production-path tests (``test_production_*``: Megatron-LM dev's DS4 built by Megatron-Bridge, which needs
+Python 3.12) are lane-2 files that skip in lane 1.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ LANE2_FILES = frozenset({
     "test_ds4_router_replay_on_cpu.py",
     "test_ds4_hf_checkpoint_on_cpu.py",
     "test_dynamic_cp_scheduler_on_cpu.py",
+    # the production path (Megatron-LM dev + Megatron-Bridge, Python 3.12): run in lane 2, skipped in lane 1
+    "test_production_path_on_cpu.py",
+    "test_production_cp_parity_on_cpu.py",
+    "test_production_engine_on_cpu.py",
 })  # fmt: skip
 
 

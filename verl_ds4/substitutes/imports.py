@@ -80,7 +80,7 @@ class _NoOpModule(types.ModuleType):
 
     def __getattr__(self, name):
         if name.startswith("__"):
-            raise AttributeError(name)
+            raise AttributeError(name)  # error-catalogue: internal (attribute protocol of a stand-in module)
         return _noop
 
 
@@ -95,7 +95,7 @@ class _PlaceholderClass(type):
 
     def __getattr__(cls, name):
         if name.startswith("__"):
-            raise AttributeError(name)
+            raise AttributeError(name)  # error-catalogue: internal (attribute protocol of a stand-in module)
         sub = _PlaceholderClass(name, (), {"__module__": cls.__module__})
         setattr(cls, name, sub)
         return sub
@@ -104,7 +104,7 @@ class _PlaceholderClass(type):
 class _PlaceholderModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
-            raise AttributeError(name)
+            raise AttributeError(name)  # error-catalogue: internal (attribute protocol of a stand-in module)
         cls = _PlaceholderClass(name, (), {"__module__": self.__name__})
         setattr(self, name, cls)
         return cls

@@ -40,6 +40,7 @@ Examples:  verl-ds4 verify --cp 8
            verl-ds4 verify --device cuda --cp 1       (one GPU; --cp 8 on eight)
            verl-ds4 verify --hf-checkpoint path/to/ds4 --cp 2
            verl-ds4 verify --model ds41 --cp 4
+           verl-ds4 verify --engine production --cp 2   (Megatron-LM dev's DS4 via Megatron-Bridge: the GPU path's code)
            verl-ds4 verify --model ds41 --cp 8 --seq-len 32768 --indexer-replay both
            verl-ds4 verify --model ds41 --hf-checkpoint path/to/v41 --cp 2   (verl_ds4.verify.ds41_hf: our
                Megatron V4.1 from a V4.1 folder vs NeMo Automodel reading the same folder, fp64)
@@ -98,6 +99,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step) twice, native and replayed; with a negative control at CP > 1 (replaying other valid blocks must change the "
         "log-probs). Default off",
     )  # fmt: skip
+    parser.add_argument(
+        "--engine", choices=("own", "production"), default="own",
+        help="own (default): verl-ds4's own DS4 model; production: Megatron-LM dev's DS4 built by Megatron-Bridge's "
+        "provider as a GPU run builds it (Python 3.12 with megatron-bridge 0.6.2 and a Megatron-LM dev export; CPU "
+        "substitutes for the GPU-only pieces): CP=N vs CP=1 and vs the own model on the same weights, fp64 "
+        "(verl_ds4.verify.production_cli)",
+    )  # fmt: skip
+    parser.add_argument("--megatron-commit", default=None, metavar="SHA",
+                        help="--engine production: the Megatron-LM dev commit to import (default: the image's pin; "
+                        "a proven one only: verl_ds4.substitutes.megatron_dev.PROVEN_COMMITS)")
     parser.add_argument("--config", default=None, help="ds4: a DeepseekV4 config.json (path or JSON; default: the CPU jobs' tiny DS4); ds4_proxy: proxy sizes as JSON")
     parser.add_argument("--seed", type=int, default=1234, help="seed for weights and the batch (default 1234)")
     parser.add_argument("--no-layout-checks", action="store_true", help="skip the zigzag rejection / guard-bypass rows (ds41: all negative controls)")
@@ -193,6 +204,14 @@ def _run_ds41(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "production":
+        from verl_ds4.verify.production_cli import run as run_production
+
+        return run_production(args)
+    if args.megatron_commit is not None:
+        print("verify: --megatron-commit selects the Megatron-LM dev of --engine production; add --engine production",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.device == "cuda" or (args.dtype and "bf16" in args.dtype):  # refused before any model is built
         problems = []
         if args.sparse_core != "dense":

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["BRIDGE_VERSION", "CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "ProductionModels", "UnmappableFolder", "check_mappable",
-           "require_bridge", "require_megatron_dev", "verl_overrides", "write_harness_folder"]
+           "released_megatron_env", "require_bridge", "require_megatron_dev", "verl_overrides", "write_harness_folder"]
 
 #: Provider settings a CPU needs beside verl's: no fused (CUDA / TransformerEngine) kernel, CPU initialisation,
 #: SequentialMLP experts (grouped GEMM is a TE kernel), Megatron's local modules.
@@ -131,8 +131,8 @@ def check_mappable(bridge, model_chunks, folder: str | Path, allowed: tuple[str,
             + (f"no mapping for the model's {unmapped[:5]}{' ...' if len(unmapped) > 5 else ''}; " if unmapped else "")
             + (f"tensors missing from the folder: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}; " if missing else "")
             + "expected a DeepSeek-V4 folder in DeepSeek's native names (embed.weight, layers.N.attn.wq_a.weight, "
-            "mtp.K.*) matching its config.json; write one with `verl-ds4 ...` or re-export it from transformers "
-            "(verl_ds4.models.ds4.hf_checkpoint.save_hf_checkpoint(..., family='native')).")
+            "mtp.K.*) matching its config.json; a folder in transformers' names re-saves in native ones with "
+            "verl_ds4.models.ds4.hf_checkpoint (load_hf_checkpoint, then save_hf_checkpoint(model, folder, family='native')).")
 
 
 class ProductionLM(torch.nn.Module):
@@ -152,7 +152,7 @@ class ProductionLM(torch.nn.Module):
 
             packed_seq_params = dataclasses.replace(packed_seq_params, cp_partition_mode="contiguous")
         if hash_token_ids is not None:
-            raise ValueError("the production model reads hash-routing ids from input_ids; hash_token_ids is not taken")
+            raise ValueError("the production model reads hash-routing ids from input_ids; hash_token_ids is not taken")  # error-catalogue: internal (the harness's own-model control)
         return self.gpt(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                         packed_seq_params=packed_seq_params, **kw)
 
@@ -246,25 +246,33 @@ def _quiet_progress():
         logging.getLogger("megatron.bridge").setLevel(level)
 
 
+def released_megatron_env() -> dict:
+    """The environment of a child interpreter that imports the released megatron-core: this one's, without
+    ``MEGATRON_DEV_DIR`` and without a Megatron-LM dev tree on ``PYTHONPATH``."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DEV_DIR"}
+    dev_roots = {p for p in sys.path if (Path(p) / "megatron" / "core" / "transformer" / "experimental_attention_variant").is_dir()}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and p not in dev_roots)
+    return env
+
+
 def write_harness_folder(cfg, seed: int, timeout: float = 300.0) -> str:
     """Write the parity harness's tiny DS4 (its seeded weights, hash table and expert bias) as a DeepSeek-native HF
     folder in a temporary directory, from a child interpreter that imports the released megatron-core (verl-ds4's own
     model is built on it, not on Megatron-LM dev). Returns the folder."""
     import json
-    import os
     import subprocess
     import sys
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="verl_ds4_production_")
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DEV_DIR"}
-    dev_roots = {p for p in sys.path if (Path(p) / "megatron" / "core" / "transformer" / "experimental_attention_variant").is_dir()}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and p not in dev_roots)
     args = json.dumps({"cfg": cfg if cfg is None or isinstance(cfg, (dict, str)) else str(cfg), "seed": seed, "folder": folder})
-    done = subprocess.run([sys.executable, "-m", "verl_ds4.verify.production_weights", args], env=env, text=True,
+    done = subprocess.run([sys.executable, "-m", "verl_ds4.verify.production_weights", args], env=released_megatron_env(), text=True,
                           capture_output=True, timeout=timeout)
     if done.returncode != 0 or not (Path(folder) / "model.safetensors").is_file():
-        raise RuntimeError(f"writing the harness's DS4 folder failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        raise RuntimeError(f"writing the harness's DS4 folder failed (exit {done.returncode}): {done.stderr[-2000:]}")  # error-catalogue: passes on the child's own error
     return folder
 
 
@@ -284,7 +292,7 @@ class ProductionModels:
 
     def build(self, dtype, value_head: bool = False, device=None, overrides: dict | None = None):
         if device is not None and torch.device(device).type != "cpu":
-            raise ValueError("the production model runs on the CPU here (its substitutes are CPU stand-ins)")
+            raise ValueError("the production model runs on the CPU here (its substitutes are CPU stand-ins)")  # error-catalogue: internal (verify refuses --device first)
         settings = dict(overrides or {})
         if not value_head:
             settings["dsa_indexer_loss_coeff"] = self.indexer_loss_coeff
@@ -323,13 +331,17 @@ class ProductionModels:
         return int(ds4_config_min_local_rows(model.config))
 
     def aux_losses(self, actor) -> dict:
-        """The last forward's indexer loss (Megatron's tracker, summed over layers; CP-global)."""
+        """The last forward's indexer loss: Megatron's tracker (each rank's share of the CP-global loss, per layer),
+        summed over layers and over the CP group (every rank calls this)."""
         import numpy as np
+        from megatron.core import parallel_state
         from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
 
         values = DSAIndexerLossLoggingHelper.tracker.get("values")
         if values is None:
             return {}
-        total = values.detach().sum()
+        total = values.detach().sum().reshape(1).clone()
         DSAIndexerLossLoggingHelper.tracker["values"].zero_()
+        if self.cp_size > 1:
+            torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
         return {"indexer_loss": np.array([float(total)])}

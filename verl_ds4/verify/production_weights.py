@@ -1,6 +1,10 @@
-"""``python -m verl_ds4.verify.production_weights '{"cfg": ..., "seed": N, "folder": PATH}'``: the parity harness's
-tiny DS4 (verl-ds4's own model, seeded as the harness seeds it) saved as a DeepSeek-native HF folder. Run by
-:func:`verl_ds4.verify.production.write_harness_folder` in an interpreter whose megatron-core is the released one."""
+"""Children on the released megatron-core for the production proofs (verl-ds4's own model is built on it):
+
+* ``python -m verl_ds4.verify.production_weights '{"cfg": ..., "seed": N, "folder": PATH}'``: the parity harness's tiny
+  DS4 (seeded as the harness seeds it) saved as a DeepSeek-native HF folder
+  (:func:`verl_ds4.verify.production.write_harness_folder`);
+* ``... --own-parity '{"cfg": ..., "seed": N, "batch": [...], "out": PATH}'``: the own model's CP = 1 results, pickled
+  (:mod:`verl_ds4.verify.production_cli`)."""
 
 from __future__ import annotations
 
@@ -27,7 +31,13 @@ def _save(rank: int, world: int, cfg, seed: int, folder: str) -> str:
 def main(argv=None) -> int:
     from verl_ds4.mcore.distributed import run_distributed
 
-    args = json.loads((argv or sys.argv[1:])[0])
+    argv = list(argv or sys.argv[1:])
+    if argv[0] == "--own-parity":
+        from verl_ds4.verify.production_cli import own_parity
+
+        own_parity(json.loads(argv[1]))
+        return 0
+    args = json.loads(argv[0])
     run_distributed(_save, world_size=1, args=(args["cfg"], int(args["seed"]), args["folder"]), timeout=240)
     return 0
 

@@ -1,0 +1,59 @@
+"""Run verl-ds4's CP parity harness on the production model (Megatron-LM dev's DS4 built by Megatron-Bridge) and
+print the tables as JSON. Run by tests/test_production_cp_parity_on_cpu.py in a subprocess, because it imports
+Megatron-LM dev in place of the installed megatron-core.
+
+usage: python tests/production_cp_parity.py COMMIT CP [CP ...]
+
+For each CP size N: ``run_parity(N)`` twice at float64 on the harness's tiny DS4 (mHC, window / CSA-4 / HCA-128
+layers, hash and learned routing; seeded weights written as a native folder):
+
+* ``exact``: MTP off and the indexer loss off (coefficient 0): every quantity against CP = 1, and the zigzag
+  refusal and its control;
+* ``indexer``: MTP off, the indexer loss on (1e-2);
+* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2).
+"""
+
+import json
+import sys
+import time
+
+from verl_ds4.substitutes import megatron_dev
+
+
+def rows(result, reference):
+    from verl_ds4.verify.parity import compare
+
+    return [dict(quantity=r.quantity, max_rel=r.max_rel, tol=r.tol, expect=r.expect, passed=r.passed)
+            for r in compare(result, reference)]
+
+
+def main(commit: str, cps: list[int]) -> dict:
+    tree = megatron_dev.find(commit)
+    megatron_dev.use(tree)
+    from verl_ds4.verify.parity import RunOptions, run_parity
+    from verl_ds4.verify.production import write_harness_folder
+
+    no_mtp = {**_default_cfg(), "num_nextn_predict_layers": 0}
+    batches = {"ragged": (5, 127, 300, 23, 129, 55)}
+    out = {"megatron_file": __import__("megatron.core").core.__file__, "commit": tree.commit, "cases": {}}
+    for name, cfg, coeff in (("exact", no_mtp, 0.0), ("indexer", no_mtp, None), ("full", None, None)):
+        if name != "indexer":  # the indexer case reuses the exact case's folder (the same weights)
+            folder = write_harness_folder(cfg, 1234)
+        opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
+        t = time.time()
+        sizes = cps if name == "exact" else cps[:1]  # the differences of dev's CP path: at the smallest CP > 1
+        runs = {cp: run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
+                               layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
+        out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}
+        out["cases"][name + "_seconds"] = round(time.time() - t, 1)
+    return out
+
+
+def _default_cfg() -> dict:
+    from verl_ds4.verify.parity import _ds4_config
+
+    return _ds4_config(None)
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1], [int(c) for c in sys.argv[2:]])))
