@@ -1,0 +1,190 @@
+"""verl's own Megatron engine build on the CPU, with the production model: Megatron-LM ``dev``'s DeepSeek-V4 built by
+Megatron-Bridge's provider (what a GPU run executes).
+
+The default CPU engines (:mod:`verl_ds4.cpu.engine`) replace verl's ``_build_tf_config`` / ``_build_megatron_module``
+with the project's own model builder. The engines here do not: verl 0.9.1's non-vanilla bridge branch runs unchanged
+(``AutoBridge.from_hf_pretrained`` -> ``to_megatron_provider(load_weights=False)`` ->
+``apply_overrides_and_finalize(dtype, provider_overrides)`` -> ``make_megatron_module`` ->
+``provider.provide_distributed_model`` -> ``bridge.load_hf_weights``). The CPU needs are met by
+
+1. the CPU substitutes (:func:`verl_ds4.substitutes.registry.install_all`), installed when this module is imported,
+   after Megatron-LM dev was put first on ``sys.path`` (:func:`verl_ds4.substitutes.megatron_dev.use`; the import
+   refuses a process that already imported another ``megatron.core``);
+2. provider settings passed through verl's own ``engine.override_transformer_config``
+   (:func:`production_overrides`: :data:`verl_ds4.verify.production.CPU_OVERRIDES` and a ``dsa_indexer_loss_coeff``
+   of 0.0 where it is unset); a user's contradicting explicit value is an error, never replaced;
+3. the CPU engine mixin's steps for what Megatron's optimizer / DDP / schedule hard-code (CUDA literals, the CPU RNG
+   tracker, fp32 through ``CPUMcoreEngineConfig``); verl's two build methods run inside
+   :func:`verl_ds4.substitutes.cuda_literals.cuda_literals_on_cpu` (Bridge's ``get_model`` resets the provider's
+   ``use_cpu_initialization`` to ``provide_distributed_model``'s argument, which verl does not pass, and then calls
+   ``.cuda()``: inside the block both land on the CPU).
+
+Selection: the engines are registered for ``device="cpu"`` under vendor :data:`VENDOR` (``"production"``); verl's
+own knob ``VERL_ENGINE_VENDOR=production`` picks them, and without it the default CPU engines stay selected. Load
+this module with ``VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.production_engine`` (under
+``VERL_PLATFORM=cpu`` it registers itself) before anything imports megatron. The model folder must be a DeepSeek-V4
+HF folder in DeepSeek's native names (``verl_ds4.models.ds4.hf_checkpoint.save_hf_checkpoint(...,
+family="native")``); weights come from it (``engine.use_dist_checkpointing=False``) or from a dist checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from verl_ds4.substitutes import megatron_dev
+
+__all__ = ["PRODUCTION_SETTINGS", "VENDOR", "ProductionCPUMegatronEngineWithLMHead",
+           "ProductionCPUMegatronEngineWithValueHead", "production_overrides", "register_production_cpu_engines"]
+
+#: ``VERL_ENGINE_VENDOR`` value that selects these engines for ``device="cpu"``.
+VENDOR = "production"
+
+
+def _use_megatron_dev() -> None:
+    """Megatron-LM dev first on ``sys.path`` (when nothing imported megatron yet), else refuse a released one."""
+    if "megatron.core" not in sys.modules:
+        megatron_dev.use(megatron_dev.find())
+    from verl_ds4.verify.production import require_bridge, require_megatron_dev
+
+    require_megatron_dev()
+    require_bridge()
+
+
+_use_megatron_dev()
+
+from verl_ds4.substitutes.registry import install_all  # noqa: E402
+
+#: What :func:`install_all` did in this process (``SUBSTITUTES.undo()`` restores every original).
+SUBSTITUTES = install_all()
+
+from verl.workers.engine.megatron.transformer_impl import (  # noqa: E402
+    MegatronEngineWithLMHead,
+    MegatronEngineWithValueHead,
+)
+
+from verl_ds4.cpu.engine import _CPUMegatronEngineMixin, register_cpu_engines  # noqa: E402
+from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead  # noqa: E402
+from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu  # noqa: E402
+from verl_ds4.verify.production import CPU_OVERRIDES, _quiet_progress  # noqa: E402
+
+#: The provider settings this engine adds to ``engine.override_transformer_config`` where the user set none:
+#: the CPU settings, and the indexer-loss coefficient (Megatron-LM dev's unfused THD path at CP 1 multiplies by the
+#: raw config value, ``None`` raises a TypeError in a training forward; ``None`` means 0 everywhere else in dev).
+PRODUCTION_SETTINGS: dict[str, Any] = {**CPU_OVERRIDES, "dsa_indexer_loss_coeff": 0.0}
+
+
+def production_overrides(user: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``user`` (``engine.override_transformer_config``) plus :data:`PRODUCTION_SETTINGS` where unset; raises
+    ``ValueError`` naming every key the user set to a value the CPU cannot run."""
+    merged = dict(user or {})
+    wrong = {k: merged[k] for k, v in PRODUCTION_SETTINGS.items() if k in merged and merged[k] != v}
+    if "dsa_indexer_loss_coeff" in wrong and isinstance(wrong["dsa_indexer_loss_coeff"], (int, float)) \
+            and not isinstance(wrong["dsa_indexer_loss_coeff"], bool):
+        del wrong["dsa_indexer_loss_coeff"]  # any number is a coefficient; only None (or a non-number) is refused
+    if wrong:
+        fixes = ", ".join(f"{k}={PRODUCTION_SETTINGS[k]!r}" for k in wrong)
+        raise ValueError(
+            "the production CPU engine cannot run engine.override_transformer_config "
+            + ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+            + " (the fused kernels, TransformerEngine modules and grouped GEMM are CUDA kernels; a None "
+            "dsa_indexer_loss_coeff fails in Megatron-LM dev's training forward). Remove those overrides or set "
+            f"{fixes} (dsa_indexer_loss_coeff: any number, 0.0 = no indexer loss).")
+    for key, value in PRODUCTION_SETTINGS.items():
+        merged.setdefault(key, value)
+    return merged
+
+
+class _ProductionCPUMixin(_CPUMegatronEngineMixin):
+    """The CPU mixin with verl's own ``_build_tf_config`` / ``_build_megatron_module`` (the Bridge branch) back."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        if getattr(engine_config, "vanilla_mbridge", False):
+            raise ValueError("the production CPU engine runs verl's Megatron-Bridge branch: set "
+                             "engine.vanilla_mbridge=False (mbridge forces TransformerEngine layers, a CUDA library)")
+        merged = production_overrides(engine_config.override_transformer_config)
+        # a copy: the caller's config object (possibly shared with other engines) is left as it was
+        engine_config = dataclasses.replace(engine_config, override_transformer_config=merged)
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+
+    def _validate_cpu_engine_config(self) -> None:
+        """The CPU mixin's checks, except that HF-format weights are allowed: Megatron-Bridge loads them."""
+        ec, problems = self.engine_config, []
+        if ec.pipeline_model_parallel_size != 1 or (ec.virtual_pipeline_model_parallel_size or 1) != 1:
+            problems.append("pipeline parallelism (set pipeline_model_parallel_size=1)")
+        if ec.use_megatron_fsdp:
+            problems.append("Megatron FSDP (set use_megatron_fsdp=False)")
+        if ec.param_offload:
+            problems.append("parameter offload (set param_offload=False)")
+        if getattr(self.model_config, "lora_rank", 0) or self.model_config.get("lora_adapter_path", None):
+            problems.append("LoRA/PEFT")
+        if ec.use_dist_checkpointing and not ec.dist_checkpointing_path:
+            problems.append("use_dist_checkpointing=True without dist_checkpointing_path (set "
+                            "engine.use_dist_checkpointing=False to load the model folder's safetensors through "
+                            "Megatron-Bridge, or give engine.dist_checkpointing_path)")
+        if problems:
+            raise ValueError("The production CPU Megatron engine does not support: " + "; ".join(problems) + ".")
+
+    def _build_tf_config(self):
+        """verl's own (the CPU mixin's replacement skipped)."""
+        with cuda_literals_on_cpu():
+            return super(_CPUMegatronEngineMixin, self)._build_tf_config()
+
+    def _build_megatron_module(self):
+        """verl's own ``make_megatron_module`` + ``bridge.load_hf_weights`` (the CPU mixin's replacement skipped)."""
+        with cuda_literals_on_cpu(), _quiet_progress():
+            module = super(_CPUMegatronEngineMixin, self)._build_megatron_module()
+        for chunk in module:
+            for name, param in chunk.named_parameters():
+                if param.device.type != "cpu":
+                    raise RuntimeError(f"the production CPU engine built {name} on {param.device}; expected the CPU")
+        return module
+
+
+# _CPUMegatronEngineMixin is named again so that it stays before verl's engine in the MRO (C3 would otherwise put
+# verl's engine right after _ProductionCPUMixin and the CPU mixin behind it).
+
+
+class ProductionCPUMegatronEngineWithLMHead(
+    DS4MegatronEngineWithLMHead, _ProductionCPUMixin, _CPUMegatronEngineMixin, MegatronEngineWithLMHead
+):
+    """verl-ds4's LM-head engine (actor, reference, SFT) on the CPU with the production model."""
+
+    accepts_fp32_params = True  # engine.dtype=float32 through CPUMcoreEngineConfig
+
+
+class ProductionCPUMegatronEngineWithValueHead(
+    DS4MegatronEngineWithValueHead, _ProductionCPUMixin, _CPUMegatronEngineMixin, MegatronEngineWithValueHead
+):
+    """verl-ds4's value-head engine (critic) on the CPU with the production model (verl's value head on the
+    Bridge-built model: Bridge's ``make_value_model`` hook)."""
+
+    accepts_fp32_params = True
+
+
+def register_production_cpu_engines() -> bool:
+    """Register the engines with verl's ``EngineRegistry`` for ``device="cpu"``, vendor :data:`VENDOR` (selected by
+    ``VERL_ENGINE_VENDOR=production``); the default CPU engines are registered too and stay the default. Idempotent;
+    returns True if this call registered them. Another class already under the key is an error."""
+    from verl.workers.engine.base import EngineRegistry
+
+    register_cpu_engines()
+    done = False
+    for model_type, cls in (("language_model", ProductionCPUMegatronEngineWithLMHead),
+                            ("value_model", ProductionCPUMegatronEngineWithValueHead)):
+        existing = EngineRegistry._engines.get(model_type, {}).get("megatron", {}).get(("cpu", VENDOR))
+        if existing is cls:
+            continue
+        if existing is not None:
+            raise RuntimeError(f"EngineRegistry already maps ({model_type!r}, 'megatron', ('cpu', {VENDOR!r})) to "
+                               f"{existing.__module__}.{existing.__qualname__}; refusing to replace it")
+        EngineRegistry.register(model_type=model_type, backend="megatron", device="cpu", vendor=VENDOR)(cls)
+        done = True
+    return done
+
+
+if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+    register_production_cpu_engines()
