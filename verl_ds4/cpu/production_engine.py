@@ -29,6 +29,7 @@ family="native")``); weights come from it (``engine.use_dist_checkpointing=False
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -98,6 +99,21 @@ def production_overrides(user: Mapping[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+@contextlib.contextmanager
+def _cuda_literals_keeping_cpu_device():
+    """:func:`cuda_literals_on_cpu` with ``torch.cuda.current_device`` left as the substitutes have it (the CPU
+    device). The block's ``current_device() == 0`` is mapped to the CPU only while its torch-function mode is active,
+    and autograd runs backward functions outside it: Megatron-LM dev's CP backward
+    (``tensor_parallel/mappings.py`` ``_reduce_scatter_along_first_dim``: ``torch.empty(...,
+    device=torch.cuda.current_device())``) would then ask for CUDA device 0."""
+    import torch
+
+    cpu_device = torch.cuda.current_device
+    with cuda_literals_on_cpu():
+        torch.cuda.current_device = cpu_device  # restored by cuda_literals_on_cpu on exit (to this same function)
+        yield
+
+
 class _ProductionCPUMixin(_CPUMegatronEngineMixin):
     """The CPU mixin with verl's own ``_build_tf_config`` / ``_build_megatron_module`` (the Bridge branch) back."""
 
@@ -127,6 +143,11 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
                             "Megatron-Bridge, or give engine.dist_checkpointing_path)")
         if problems:
             raise ValueError("The production CPU Megatron engine does not support: " + "; ".join(problems) + ".")
+
+    def forward_backward_batch(self, *args, **kwargs):
+        """verl's, inside :func:`_cuda_literals_keeping_cpu_device` (the CPU mixin's block would break the CP backward)."""
+        with _cuda_literals_keeping_cpu_device():
+            return super(_CPUMegatronEngineMixin, self).forward_backward_batch(*args, **kwargs)
 
     def _build_tf_config(self):
         """verl's own (the CPU mixin's replacement skipped)."""
