@@ -4,7 +4,7 @@ A GPU run of verl-ds4 builds Megatron-LM ``dev``'s DeepSeek-V4 through Megatron-
 Megatron engine. On a CPU the same code runs, with exactly the stand-ins of :data:`SUBSTITUTES` for the pieces that
 cannot run there (each the same math, or no math at all), and the guarded upstream fixes of :data:`UPSTREAM_FIXES`.
 Everything else of the model is Megatron's and Bridge's own code. ``docs/architecture.md`` prints this list
-(``tests/test_production_path_on_cpu.py`` checks that the two agree).
+(``tests/test_substitutes_on_cpu.py`` checks that the two agree).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ SUBSTITUTES: tuple[Substitute, ...] = (
                "a CPU-only torch has no CUDA device", "the CPU engine tests"),
     Substitute("fused kernels", "rope / permute / bias-dropout / softmax / layer-norm / cross-entropy fusion, "
                "gradient-accumulation fusion, shared-expert overlap, grouped GEMM (the DS4 provider turns them on)",
-               "unfused Megatron paths (provider overrides in verl_ds4.engine.production_cpu)",
+               "unfused Megatron paths (substitutes.provider_settings.CPU_OVERRIDES)",
                "each fusion is a CUDA / TE kernel", "equality with transformers"),
 )
 

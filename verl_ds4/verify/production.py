@@ -23,26 +23,10 @@ from typing import Any
 
 import torch
 
+from verl_ds4.substitutes.provider_settings import CPU_OVERRIDES
+
 __all__ = ["BRIDGE_VERSION", "CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "ProductionModels", "UnmappableFolder", "check_mappable",
            "released_megatron_env", "require_bridge", "require_megatron_dev", "verl_overrides", "write_harness_folder"]
-
-#: Provider settings a CPU needs beside verl's: no fused (CUDA / TransformerEngine) kernel, CPU initialisation,
-#: SequentialMLP experts (grouped GEMM is a TE kernel), Megatron's local modules.
-CPU_OVERRIDES: dict[str, Any] = {
-    "use_cpu_initialization": True,
-    "transformer_impl": "local",
-    "gradient_accumulation_fusion": False,
-    "apply_rope_fusion": False,
-    "moe_permute_fusion": False,
-    "moe_grouped_gemm": False,
-    "moe_shared_expert_overlap": False,
-    "cross_entropy_loss_fusion": False,
-    "bias_dropout_fusion": False,
-    "masked_softmax_fusion": False,
-    "persist_layer_norm": False,
-    "use_fused_mhc": False,
-    "apply_dsa_kernel_fusion": False,
-}
 
 
 def require_megatron_dev() -> None:
@@ -123,8 +107,9 @@ def check_mappable(bridge, model_chunks, folder: str | Path, allowed: tuple[str,
             unmapped.append(name)
             continue
         wanted = mapping.hf_param.values() if isinstance(mapping.hf_param, dict) else [mapping.hf_param]
-        if not getattr(mapping, "allow_hf_name_mismatch", False):
-            missing += [w for w in wanted if w not in keys]
+        # Mappings Bridge marks optional (compressor, indexer) are still required once the model has the parameter;
+        # the indexer's scorer may carry its legacy name (as Bridge's own loader accepts)
+        missing += [w for w in wanted if w not in keys and _legacy_name(w) not in keys]
     if unmapped or missing:
         raise UnmappableFolder(
             f"Megatron-Bridge cannot load {folder} into Megatron-LM dev's DS4: "
@@ -133,6 +118,29 @@ def check_mappable(bridge, model_chunks, folder: str | Path, allowed: tuple[str,
             + "expected a DeepSeek-V4 folder in DeepSeek's native names (embed.weight, layers.N.attn.wq_a.weight, "
             "mtp.K.*) matching its config.json; a folder in transformers' names re-saves in native ones with "
             "verl_ds4.models.ds4.hf_checkpoint (load_hf_checkpoint, then save_hf_checkpoint(model, folder, family='native')).")
+
+
+#: The FP8 block Megatron-Bridge 0.6.2 reads (``quantization_utils`` tiles scales 128 x 128 whatever the config says).
+BRIDGE_FP8_BLOCK = [128, 128]
+
+
+def check_block_size(folder: str | Path) -> None:
+    """Refuse an FP8 folder whose ``weight_block_size`` is not 128 x 128: Bridge 0.6.2 would read its scales as
+    128 x 128 blocks anyway and load other weights without a word (the hub's DeepSeek-V4 folders are 128 x 128)."""
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    if block is not None and list(block) != BRIDGE_FP8_BLOCK:
+        raise UnmappableFolder(
+            f"{folder}: quantization_config.weight_block_size is {list(block)}, and Megatron-Bridge {BRIDGE_VERSION} reads FP8 "
+            f"scales as {BRIDGE_FP8_BLOCK[0]} x {BRIDGE_FP8_BLOCK[1]} blocks whatever the config says, so it would load other "
+            "weights. Give the folder in 128 x 128 blocks (as the hub ships DeepSeek-V4), or dequantised (bf16 / fp32).")
+
+
+def _legacy_name(hf_name: str) -> str:
+    return hf_name.replace(".indexer.scorer.weights_proj.", ".indexer.weights_proj.")
 
 
 class ProductionLM(torch.nn.Module):
@@ -179,6 +187,7 @@ class ProductionBuilder:
         from verl_ds4.substitutes.registry import install_all
 
         require_bridge()
+        check_block_size(self.folder)
         install_all(reference_mhc_rms=self.reference_mhc_rms)
         from megatron.bridge import AutoBridge
 

@@ -10,19 +10,29 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def _save(rank: int, world: int, cfg, seed: int, folder: str) -> str:
     import torch
     from megatron.core import parallel_state
 
-    from verl_ds4.models.ds4.hf_checkpoint import save_hf_checkpoint
+    from safetensors.torch import save_file
+
+    from verl_ds4.models.ds4.hf_checkpoint import hf_tensors_of
     from verl_ds4.verify.parity import _Models
 
     parallel_state.initialize_model_parallel()
     try:
         models = _Models("ds4", cfg, seed)
-        save_hf_checkpoint(models.build(torch.float64), folder, family="native", config=dict(models.cfg))
+        model = models.build(torch.float64)
+        # float64 on disk (save_hf_checkpoint's default is float32): the production model then holds exactly the
+        # own model's weights, so the two can be compared at float64
+        names = hf_tensors_of(model, "native")
+        tensors = hf_tensors_of(model, "native", {n: torch.float64 for n, t in names.items() if t.is_floating_point()})
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+        (Path(folder) / "config.json").write_text(json.dumps(dict(models.cfg), indent=2, sort_keys=True))
         return folder
     finally:
         parallel_state.destroy_model_parallel()
