@@ -202,7 +202,7 @@ def test_verify_cli_compares_a_folder_with_transformers(hf_folder, capsys, monke
     hf_logging.enable_progress_bar()
 
 
-# Megatron-LM dev's DSv4 attention parameters (csa.py at the image's pin, 12eed0a5: the layer's
+# Megatron-LM dev's DSv4 attention parameters (csa.py at the proven commits: the layer's
 # projections and norms on self_attention; attn_sink, compressor and indexer on its core_attention,
 # a CompressedSparseAttention). Sliding layers have no compressor, HCA no indexer.
 DEV_ATTENTION_NAMES = {

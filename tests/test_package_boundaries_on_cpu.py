@@ -31,7 +31,7 @@ FLOORS = {
     "ds41_facts": 1,
     "kernels": 1,
     "mcore": 2,
-    "substitutes": 2,
+    "substitutes": 1,
     "engine": 3,
     "models": 4,
     "cpu": 5,

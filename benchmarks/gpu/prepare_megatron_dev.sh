@@ -5,7 +5,7 @@
 # pass it in the run's `carry` list. Nothing is downloaded: the mirror must already hold the commit.
 #   usage: benchmarks/gpu/prepare_megatron_dev.sh [MIRROR_GIT_DIR] [COMMIT]
 # Defaults: MIRROR_GIT_DIR=$MEGATRON_LM_MIRROR or /work/.mirror/NVIDIA+Megatron-LM/repo;
-# COMMIT=$MEGATRON_LM_COMMIT or 12eed0a5 (the dev commit docker/README.md pins);
+# COMMIT=$MEGATRON_LM_COMMIT or d48bd6be (the dev commit docker/README.md pins);
 # destination $MEGATRON_DEV_DEST or benchmarks/gpu/carry/megatron_dev (replaced).
 set -euo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
@@ -14,7 +14,7 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mirror=${1:-${MEGATRON_LM_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}}
-commit=${2:-${MEGATRON_LM_COMMIT:-12eed0a5ac3f1ced6a3a4f76727db530bdbf7391}}
+commit=${2:-${MEGATRON_LM_COMMIT:-d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1}}
 dest=${MEGATRON_DEV_DEST:-$here/carry/megatron_dev}
 if ! git --git-dir="$mirror" cat-file -e "$commit^{commit}" 2>/dev/null; then
     echo "prepare_megatron_dev.sh: commit $commit is not in the git directory $mirror;" \

@@ -172,7 +172,7 @@ def ds4_cp_missing(versions: dict[str, str | None]) -> list[str]:
         if not _module_exists(DS4_ATTENTION_MODULE):
             missing.append(
                 "Megatron-Core has no DS4 hybrid attention (experimental_attention_variant='dsv4_hybrid'); "
-                "install Megatron-LM dev (e.g. 12eed0a5ac3f1ced6a3a4f76727db530bdbf7391, see docker/)"
+                "install Megatron-LM dev (e.g. d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1, see docker/)"
             )
         try:
 

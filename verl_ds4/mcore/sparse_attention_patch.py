@@ -38,6 +38,8 @@ import torch
 
 from verl_ds4.kernels import chunked_dense_indexer_kl, chunked_qk_topk, linear_sparse_attn
 
+from verl_ds4.substitutes import megatron_dev
+
 from .sparse_attention_cp1 import FORWARD_PARAMETERS, chunked_indexer_loss
 
 __all__ = [
@@ -51,8 +53,9 @@ __all__ = [
 ]
 
 CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
-#: Megatron-LM ``dev`` commits whose ``csa.py`` functions the replacements were compared with (tests/).
-PROVEN_COMMITS = ("12eed0a5ac3f1ced6a3a4f76727db530bdbf7391", "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1")
+#: Megatron-LM ``dev`` commits whose ``csa.py`` functions the replacements were compared with (tests/): the
+#: production path's proven commits (one list).
+PROVEN_COMMITS = megatron_dev.PROVEN_COMMITS
 
 #: Each replaced function's parameter names in Megatron-LM ``dev`` at :data:`PROVEN_COMMITS`.
 SIGNATURES: dict[str, tuple[str, ...]] = {

@@ -38,9 +38,9 @@ __all__ = [
     "use",
 ]
 
-#: Megatron-LM ``dev`` commits the production-path proofs ran on (newest last). The image pins the default.
+#: Megatron-LM ``dev`` commits the production-path proofs ran on (newest last). The image pins the default, the newest.
 PROVEN_COMMITS = ("12eed0a5ac3f1ced6a3a4f76727db530bdbf7391", "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1")
-DEFAULT_COMMIT = PROVEN_COMMITS[0]
+DEFAULT_COMMIT = PROVEN_COMMITS[-1]
 
 REPO = Path(__file__).resolve().parents[2]
 #: Where archives are unpacked (git-ignored: benchmarks/gpu/carry/).
