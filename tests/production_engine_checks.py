@@ -61,7 +61,7 @@ def _value_loss(config, model_output, data, dp_group=None):
     return (values.square() * mask).sum() / data["batch_num_tokens"] * data["dp_size"], {}
 
 
-def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides: list) -> dict:
+def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides: list, steps: int) -> dict:
     import torch
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import sft_loss
@@ -83,7 +83,15 @@ def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides
     from verl.utils.megatron_utils import unwrap_model
 
     gpt = unwrap_model(engine.module[0])
-    out["output_layer"] = type(gpt.output_layer).__name__
+    out["output_layer"] = f"{type(gpt.output_layer).__module__}.{type(gpt.output_layer).__qualname__}"
+    out["bridge"] = f"{type(engine.bridge).__module__}.{type(engine.bridge).__qualname__}"
+    out["provider"] = type(engine.provider).__name__ if engine.provider is not None else None
+    out["vanilla_bridge"] = engine.vanilla_bridge
+    import verl.models.mcore.bridge as verl_bridge
+
+    out["make_value_model"] = verl_bridge.make_value_model.__module__
+    out["devices"] = sorted({p.device.type for p in gpt.parameters()})
+    out["dtypes"] = sorted({str(p.dtype) for p in gpt.parameters()})
     out["mtp"] = getattr(gpt, "mtp", None) is not None
     batch = _batch(assets, model_config.tokenizer)
     key = "log_probs" if model_type == "language_model" else "values"
@@ -93,11 +101,13 @@ def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides
         values = tu.get(output, key)
         out[key] = [t.double().tolist() for t in values.unbind()]
         out["lengths"] = [int(n) for n in batch["input_ids"].offsets().diff()]
+        out["loss_mask"] = [t.tolist() for t in batch["loss_mask"].unbind()]
     params = {n: p.detach().clone() for n, p in gpt.named_parameters()}
     worker.set_loss_fn(partial(sft_loss, config=None) if model_type == "language_model" else partial(_value_loss, None))
     losses = []
-    for _ in range(2):
-        metrics = worker.train_batch(_data(batch, model_config.tokenizer, update_lr_scheduler=True))
+    for _ in range(steps):
+        with StableTopK():
+            metrics = worker.train_batch(_data(batch, model_config.tokenizer, update_lr_scheduler=True))
         if metrics is not None:
             loss = metrics["metrics"]["loss"]
             losses.append(float(loss[0] if isinstance(loss, list) else loss))
@@ -105,6 +115,7 @@ def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides
     moved = {n: float((p.detach() - params[n]).abs().max()) for n, p in gpt.named_parameters()}
     out["params"] = len(moved)
     out["params_moved"] = sum(v > 0 for v in moved.values())
+    out["params_still"] = sorted(n for n, v in moved.items() if v == 0)
     out["head_moved"] = moved.get("output_layer.weight", 0.0)
     out["seconds"] = round(time.monotonic() - start, 1)
     torch.distributed.barrier()
@@ -112,14 +123,19 @@ def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides
 
 
 def _refused_rank(rank: int, world: int, assets: dict, overrides: list) -> dict:
+    """Construct the engine with ``overrides`` (forward only): refused (type, message) or built (its overrides)."""
     from verl_ds4.cpu.training_worker import cpu_training_worker
 
     try:
-        cpu_training_worker("language_model", assets["model"], 1,
-                            overrides=["engine.use_dist_checkpointing=False", *overrides])
+        worker, _ = cpu_training_worker("language_model", assets["model"], 1,
+                                        overrides=["engine.use_dist_checkpointing=False", "engine.forward_only=True",
+                                                   *overrides])
     except Exception as e:  # noqa: BLE001 - the test checks the type and message
         return {"refused": True, "type": type(e).__name__, "message": str(e)[:1500]}
-    return {"refused": False}
+    engine = worker.engine
+    return {"refused": False, "overrides": {k: repr(v) for k, v in engine.engine_config.override_transformer_config.items()},
+            "provider": {k: repr(getattr(engine.provider, k, None)) for k in ("dsa_indexer_loss_coeff", "moe_grouped_gemm")},
+            "engine": type(engine).__name__}
 
 
 def _reference(folder: str, sequences, cp: int) -> list:
@@ -137,7 +153,6 @@ def _reference(folder: str, sequences, cp: int) -> list:
 def main(commit: str, args: dict) -> dict:
     _setup(commit)
     import megatron.core
-    import torch
 
     from verl_ds4.mcore.distributed import run_distributed
 
@@ -147,28 +162,49 @@ def main(commit: str, args: dict) -> dict:
 
     result["registry"] = {mt: {str(k): f"{v.__module__}.{v.__qualname__}" for k, v in by.get("megatron", {}).items()}
                           for mt, by in EngineRegistry._engines.items()}
-    runs = {"lm1": ("language_model", 1, []), "lm2": ("language_model", 2, []),
-            "critic1": ("value_model", 1, []), "critic2": ("value_model", 2, [])}
+    runs = {"lm1": ("language_model", 1, 2), "lm2": ("language_model", 2, 1),
+            "critic1": ("value_model", 1, 1), "critic2": ("value_model", 2, 1)}
+    result["selected"] = _selected()
     for name in args["runs"]:
         start = time.monotonic()
-        if name.startswith("refused"):
+        if name in args.get("refused", {}):
             over = args["refused"][name]
             result["runs"][name] = run_distributed(_refused_rank, world_size=1, args=(assets, over), timeout=600)[0]
-        elif name == "reference":
+        elif name.startswith("reference"):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(assets["model"])
             batch = _batch(assets, tok)
             seqs = [t.long() for t in batch["input_ids"].unbind()]
-            result["runs"][name] = {"log_probs": _reference(assets["model"], seqs, 1)}
+            folder = assets["model"] if name == "reference" else assets[name.split("_", 1)[1]]
+            result["runs"][name] = {"log_probs": _reference(folder, seqs, 1), "folder": folder}
         else:
-            model_type, cp, over = runs[name]
-            result["runs"][name] = run_distributed(_engine_rank, world_size=cp, args=(assets, model_type, over),
+            model_type, cp, steps = runs[name]
+            result["runs"][name] = run_distributed(_engine_rank, world_size=cp, args=(assets, model_type, [], steps),
                                                    timeout=900)[0]
         result["runs"][name]["wall_s"] = round(time.monotonic() - start, 1)
         print(f"[production_engine_checks] {name}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
-    _ = torch
     return result
+
+
+def _selected() -> dict:
+    """The engine class verl's registry picks for ``device="cpu"``, with and without ``VERL_ENGINE_VENDOR``."""
+    from verl.workers.engine.base import EngineRegistry
+
+    out = {}
+    for vendor in ("production", None):
+        saved = os.environ.pop("VERL_ENGINE_VENDOR", None)
+        if vendor:
+            os.environ["VERL_ENGINE_VENDOR"] = vendor
+        try:
+            for model_type in ("language_model", "value_model"):
+                cls = EngineRegistry.get_engine_cls(model_type, "megatron")
+                out[f"{model_type}/{vendor}"] = f"{cls.__module__}.{cls.__qualname__}"
+        finally:
+            os.environ.pop("VERL_ENGINE_VENDOR", None)
+            if saved is not None:
+                os.environ["VERL_ENGINE_VENDOR"] = saved
+    return out
 
 
 if __name__ == "__main__":

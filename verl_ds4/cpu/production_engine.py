@@ -11,7 +11,7 @@ with the project's own model builder. The engines here do not: verl 0.9.1's non-
    after Megatron-LM dev was put first on ``sys.path`` (:func:`verl_ds4.substitutes.megatron_dev.use`; the import
    refuses a process that already imported another ``megatron.core``);
 2. provider settings passed through verl's own ``engine.override_transformer_config``
-   (:func:`production_overrides`: :data:`verl_ds4.verify.production.CPU_OVERRIDES` and a ``dsa_indexer_loss_coeff``
+   (:func:`production_overrides`: :data:`verl_ds4.substitutes.provider_settings.CPU_OVERRIDES` and a ``dsa_indexer_loss_coeff``
    of 0.0 where it is unset); a user's contradicting explicit value is an error, never replaced;
 3. the CPU engine mixin's steps for what Megatron's optimizer / DDP / schedule hard-code (CUDA literals, the CPU RNG
    tracker, fp32 through ``CPUMcoreEngineConfig``); verl's two build methods run inside
@@ -45,9 +45,18 @@ __all__ = ["PRODUCTION_SETTINGS", "VENDOR", "ProductionCPUMegatronEngineWithLMHe
 VENDOR = "production"
 
 
+def _dev_tree_on_path() -> bool:
+    """Whether a Megatron-LM dev tree (one with DS4) is on ``sys.path`` already (the caller chose its commit)."""
+    from pathlib import Path
+
+    marker = Path("megatron", "core", "transformer", "experimental_attention_variant", "deepseek_v4_hybrid_attention.py")
+    return any(p and (Path(p) / marker).is_file() for p in sys.path)
+
+
 def _use_megatron_dev() -> None:
-    """Megatron-LM dev first on ``sys.path`` (when nothing imported megatron yet), else refuse a released one."""
-    if "megatron.core" not in sys.modules:
+    """Megatron-LM dev first on ``sys.path`` (the default proven commit, or ``MEGATRON_DEV_DIR``) when nothing
+    imported megatron yet and no dev tree is on the path; then refuse a released ``megatron.core``."""
+    if "megatron.core" not in sys.modules and not _dev_tree_on_path():
         megatron_dev.use(megatron_dev.find())
     from verl_ds4.verify.production import require_bridge, require_megatron_dev
 
@@ -70,7 +79,8 @@ from verl.workers.engine.megatron.transformer_impl import (  # noqa: E402
 from verl_ds4.cpu.engine import _CPUMegatronEngineMixin, register_cpu_engines  # noqa: E402
 from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead  # noqa: E402
 from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu  # noqa: E402
-from verl_ds4.verify.production import CPU_OVERRIDES, _quiet_progress  # noqa: E402
+from verl_ds4.substitutes.provider_settings import CPU_OVERRIDES  # noqa: E402
+from verl_ds4.verify.production import _quiet_progress  # noqa: E402
 
 #: The provider settings this engine adds to ``engine.override_transformer_config`` where the user set none:
 #: the CPU settings, and the indexer-loss coefficient (Megatron-LM dev's unfused THD path at CP 1 multiplies by the

@@ -1,0 +1,202 @@
+"""verl 0.9.1's own Megatron engine build on the CPU with the production model (verl_ds4.cpu.production_engine):
+verl's ``_build_tf_config`` / ``_build_megatron_module`` run unchanged (Megatron-Bridge's provider builds Megatron-LM
+dev's DeepSeek-V4, Bridge loads the folder), constructed by verl's ``TrainingWorker`` from verl's config tree.
+
+tests/production_engine_folder.py writes the tiny DS4 (the CPU SFT assets, weights in DeepSeek's native names) here,
+on the released megatron-core; tests/production_engine_checks.py runs the engines in a fresh interpreter whose
+megatron is Megatron-LM dev (the default proven commit), on 1 and 2 gloo ranks:
+
+* the LM engine's log-probs (verl's ``infer_batch`` of a packed batch of 4 chat conversations) equal
+  :class:`verl_ds4.verify.production.ProductionBuilder` on the same folder (the same Bridge calls by hand): float32,
+  bound 1e-5 (measured 5.5e-7); control: the reference of a folder with one tensor changed is beyond the bound;
+* CP = 2 log-probs (and the first training loss) equal CP = 1's (bound 1e-5);
+* ``train_batch``: losses finite, falling over two steps, the weights move; the first loss is verl's SFT loss of the
+  inferred log-probs;
+* every forward runs under :class:`verl_ds4.substitutes.precision.StableTopK`, the reference's tie rule: the tiny
+  model's indexer scores tie at 0, and without the rule torch's top-k tie order differs between CP 1 and CP 2 and
+  between the forward-only and the training forward (first loss 4.901107 at CP 1, 4.900463 at CP 2, against 4.900388);
+* the critic (verl's value head on the Bridge-built model: Bridge's ``make_value_model`` hook): values finite,
+  CP 2 = CP 1, one training step moves the weights;
+* the CPU provider settings arrive through ``engine.override_transformer_config``; a contradicting user value is
+  refused naming it, a user's own indexer-loss coefficient is kept; without ``VERL_ENGINE_VENDOR=production`` the
+  default CPU engines stay selected.
+
+Skipped where the production path cannot run: a Python other than 3.12 or no Megatron-Bridge with its DS4 bridge
+(lane 1), or no Megatron-LM dev export (with CI=true and the archives beside the repository that is an error).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verl_ds4.substitutes import megatron_dev
+
+REPO = Path(__file__).resolve().parents[1]
+COMMIT = megatron_dev.DEFAULT_COMMIT
+BOUND = 1e-5  # float32, two data paths over the same weights (measured 5.5e-7 engine vs builder, 4e-7 CP 2 vs 1)
+PERTURBED_TENSOR = "layers.1.attn.wq_a.weight"
+REFUSED = {
+    "refused_grouped_gemm": ["+engine.override_transformer_config.moe_grouped_gemm=True"],
+    "refused_coeff_none": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=null"],
+    "refused_te": ["+engine.override_transformer_config.transformer_impl=transformer_engine"],
+    "kept_coeff": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=0.5",
+                   "+engine.override_transformer_config.moe_grouped_gemm=False"],
+}
+
+
+def _bridge_problem() -> str | None:
+    from verl_ds4.verify.production import require_bridge
+
+    try:
+        require_bridge()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+_no_bridge = _bridge_problem()
+_missing = not megatron_dev.available(COMMIT)
+if not _no_bridge and _missing and os.environ.get("CI") == "true" and megatron_dev.ARCHIVE_DIR.is_dir():
+    raise RuntimeError(f"CI has {megatron_dev.ARCHIVE_DIR} but no export of {COMMIT[:12]}: "
+                       "the production engine checks must not be skipped there")
+pytestmark = [
+    pytest.mark.skipif(bool(_no_bridge), reason=f"the production path cannot run here: {_no_bridge}"),
+    pytest.mark.skipif(not _no_bridge and _missing,
+                       reason=f"no Megatron-LM dev export of {COMMIT[:12]}: {megatron_dev.make_command(COMMIT)}"),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from production_engine_folder import write_assets
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    tree = megatron_dev.find(COMMIT)  # unpack here, once
+    root = tmp_path_factory.mktemp("production_engine")
+    assets = write_assets(root)
+    perturbed = root / "perturbed_model"
+    shutil.copytree(assets["model"], perturbed)
+    tensors = load_file(str(perturbed / "model.safetensors"))
+    tensors[PERTURBED_TENSOR] = tensors[PERTURBED_TENSOR].clone()
+    tensors[PERTURBED_TENSOR][0] += 0.05
+    save_file(tensors, str(perturbed / "model.safetensors"), metadata={"format": "pt"})
+    assets["perturbed"] = str(perturbed)
+    runs = ["lm1", "lm2", "critic1", "critic2", "reference", "reference_perturbed", *REFUSED]
+    args = {"assets": assets, "runs": runs, "refused": REFUSED}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VERL_ENGINE_VENDOR", None)
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "production_engine_checks.py"), COMMIT, json.dumps(args)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["tree"] = str(tree.root)
+    return result
+
+
+def _diff(got, ref) -> float:
+    """Largest |difference| over every token with a next token (the engine's last label wraps around)."""
+    return max(float(np.abs(np.array(a[:-1]) - np.array(b[: len(a) - 1])).max()) for a, b in zip(got, ref, strict=True))
+
+
+def test_the_checks_run_megatron_dev_through_verls_bridge_branch(run):
+    assert Path(run["tree"]).resolve() in Path(run["megatron_file"]).resolve().parents
+    for name in ("lm1", "lm2", "critic1", "critic2"):
+        r = run["runs"][name]
+        assert r["engine"].startswith("verl_ds4.cpu.production_engine.ProductionCPUMegatronEngineWith"), r["engine"]
+        assert r["gpt"] == "megatron.core.models.gpt.gpt_model"
+        assert r["bridge"].startswith("megatron.bridge") and r["provider"] and r["vanilla_bridge"] is False, r
+        assert r["devices"] == ["cpu"] and r["dtypes"] == ["torch.float32"]
+        assert r["layout"] == "contiguous" and not r["mtp"]  # verl's rule: MTP off drops dev's MTP layers
+        assert eval(r["overrides"]["moe_grouped_gemm"]) is False and eval(r["overrides"]["dsa_indexer_loss_coeff"]) == 0.0
+
+
+def test_the_production_engine_is_selected_by_vendor_and_the_default_cpu_engine_stays(run):
+    sel = run["selected"]
+    assert sel["language_model/production"] == "verl_ds4.cpu.production_engine.ProductionCPUMegatronEngineWithLMHead"
+    assert sel["value_model/production"] == "verl_ds4.cpu.production_engine.ProductionCPUMegatronEngineWithValueHead"
+    assert sel["language_model/None"] == "verl_ds4.cpu.engine.CPUMegatronEngineWithLMHead"
+    assert sel["value_model/None"] == "verl_ds4.cpu.engine.CPUMegatronEngineWithValueHead"
+
+
+def test_log_probs_equal_the_production_builder_and_the_control_differs(run):
+    lm1, ref, bad = run["runs"]["lm1"], run["runs"]["reference"], run["runs"]["reference_perturbed"]
+    assert [len(x) for x in lm1["log_probs"]] == lm1["lengths"]
+    diff, control = _diff(lm1["log_probs"], ref["log_probs"]), _diff(lm1["log_probs"], bad["log_probs"])
+    print(f"engine vs ProductionBuilder: {diff:.2e}; vs the perturbed folder's: {control:.2e}")
+    assert diff <= BOUND
+    assert control > 100 * BOUND  # the comparison sees one changed tensor
+
+
+def test_cp2_equals_cp1(run):
+    lm1, lm2 = run["runs"]["lm1"], run["runs"]["lm2"]
+    diff = _diff(lm2["log_probs"], lm1["log_probs"])
+    print(f"CP 2 vs CP 1 log-probs: {diff:.2e}; first losses {lm1['losses'][0]:.6f} / {lm2['losses'][0]:.6f}")
+    assert diff <= BOUND
+    assert abs(lm2["losses"][0] - lm1["losses"][0]) <= BOUND * abs(lm1["losses"][0])
+
+
+def test_training_steps_are_finite_fall_and_move_the_weights(run):
+    for name in ("lm1", "lm2"):
+        r = run["runs"][name]
+        assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), r["losses"]
+        assert r["params_moved"] >= 0.9 * r["params"] and r["head_moved"] > 0, r["params_still"]
+    losses = run["runs"]["lm1"]["losses"]
+    print(f"LM losses (CP 1): {losses}")
+    assert losses[1] < losses[0]
+
+
+def test_the_first_training_loss_is_verls_sft_loss_of_the_inferred_log_probs(run):
+    """The training forward computes what the forward-only pass did: verl's SFT loss (mean negative log-prob over the
+    loss mask shifted by one) of ``infer_batch``'s log-probs, at CP 1 and 2."""
+    lm1 = run["runs"]["lm1"]
+    log_probs = np.concatenate([np.array(x) for x in lm1["log_probs"]])
+    mask = np.roll(np.concatenate([np.array(x) for x in lm1["loss_mask"]]), -1)
+    expected = float(-(log_probs * mask).sum() / mask.sum())
+    for name in ("lm1", "lm2"):
+        got = run["runs"][name]["losses"][0]
+        print(f"{name}: first training loss {got:.7f}, SFT loss of the inferred log-probs {expected:.7f}")
+        assert abs(got - expected) <= BOUND * abs(expected)
+
+
+def test_the_critic_is_verls_value_head_on_the_bridge_model(run):
+    c1, c2 = run["runs"]["critic1"], run["runs"]["critic2"]
+    assert c1["make_value_model"] == "megatron.bridge.training.utils.train_utils"  # Bridge's hook, not verl's fallback
+    assert c1["output_layer"].endswith("LinearForLastLayer")
+    assert all(math.isfinite(v) for seq in c1["values"] for v in seq) and [len(x) for x in c1["values"]] == c1["lengths"]
+    diff = max(float(np.abs(np.array(a) - np.array(b)).max()) for a, b in zip(c1["values"], c2["values"], strict=True))
+    print(f"critic values CP 2 vs CP 1: {diff:.2e}; losses {c1['losses']} / {c2['losses']}")
+    assert diff <= BOUND
+    for r in (c1, c2):
+        assert all(math.isfinite(x) for x in r["losses"]) and r["head_moved"] > 0 and r["params_moved"] >= 0.9 * r["params"]
+
+
+@pytest.mark.parametrize("name,key", [("refused_grouped_gemm", "moe_grouped_gemm=True"),
+                                      ("refused_coeff_none", "dsa_indexer_loss_coeff=None"),
+                                      ("refused_te", "transformer_impl='transformer_engine'")])
+def test_a_contradicting_user_setting_is_refused_naming_it(run, name, key):
+    r = run["runs"][name]
+    assert r["refused"] and r["type"] == "ValueError", r
+    assert key in r["message"] and "Remove those overrides or set" in r["message"], r["message"]
+
+
+def test_the_users_own_settings_are_kept(run):
+    """Control of the refusals: the same keys with values the CPU can run build the engine, the user's coefficient
+    reaching the provider unchanged."""
+    r = run["runs"]["kept_coeff"]
+    assert not r["refused"], r
+    assert eval(r["overrides"]["dsa_indexer_loss_coeff"]) == 0.5 and eval(r["provider"]["dsa_indexer_loss_coeff"]) == 0.5
+    assert eval(r["provider"]["moe_grouped_gemm"]) is False
