@@ -5,43 +5,42 @@ from the tree ``benchmarks/gpu/prepare_megatron_dev.sh`` exports): ``csa.unfused
 ``csa.fused_qk_topk_naive``, ``csa._unfused_indexer_sparse_attn_from_topk`` and ``csa.FusedDSAIndexerLoss`` (CP 1)
 with their replacements, forward
 and backward, and installs / checks / uninstalls the patch (a changed Megatron function is refused). Skipped
-when the export is absent (it is git-ignored, so always in CI); the same cases run in CI against the project's
-dense reference (tests/test_linear_sparse_attn_on_cpu.py)."""
+only where no export can be found (a user's machine: the reason names the command that makes one); in CI the archives
+of ``../shared/third_party/megatron-lm-dev`` are unpacked, and both proven commits run."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing.megatron_dev_export import export_mark, tree
+
 REPO = Path(__file__).resolve().parents[1]
-EXPORT = Path(os.environ.get("MEGATRON_DEV_DIR", REPO / "benchmarks" / "gpu" / "carry" / "megatron_dev"))
-CSA = EXPORT / "megatron" / "core" / "transformer" / "experimental_attention_variant" / "csa.py"
+COMMITS = megatron_dev.PROVEN_COMMITS
 
-pytestmark = pytest.mark.skipif(
-    not CSA.exists(),
-    reason=f"no Megatron-LM dev export at {EXPORT} (run benchmarks/gpu/prepare_megatron_dev.sh): the comparison "
-    "with csa.unfused_compressed_sparse_attn, csa.fused_qk_topk_naive, csa._unfused_indexer_sparse_attn_from_topk and "
-    "csa.FusedDSAIndexerLoss "
-    "needs Megatron-LM dev's source",
-)
+pytestmark = export_mark(*COMMITS)
 
 
-@pytest.fixture(scope="module")
-def result():
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_dev_sparse_attn.py"), str(EXPORT)],
+@pytest.fixture(scope="module", params=COMMITS, ids=lambda c: c[:8])
+def result(request):
+    export = tree(request.param).root
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_dev_sparse_attn.py"), str(export)],
                          capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    data = json.loads(lines[-1][len("RESULT ") :])
+    data["export"] = str(export)
+    return data
 
 
 def test_the_comparison_imports_megatron_dev(result):
-    assert Path(result["megatron_file"]).resolve() == CSA.resolve()
+    csa = Path(result["export"]) / "megatron" / "core" / "transformer" / "experimental_attention_variant" / "csa.py"
+    assert Path(result["megatron_file"]).resolve() == csa.resolve()
 
 
 def test_unfused_compressed_sparse_attn(result):

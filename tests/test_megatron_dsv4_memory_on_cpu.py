@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from verl_ds4.testing.megatron_dev_export import export_mark, tree
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "benchmarks" / "gpu"
 SCRIPT = GPU / "megatron_dsv4_memory.py"
 PREPARE = GPU / "prepare_megatron_dev.sh"
-CARRY = GPU / "carry" / "megatron_dev"
 
 
 def _load():
@@ -78,12 +79,11 @@ def test_the_export_script_exports_a_commit_and_refuses_an_unknown_one(tmp_path)
     assert bad.returncode == 2 and "is not in the git directory" in bad.stderr
 
 
-@pytest.mark.skipif(not (CARRY / "megatron" / "core").is_dir(),
-                    reason="no Megatron dev export (benchmarks/gpu/prepare_megatron_dev.sh); git-ignored")
+@export_mark()
 def test_one_tiny_case_runs_on_cpu(tmp_path):
     out = tmp_path / "m.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--kinds", "csa",
-                          "--recompute", "none", "--tokens", "256", "--out", str(out)],
+                          "--recompute", "none", "--tokens", "256", "--out", str(out), "--megatron", str(tree().root)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -96,15 +96,14 @@ def test_one_tiny_case_runs_on_cpu(tmp_path):
     assert data["info"]["hadamard"].startswith(("fast_hadamard_transform", "pure-PyTorch"))
 
 
-@pytest.mark.skipif(not (CARRY / "megatron" / "core").is_dir(),
-                    reason="no Megatron dev export (benchmarks/gpu/prepare_megatron_dev.sh); git-ignored")
+@export_mark()
 def test_the_linear_core_runs_in_megatrons_own_layers(tmp_path):
     """--attention megatron,linear: the same CSA layer with dev's unfused core, then with verl-ds4's linear core
     installed (dense indexer loss on): the linear rows allocate no gather backward and save less."""
     out = tmp_path / "m.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--kinds", "csa", "--recompute", "none",
                           "--tokens", "256", "--attention", "megatron,linear", "--indexer-loss-coeff", "0.1",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+                          "--out", str(out), "--megatron", str(tree().root)], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
     rows = {r["attention"]: r for r in data["rows"]}
