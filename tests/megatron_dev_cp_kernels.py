@@ -15,14 +15,12 @@ random map holding invalid (-1) entries. Negative control: the same functions wi
 usage: python tests/megatron_dev_cp_kernels.py COMMIT
 """
 
-import contextlib
 import importlib
 import importlib.util
 import json
 import math
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -32,55 +30,15 @@ sys.path.insert(0, str(REPO))
 
 from verl_ds4.substitutes import cp_layout_kernels as ours  # noqa: E402
 from verl_ds4.substitutes import megatron_dev  # noqa: E402
+from verl_ds4.substitutes.imports import triton_stand_in  # noqa: E402
 
 CSA_UTILS = "megatron.core.transformer.experimental_attention_variant.csa_utils"
-
-
-class _NoOpModule(types.ModuleType):
-    """A module whose every attribute is a pass-through decorator / no-op call: lets triton kernels be defined."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _pass_through
-
-    def __call__(self, *args, **kwargs):
-        return _pass_through
-
-
-def _pass_through(*args, **kwargs):
-    return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else _pass_through
-
-
-@contextlib.contextmanager
-def stand_in_triton():
-    """dev's modules import triton at module level; the CPU never launches its kernels. Torch's own triton probes
-    run first (they must see it absent), then a no-op ``triton`` exists only while the imports run."""
-    try:
-        import triton  # noqa: F401
-
-        yield
-        return
-    except ImportError:
-        pass
-    for name in ("torch._dynamo", "functorch.compile", "torch._inductor.compile_fx"):
-        importlib.import_module(name)
-    names = ("triton", "triton.language", "triton.language.extra", "triton.runtime")
-    for name in names:
-        sys.modules[name] = _NoOpModule(name)
-    sys.modules["triton"].language = sys.modules["triton.language"]
-    sys.modules["triton"].__version__ = "3.4.0"
-    try:
-        yield
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
 
 
 def load(commit):
     tree = megatron_dev.find(commit)
     megatron_dev.use(tree)
-    with stand_in_triton():
+    with triton_stand_in():
         kernels = importlib.import_module(CSA_UTILS + ".cp_layout_kernels")
         cp_utils = importlib.import_module(CSA_UTILS + ".cp_utils")
         csa = importlib.import_module("megatron.core.transformer.experimental_attention_variant.csa")

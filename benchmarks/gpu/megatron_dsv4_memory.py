@@ -35,6 +35,7 @@ against).
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -42,7 +43,6 @@ import re
 import socket
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -108,24 +108,6 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------- environment shims (our own code)
 
-class _Anything(types.ModuleType):
-    """Module whose every attribute is a no-op decorator/callable: lets triton kernels *define*."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _anything
-
-    def __call__(self, *a, **k):
-        return _anything
-
-
-def _anything(*a, **k):
-    if len(a) == 1 and callable(a[0]) and not k:
-        return a[0]
-    return _anything
-
-
 MEGATRON_MODULES = (
     "megatron.core.parallel_state", "megatron.core.tensor_parallel.random",
     "megatron.core.models.backends", "megatron.core.packed_seq_params",
@@ -140,30 +122,24 @@ def import_megatron(device):
     """Import the megatron modules this script uses. CPU smoke only: dev's megatron/core imports
     triton at module level (MoE paged stash, CSA teacher LSE) though the CPU path never launches
     those kernels, so a no-op ``triton`` is visible during the import and removed right after
-    (torch's own probes are run first, so they see triton as absent). Returns whether it was used."""
+    (verl_ds4.substitutes.imports). Returns whether it was used."""
     import importlib
-    stub = False
-    if device == "cpu":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            stub = True
-    if stub:
-        for name in ("torch._dynamo", "functorch.compile", "torch._inductor.compile_fx"):
-            importlib.import_module(name)
-        names = ("triton", "triton.language", "triton.language.extra", "triton.runtime")
-        for name in names:
-            sys.modules[name] = _Anything(name)
-        sys.modules["triton"].language = sys.modules["triton.language"]
-        sys.modules["triton"].__version__ = "3.4.0"
-    try:
+    import importlib.util
+    stub = device == "cpu" and importlib.util.find_spec("triton") is None
+    stand_in = _substitutes("imports").triton_stand_in() if stub else contextlib.nullcontext()
+    with stand_in:
         for name in MEGATRON_MODULES:
             importlib.import_module(name)
-    finally:
-        if stub:
-            for name in names:
-                sys.modules.pop(name, None)
     return stub
+
+
+def _substitutes(module):
+    """``verl_ds4.substitutes.<module>`` (the repository's root put on sys.path: the device machine runs this file
+    from a copy of the tree, without installing the package)."""
+    import importlib
+    if str(HERE.parents[1]) not in sys.path:
+        sys.path.insert(0, str(HERE.parents[1]))
+    return importlib.import_module(f"verl_ds4.substitutes.{module}")
 
 
 class _Hadamard(torch.autograd.Function):
@@ -176,12 +152,7 @@ class _Hadamard(torch.autograd.Function):
     def matrix(n, dtype, device):
         key = (n, dtype, str(device))
         if key not in _Hadamard._cache:
-            if n & (n - 1):
-                raise ValueError(f"Hadamard stand-in needs a power-of-two width, got {n}")
-            h = torch.ones(1, 1)
-            while h.shape[0] < n:
-                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-            _Hadamard._cache[key] = h.to(dtype=dtype, device=device)
+            _Hadamard._cache[key] = _substitutes("hadamard").hadamard_matrix(n, dtype, device)
         return _Hadamard._cache[key]
 
     @staticmethod
@@ -203,36 +174,10 @@ def install_hadamard():
     return "pure-PyTorch stand-in (Sylvester matrix product, saves nothing)"
 
 
-class LocalLinear(torch.nn.Module):
-    """A replicated linear for the DS4 spec's ``backend.linear()`` slots (TE's ``TELinear`` with
-    ``parallel_mode='duplicated'`` upstream). Returns ``(y, None)`` like Megatron's linears."""
-
-    def __init__(self, input_size, output_size, *, config, init_method, bias=False,
-                 skip_bias_add=False, **_ignored):
-        super().__init__()
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, device=device, dtype=config.params_dtype))
-        if config.perform_initialization:
-            init_method(self.weight)
-        self.bias = None
-        self.skip_bias_add = skip_bias_add
-
-    def forward(self, x):
-        return torch.nn.functional.linear(x, self.weight), None
-
-    def backward_dw(self):
-        return None
-
-
 def local_backend():
-    from megatron.core.models.backends import LocalSpecProvider
-
-    class _Local(LocalSpecProvider):
-        def linear(self):
-            return LocalLinear
-
-    return _Local()
+    """Megatron's local backend with a replicated linear for the DS4 spec's ``backend.linear()`` slots (TE's
+    ``TELinear`` with ``parallel_mode='duplicated'`` upstream): verl_ds4.substitutes.te_local's."""
+    return _substitutes("te_local").CPUSpecProvider()
 
 
 def install_cpu_shims():
@@ -309,7 +254,7 @@ def build_block(config, device):
     from megatron.core.transformer.experimental_attention_variant import (
         deepseek_v4_hybrid_attention as dha)
     backend = local_backend()
-    dha.TELinear = LocalLinear  # the spec's q_down_proj check compares against this name
+    dha.TELinear = backend.linear()  # the spec's q_down_proj check compares against this name
     specs = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend)
     spec = tb.TransformerBlockSubmodules(layer_specs=specs, layer_norm=backend.layer_norm(rms_norm=True))
     block = tb.TransformerBlock(config, spec).to(device)

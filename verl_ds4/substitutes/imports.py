@@ -24,7 +24,7 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["MEGATRON_CORE_MODULES", "SubstituteImportError", "import_bridge", "import_megatron_dev"]
+__all__ = ["MEGATRON_CORE_MODULES", "SubstituteImportError", "import_bridge", "import_megatron_dev", "triton_stand_in"]
 
 #: The megatron.core modules the production path and Megatron-Bridge import (their import closure covers the rest).
 MEGATRON_CORE_MODULES = (
@@ -136,9 +136,15 @@ def _no_op_triton() -> dict[str, types.ModuleType]:
     return modules
 
 
+def triton_stand_in():
+    """A context in which ``import triton`` finds the no-op module when triton is not installed (nothing otherwise);
+    use it around an import of dev's modules (:func:`import_megatron_dev` does)."""
+    return _visible(_no_op_triton())
+
+
 def import_megatron_dev() -> None:
     """Import :data:`MEGATRON_CORE_MODULES` (dev's tree must be first on ``sys.path``), triton stood in if absent."""
-    with _visible(_no_op_triton()):
+    with triton_stand_in():
         for name in MEGATRON_CORE_MODULES:
             importlib.import_module(name)
 

@@ -37,7 +37,8 @@ class LocalLinear(torch.nn.Module):
         super().__init__()
         if bias:
             raise ValueError("LocalLinear stands in for DS4's bias-free replicated linears; bias=True was asked")
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, device=device, dtype=config.params_dtype))
         if config.perform_initialization:
             init_method(self.weight)
         self.bias = None
