@@ -103,6 +103,7 @@ SCOPE = (
     "verl_ds4/verify/production_cli.py",
     "verl_ds4/substitutes/megatron_dev.py",
     "verl_ds4/substitutes/imports.py",
+    "verl_ds4/substitutes/environment.py",
     "verl_ds4/verify/ds41_hf.py",
     "verl_ds4/verify/seqlen.py",
     "verl_ds4/layout/plan_cli.py",

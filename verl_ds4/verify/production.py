@@ -23,50 +23,11 @@ from typing import Any
 
 import torch
 
+from verl_ds4.substitutes.environment import BRIDGE_VERSION, no_torch_function_mode, quiet_progress, require_bridge, require_megatron_dev
 from verl_ds4.substitutes.provider_settings import CPU_OVERRIDES
 
 __all__ = ["BRIDGE_VERSION", "CPU_OVERRIDES", "ProductionBuilder", "ProductionLM", "ProductionModels", "UnmappableFolder", "check_mappable",
            "released_megatron_env", "require_bridge", "require_megatron_dev", "verl_overrides", "write_harness_folder"]
-
-
-def require_megatron_dev() -> None:
-    """Refuse, before any rank starts, a process whose ``megatron.core`` has no DeepSeek-V4 (not Megatron-LM dev)."""
-    import importlib.util
-
-    if importlib.util.find_spec("megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention") is None:
-        from verl_ds4.substitutes.megatron_dev import make_command
-
-        raise RuntimeError(
-            "the production engine runs Megatron-LM dev's DeepSeek-V4, and this process's megatron.core has none "
-            "(a released megatron-core). Put a dev export first on the path: MEGATRON_DEV_DIR=<export> or "
-            f"verl_ds4.substitutes.megatron_dev.use(...); make one with: {make_command()}")
-
-
-#: The Megatron-Bridge release the production path was proven with (lane 2 installs it; the image pins it).
-BRIDGE_VERSION = "0.6.2"
-
-
-def require_bridge() -> None:
-    """Refuse, with what to install, a Python or a Megatron-Bridge that cannot build DS4: Bridge needs Python 3.12
-    and must have its DeepSeek-V4 bridge (``megatron.bridge.models.deepseek.deepseek_v4_bridge``, from 0.6)."""
-    import importlib.util
-    import sys
-
-    if sys.version_info[:2] != (3, 12):
-        raise RuntimeError(
-            f"the production path needs Python 3.12 (Megatron-Bridge {BRIDGE_VERSION} requires it); this is Python "
-            f"{sys.version_info[0]}.{sys.version_info[1]}. Use the lane-2 venv (bash scripts/dev.sh test sets up "
-            ".venv312) or a Python 3.12 venv with `pip install --no-deps megatron-bridge==0.6.2`.")
-    spec = importlib.util.find_spec("megatron.bridge")  # imports the namespace `megatron` only, not the bridge
-    if spec is None:
-        raise RuntimeError(f"Megatron-Bridge is not installed: `pip install --no-deps megatron-bridge=={BRIDGE_VERSION}` "
-                           "and its import-time packages (scripts/dev.sh BRIDGE312_IMPORT_DEPS)")
-    roots = [Path(p) for p in spec.submodule_search_locations or ()]
-    if not any((r / "models" / "deepseek" / "deepseek_v4_bridge.py").is_file() for r in roots):
-        from importlib.metadata import version
-
-        raise RuntimeError(f"Megatron-Bridge {version('megatron-bridge')} has no DeepSeek-V4 bridge "
-                           f"(megatron.bridge.models.deepseek.deepseek_v4_bridge); install megatron-bridge=={BRIDGE_VERSION}")
 
 
 class UnmappableFolder(ValueError):
@@ -213,7 +174,7 @@ class ProductionBuilder:
         with cuda_literals_on_cpu(), self.precision():
             chunks = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
         check_mappable(bridge, chunks, self.folder, allowed=("output_layer.weight",) if value_head else ())
-        with cuda_literals_on_cpu(), _quiet_progress(), _no_torch_function_mode():
+        with cuda_literals_on_cpu(), quiet_progress(), no_torch_function_mode():
             bridge.load_hf_weights(chunks, self.folder,
                                    allowed_mismatched_params=["output_layer.weight"] if value_head else None)
         return _PrecisionLM(ProductionLM(chunks[0]).eval(), self.precision)
@@ -229,30 +190,6 @@ class _PrecisionLM(ProductionLM):
     def forward(self, *args, **kwargs):
         with self._precision():
             return super().forward(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _no_torch_function_mode():
-    """Safetensors reinterprets bytes with ``view(dtype)``: no dtype promotion may be active while weights load."""
-    from torch.overrides import _pop_mode_temporarily, _len_torch_function_stack
-
-    with contextlib.ExitStack() as stack:
-        for _ in range(_len_torch_function_stack()):
-            stack.enter_context(_pop_mode_temporarily())
-        yield
-
-
-@contextlib.contextmanager
-def _quiet_progress():
-    """Bridge draws a progress bar per load; the proofs print their own lines."""
-    import logging
-
-    level = logging.getLogger("megatron.bridge").level
-    logging.getLogger("megatron.bridge").setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logging.getLogger("megatron.bridge").setLevel(level)
 
 
 def released_megatron_env() -> dict:
@@ -354,3 +291,6 @@ class ProductionModels:
         if self.cp_size > 1:
             torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
         return {"indexer_loss": np.array([float(total)])}
+
+
+_quiet_progress = quiet_progress  # the name the production CPU engine imported first
