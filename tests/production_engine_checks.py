@@ -72,7 +72,8 @@ def _engine_rank(rank: int, world: int, assets: dict, model_type: str, overrides
     start = time.monotonic()
     worker, model_config = cpu_training_worker(
         model_type, assets["model"], world,
-        overrides=["engine.use_dist_checkpointing=False", "model.use_remove_padding=True", "optim.lr=1e-2",
+        overrides=["engine.use_dist_checkpointing=False", "checkpoint.save_contents=[optimizer,extra]",
+                   "model.use_remove_padding=True", "optim.lr=1e-2",
                    "optim.clip_grad=1.0", "optim.total_training_steps=10", *overrides])
     engine = worker.engine
     built = time.monotonic() - start
@@ -165,6 +166,12 @@ def main(commit: str, args: dict) -> dict:
     runs = {"lm1": ("language_model", 1, 2), "lm2": ("language_model", 2, 1),
             "critic1": ("value_model", 1, 1), "critic2": ("value_model", 2, 1)}
     result["selected"] = _selected()
+    try:
+        import modelopt.torch.quantization.utils  # noqa: F401  (Bridge's save_hf_weights imports it)
+
+        result["modelopt"] = True
+    except ImportError:
+        result["modelopt"] = False
     for name in args["runs"]:
         start = time.monotonic()
         if name in args.get("refused", {}):

@@ -48,6 +48,7 @@ REFUSED = {
     "refused_grouped_gemm": ["+engine.override_transformer_config.moe_grouped_gemm=True"],
     "refused_coeff_none": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=null"],
     "refused_te": ["+engine.override_transformer_config.transformer_impl=transformer_engine"],
+    "refused_hf_save": ["engine.forward_only=False"],  # training, the model saved as HF (verl's default contents)
     "kept_coeff": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=0.5",
                    "+engine.override_transformer_config.moe_grouped_gemm=False"],
 }
@@ -98,13 +99,38 @@ def run(tmp_path_factory):
     args = {"assets": assets, "runs": runs, "refused": REFUSED}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("VERL_ENGINE_VENDOR", None)
+    sft = _start_sft(assets, root / "sft_ckpt", env)  # beside the checks: each is mostly one busy process
     done = subprocess.run([sys.executable, str(REPO / "tests" / "production_engine_checks.py"), COMMIT, json.dumps(args)],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        from verl_ds4.cpu.sft_run import kill_run
+
+        kill_run(sft)
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     result = json.loads(lines[-1][len("RESULT "):])
     result["tree"] = str(tree.root)
+    out, err = sft.communicate(timeout=900)
+    result["sft"] = {"returncode": sft.returncode, "stdout": out, "stderr_tail": err[-4000:]}
     return result
+
+
+SFT_STEPS = 3
+
+
+def _start_sft(assets: dict, ckpt_dir: Path, env: dict) -> subprocess.Popen:
+    """verl's SFT trainer (torchrun, 2 processes, CP 2) on the folder with the production engine
+    (VERL_ENGINE_VENDOR=production). The trainer saves at its last step: no model (see
+    test_an_hf_model_save_that_cannot_run_is_refused_at_start_up), the run's extra state only."""
+    from verl_ds4.cpu.sft_run import cpu_env, sft_command
+
+    engine_assets = {**assets, "external_lib": "verl_ds4.cpu.production_engine"}
+    cmd = sft_command(engine_assets, ckpt_dir=ckpt_dir, steps=SFT_STEPS, cp=2, nproc=2, batch=8, micro_batch=4, lr=3e-3,
+                      extra=["engine.use_dist_checkpointing=False", "checkpoint.save_contents=[extra]"])
+    sft_env = cpu_env(env)
+    sft_env.update(VERL_USE_EXTERNAL_MODULES="verl_ds4.cpu.platform,verl_ds4.cpu.production_engine",
+                   VERL_ENGINE_VENDOR="production", MEGATRON_DEV_DIR=str(megatron_dev.find(COMMIT).root))
+    return subprocess.Popen(cmd, env=sft_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _diff(got, ref) -> float:
@@ -193,6 +219,18 @@ def test_a_contradicting_user_setting_is_refused_naming_it(run, name, key):
     assert key in r["message"] and "Remove those overrides or set" in r["message"], r["message"]
 
 
+def test_an_hf_model_save_that_cannot_run_is_refused_at_start_up(run):
+    """Megatron-Bridge 0.6.2's save_hf_weights imports ModelOpt; without it verl's first model save (HF format when
+    use_dist_checkpointing=False) would fail after the training. Controls: every training engine here (and the SFT
+    run) saves no model and starts; with ModelOpt importable the engine starts."""
+    r = run["runs"]["refused_hf_save"]
+    if run["modelopt"]:
+        assert not r["refused"], r
+    else:
+        assert r["refused"] and r["type"] == "ValueError", r
+        assert "save_hf_weights imports ModelOpt" in r["message"] and "checkpoint.save_contents" in r["message"]
+
+
 def test_the_users_own_settings_are_kept(run):
     """Control of the refusals: the same keys with values the CPU can run build the engine, the user's coefficient
     reaching the provider unchanged."""
@@ -200,3 +238,15 @@ def test_the_users_own_settings_are_kept(run):
     assert not r["refused"], r
     assert eval(r["overrides"]["dsa_indexer_loss_coeff"]) == 0.5 and eval(r["provider"]["dsa_indexer_loss_coeff"]) == 0.5
     assert eval(r["provider"]["moe_grouped_gemm"]) is False
+
+
+def test_verls_sft_trainer_runs_the_production_engine_at_cp2_and_the_loss_falls(run):
+    from verl_ds4.cpu.sft_run import parse_losses
+
+    sft = run["sft"]
+    assert sft["returncode"] == 0, sft["stderr_tail"]
+    assert "verl-ds4 ProductionCPUMegatronEngineWithLMHead: contiguous CP layout (cp=2" in sft["stdout"]
+    losses = parse_losses(sft["stdout"])
+    print(f"verl SFT trainer, production engine, CP 2: losses {losses}")
+    assert sorted(losses) == list(range(1, SFT_STEPS + 1)) and all(math.isfinite(x) for x in losses.values())
+    assert losses[SFT_STEPS] < losses[1]

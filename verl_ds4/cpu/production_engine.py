@@ -153,6 +153,25 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
                             "Megatron-Bridge, or give engine.dist_checkpointing_path)")
         if problems:
             raise ValueError("The production CPU Megatron engine does not support: " + "; ".join(problems) + ".")
+        self._refuse_unsavable_hf_checkpoint()
+
+    def _refuse_unsavable_hf_checkpoint(self) -> None:
+        """A training engine without dist checkpointing saves its model in HF format through Megatron-Bridge
+        (verl's ``should_save_hf_model``), and Bridge 0.6.2's ``save_hf_weights`` imports ModelOpt
+        (``auto_bridge.py``: ``from modelopt.torch.quantization.utils import is_quantized``). Refuse at start-up,
+        not at the first save after the training ran, when that import fails here."""
+        ec, contents = self.engine_config, list(getattr(self.checkpoint_config, "save_contents", None) or ())
+        if ec.forward_only or ec.use_dist_checkpointing or not ({"model", "hf_model"} & set(contents)):
+            return
+        try:
+            import modelopt.torch.quantization.utils  # noqa: F401
+        except ImportError as e:
+            raise ValueError(
+                f"checkpoint.save_contents={contents} with engine.use_dist_checkpointing=False saves the model in HF "
+                f"format through Megatron-Bridge, whose save_hf_weights imports ModelOpt, and that import fails here "
+                f"({type(e).__name__}: {e}). Install nvidia-modelopt with what its import needs, or save no model "
+                "(checkpoint.save_contents without model/hf_model, e.g. [optimizer,extra]), or start from a dist "
+                "checkpoint (engine.use_dist_checkpointing=True engine.dist_checkpointing_path=...).") from e
 
     def forward_backward_batch(self, *args, **kwargs):
         """verl's, inside :func:`_cuda_literals_keeping_cpu_device` (the CPU mixin's block would break the CP backward)."""
