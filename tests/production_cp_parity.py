@@ -10,9 +10,12 @@ layers, hash and learned routing; seeded weights written as a native folder):
 * ``exact``: MTP off and the indexer loss off (coefficient 0): every quantity against CP = 1, and the zigzag
   refusal and its control;
 * ``indexer``: MTP off, the indexer loss on (1e-2);
-* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2).
+* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2);
+* ``linear``: the ``indexer`` case with verl-ds4's linear sparse attention installed into dev's layers
+  (``ds4.sparse_attention=linear``), against the same case with dev's own functions, at CP 1 and at the smallest CP.
 """
 
+import dataclasses
 import json
 import sys
 import time
@@ -46,6 +49,13 @@ def main(commit: str, cps: list[int]) -> dict:
                                layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
         out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}
         out["cases"][name + "_seconds"] = round(time.time() - t, 1)
+        if name == "indexer":
+            t = time.time()
+            linear = dataclasses.replace(opts, sparse_core="linear")
+            out["cases"]["linear"] = {str(cp): rows(run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg,
+                                                              batches=batches, layout_checks=False, options=linear), runs[cp])
+                                      for cp in [1, cps[0]]}
+            out["cases"]["linear_seconds"] = round(time.time() - t, 1)
     return out
 
 

@@ -257,6 +257,11 @@ class _Models:
     def aux_losses(self, actor) -> dict[str, np.ndarray]:
         return _aux_losses(actor)
 
+    def use_sparse_core(self, model, core: str) -> None:
+        from verl_ds4.kernels import set_sparse_core
+
+        set_sparse_core(model, core)
+
     def layout_guard_bypassed(self):
         return _layout_guard_bypassed()
 
@@ -358,10 +363,8 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
             actor = models.build(dtype, device=device, overrides=overrides)
             critic = models.build(dtype, value_head=True, device=device, overrides=overrides)
             if opts.sparse_core != "dense":
-                from verl_ds4.kernels import set_sparse_core
-
                 for built in (actor, critic):
-                    set_sparse_core(built, opts.sparse_core)
+                    models.use_sparse_core(built, opts.sparse_core)
                 if opts.linear_chunk_rows:
                     seqlen.use_linear_chunk_rows(opts.linear_chunk_rows)
             if opts.query_chunk_rows:

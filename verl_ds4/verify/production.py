@@ -261,6 +261,16 @@ class ProductionModels:
                 head.copy_((0.02 * torch.randn(head.shape, generator=gen, dtype=torch.float64)).to(head.dtype))
         return model.train()
 
+    def use_sparse_core(self, model, core: str) -> None:
+        """``linear``: verl-ds4's memory-linear sparse attention in dev's own layers, as ``ds4.sparse_attention=linear``
+        installs it on a GPU (:mod:`verl_ds4.mcore.sparse_attention_patch`: dev's four ``csa`` functions replaced
+        after the check that they are the proven ones); the layers call them at run time, so built models use it."""
+        if core != "linear":
+            raise ValueError(f"sparse core {core!r}: the production model runs Megatron's own (dense) or linear")  # error-catalogue: internal (verify offers dense / linear only)
+        from verl_ds4.mcore import sparse_attention_patch
+
+        sparse_attention_patch.install()
+
     @contextlib.contextmanager
     def layout_guard_bypassed(self):
         """The zigzag control: dev's DS4 attention refuses a batch labelled zigzag; labelled contiguous, the zigzag
