@@ -309,7 +309,8 @@ def test_requeue_after_a_kill_inside_a_save_then_scancel_then_the_same_submissio
     ref = sft_reference["losses"]
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
-    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut")
+    # MAX_RESTARTS=0: Slurm's requeue is what this test exercises, not the batch script's own restart of the step.
+    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut", MAX_RESTARTS="0")
     ckpt = work / "checkpoints"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     seen: dict[str, dict[int, float]] = {}

@@ -1,0 +1,219 @@
+"""Automatic restart (issue 44): :mod:`verl_ds4.recipes.supervise` around a stand-in trainer.
+
+The stand-in (:mod:`verl_ds4.testing.standin_trainer`) is a real process that resumes like a launcher, prints
+verl's per-step lines and saves checkpoints with manifests; its faults are real signals (SIGKILL of itself,
+of a child "rank") and real exceptions. Each rule has its negative control: the same run with
+``MAX_RESTARTS=0`` stops, a different failure is restarted, progress is restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_ds4.recipes import supervise as sv
+from verl_ds4.testing.standin_trainer import loss_at
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_LOSS = re.compile(r"^step:(\d+) - train/loss:([0-9.]+)", re.M)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RESUME_MODE", None)
+    return env
+
+
+def _supervised(tmp: Path, budget, *trainer_args, extra=(), timeout=120, env=None):
+    """Run the supervisor around the stand-in; (exit status, output, [(seconds since start, line)])."""
+    ckpt = tmp / "ckpt"
+    cmd = [sys.executable, "-m", "verl_ds4.recipes.supervise", "--max-restarts", str(budget), "--ckpt-dir", str(ckpt),
+           *extra, "--", sys.executable, "-m", "verl_ds4.testing.standin_trainer", "--ckpt-dir", str(ckpt),
+           *map(str, trainer_args)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO)
+    timed = [(time.monotonic() - start, line.rstrip("\n")) for line in proc.stdout]
+    proc.wait(timeout=timeout)
+    return proc.returncode, "\n".join(line for _, line in timed), timed
+
+
+def _attempts(out: str) -> int:
+    return out.count("stand-in trainer: pid")
+
+
+def test_a_trainer_killed_by_sigkill_is_restarted_from_the_newest_intact_checkpoint_and_finishes(tmp_path):
+    rc, out, timed = _supervised(tmp_path, 3, "--steps", 8, "--save-freq", 2, "--kill-at", 6, "--once",
+                                 tmp_path / "once")
+    assert rc == 0, out
+    assert "MAX_RESTARTS=3" in out.splitlines()[0]
+    assert ("restart     1 of 3: attempt 1 failed at step 6 (killed by SIGKILL); starting again from step 4 "
+            "(the newest intact checkpoint in") in out and "resume_mode=auto; 2 tries left" in out, out
+    assert "resume_mode=auto, from step 4, DS4_RESTART=1" in out and _attempts(out) == 2
+    # Every step's last loss is the uninterrupted run's; step 5 was trained again after the resume from step 4.
+    seen = [(int(s), float(v)) for s, v in STEP_LOSS.findall(out)]
+    assert [s for s, _ in seen] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert dict(seen) == {s: loss_at(s) for s in range(1, 9)}
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "8"
+    died = next(t for t, line in timed if line.startswith("step:5"))
+    again = [t for t, line in timed if line.startswith("stand-in trainer: pid")][1]
+    print(f"\nrestart latency (last step printed -> the new attempt's first line, Python start included): "
+          f"{again - died:.2f} s")
+    assert again - died < 30
+
+    # Negative control: no budget, the same fault ends the run.
+    rc, out, _ = _supervised(tmp_path / "zero", 0, "--steps", 8, "--kill-at", 6, "--once", tmp_path / "zero_once")
+    assert rc == 128 + signal.SIGKILL and _attempts(out) == 1, out
+    assert "not restarted: attempt 1 failed at step 6 (killed by SIGKILL), and no restart is left" in out
+
+
+def test_a_rank_killed_under_a_torchrun_like_parent_is_restarted(tmp_path):
+    rc, out, _ = _supervised(tmp_path, 2, "--steps", 6, "--kill-rank-at", 4, "--once", tmp_path / "once")
+    assert rc == 0 and _attempts(out) == 2, out
+    assert "attempt 1 failed at step 4 (a rank was killed by SIGKILL (torchrun: exitcode -9))" in out
+    assert "starting again from step 2" in out
+
+
+def test_a_refusal_or_a_config_error_before_step_1_is_not_restarted(tmp_path):
+    rc, out, _ = _supervised(tmp_path, 3, "--refuse")
+    assert rc == 2 and _attempts(out) == 0 and "restart     " not in out, out
+    assert "not restarted: attempt 1 failed at start-up, before its first training step (exit status 2): a config error" in out
+    rc, out, _ = _supervised(tmp_path / "raise", 3, "--raise-at", 1)
+    assert rc == 1 and _attempts(out) == 1, out
+    assert "before its first training step (RuntimeError: stand-in fault at step 1): a config error" in out
+    # Negative control: killed by a signal before step 1 is a lost process, not a config error: restarted.
+    rc, out, _ = _supervised(tmp_path / "kill", 3, "--steps", 3, "--kill-at", 1, "--once", tmp_path / "once")
+    assert rc == 0 and _attempts(out) == 2 and "attempt 1 failed at step 1 (killed by SIGKILL)" in out, out
+
+
+def test_the_same_step_failing_the_same_way_twice_stops(tmp_path):
+    rc, out, _ = _supervised(tmp_path, 5, "--steps", 8, "--raise-at", 5)
+    assert rc == 1 and _attempts(out) == 2, out
+    assert ("not restarted: attempt 2 failed at step 5 the same way as attempt 1 (RuntimeError: stand-in fault "
+            "at step 5)") in out
+
+
+def test_a_run_started_without_auto_in_a_folder_of_an_earlier_run_is_not_restarted(tmp_path):
+    from verl_ds4.testing.standin_trainer import _save
+
+    old = tmp_path / "old" / "ckpt"
+    old.mkdir(parents=True)
+    _save(old, 50)  # an earlier run's intact checkpoint: resume_mode=auto would pick it
+    disable = {"RESUME_MODE": "disable"}
+    rc, out, _ = _supervised(tmp_path / "old", 3, "--steps", 6, "--kill-at", 4, "--once", tmp_path / "once1",
+                             extra=["--resume-mode", "disable"], env=disable)
+    assert rc == 128 + signal.SIGKILL and _attempts(out) == 1, out
+    assert "it started with RESUME_MODE=disable in" in out and "already held checkpoints of an earlier run" in out
+    # Control: a fresh folder; the restart resumes this run's own step 2 with resume_mode=auto.
+    rc, out, _ = _supervised(tmp_path / "new", 3, "--steps", 6, "--kill-at", 4, "--once", tmp_path / "once2",
+                             extra=["--resume-mode", "disable"], env=disable)
+    assert rc == 0 and _attempts(out) == 2 and "resume_mode=auto, from step 2, DS4_RESTART=1" in out, out
+
+
+def _attempt(n, start, last, reason="RuntimeError: x", sig=None, rc=1):
+    return sv.Attempt(n, start, rc, last, reason, sig)
+
+
+def test_decide_rules_and_their_controls():
+    # No intact checkpoint progress: two attempts in a row from step 4, no newer checkpoint.
+    history = [_attempt(1, 4, 6, "killed by SIGKILL", "SIGKILL"), _attempt(2, 4, 5, "RuntimeError: y")]
+    retry, why = sv.decide(history, 4, None, 3)
+    assert not retry and "no intact checkpoint progress" in why and "both started from step 4" in why
+    assert sv.decide(history, 6, None, 3)[0]  # control: a newer intact checkpoint: restarted
+    # The same way twice, pids and ports aside.
+    same = [_attempt(1, None, 3, "a rank was killed by SIGKILL (pid 1234)", "SIGKILL"),
+            _attempt(2, 2, 3, "a rank was killed by SIGKILL (pid 5678)", "SIGKILL")]
+    assert "the same way as attempt 1" in sv.decide(same, 2, None, 3)[1]
+    assert sv.decide([same[0], _attempt(2, 2, 4, "a rank was killed by SIGKILL", "SIGKILL")], 4, None, 3)[0]
+    # Checkpoints, none intact.
+    retry, why = sv.decide([_attempt(1, None, 3, sig="SIGKILL")], None, "DIR holds checkpoints but none is intact", 3)
+    assert not retry and "no checkpoint to restart from: DIR holds checkpoints but none is intact" in why
+
+
+def test_the_budget_runs_out(tmp_path):
+    rc, out, _ = _supervised(tmp_path, 2, "--steps", 20, "--save-freq", 1, "--kill-every", 2)
+    assert rc == 128 + signal.SIGKILL and _attempts(out) == 3, out
+    assert "restart     2 of 2:" in out and "0 tries left" in out
+    assert "not restarted: attempt 3 failed at step 7 (killed by SIGKILL), and no restart is left" in out
+
+
+@pytest.mark.parametrize("bad", ["-1", "three", "", "1.5", "2x"])
+def test_a_bad_max_restarts_is_refused_at_start_up(bad, tmp_path):
+    cmd = [sys.executable, "-m", "verl_ds4.recipes.supervise", "--max-restarts", bad, "--", "false"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and f"MAX_RESTARTS={bad!r}: expected a non-negative integer" in proc.stderr
+    assert proc.stdout == ""  # nothing ran
+
+
+@pytest.mark.parametrize("good", ["0", "3", "12"])
+def test_a_good_max_restarts_is_accepted(good):
+    assert sv.parse_budget(good) == int(good)
+
+
+def test_a_checkpoint_folder_that_cannot_take_a_checkpoint_is_refused(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(sv.SuperviseError, match=r"the checkpoint folder .*a_file/ckpt is not writable"):
+        sv.check_ckpt_dir(blocker / "ckpt")
+    if os.geteuid() != 0:  # root ignores permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(sv.SuperviseError, match="is not writable"):
+            sv.check_ckpt_dir(locked)
+    ok = tmp_path / "ok"
+    assert "writable" in sv.check_ckpt_dir(ok)  # control: created and accepted
+    with pytest.raises(sv.SuperviseError, match=r"MiB free, less than one more checkpoint needs \(\d+ MiB, the least"):
+        sv.check_ckpt_dir(ok, min_free=1 << 62)
+    # Full: less room than the newest checkpoint's size.
+    (ok / "global_step_3").mkdir()
+    (ok / "global_step_3" / "model.pt").write_bytes(b"\0" * (3 << 20))
+    usage = sv.shutil.disk_usage(ok)
+    monkeypatch.setattr(sv.shutil, "disk_usage", lambda _p: usage._replace(free=2 << 20))
+    with pytest.raises(sv.SuperviseError, match=r"has 2 MiB free, less than one more checkpoint needs \(3 MiB, the size "
+                                                r"of global_step_3\): free space there"):
+        sv.check_ckpt_dir(ok, min_free=1 << 20)
+    monkeypatch.setattr(sv.shutil, "disk_usage", lambda _p: usage._replace(free=4 << 20))
+    assert "writable" in sv.check_ckpt_dir(ok, min_free=1 << 20)  # control
+
+
+def _requeue_cmd(ckpt: Path, state: Path) -> list[str]:
+    return [sys.executable, "-m", "verl_ds4.recipes.supervise", "--max-restarts", "2", "--ckpt-dir", str(ckpt),
+            "--state", str(state), "--requeue-signal", "USR1", "--", sys.executable, "-m",
+            "verl_ds4.testing.standin_trainer", "--ckpt-dir", str(ckpt), "--steps", "6", "--save-freq", "2",
+            "--step-s", "0.3"]
+
+
+def _signalled(cmd: list[str], sig: int) -> tuple[int, str]:
+    """Run ``cmd``, send ``sig`` to it once the trainer printed step 3; (exit status, output)."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step:3"):
+            proc.send_signal(sig)
+    return proc.wait(timeout=60), "".join(lines)
+
+
+def test_the_pre_timeout_signal_stops_the_attempt_and_asks_for_a_requeue(tmp_path):
+    ckpt, state = tmp_path / "ckpt", tmp_path / "state.json"
+    cmd = _requeue_cmd(ckpt, state)
+    rc, out = _signalled(cmd, signal.SIGUSR1)
+    assert rc == sv.EXIT_REQUEUE, out
+    assert "restart     1 of 2: Slurm's pre-timeout signal (USR1) at step 4; the job is requeued" in out, out
+    assert "step:4" not in out and json.loads(state.read_text())["used"] == 1
+    # The requeued job: the same command and state resume from step 2 and finish.
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0 and "resume_mode=auto, from step 2, DS4_RESTART=1" in proc.stdout, proc.stdout
+    # Negative control: SIGTERM (scancel, a person) stops the run for good, no requeue.
+    rc, out = _signalled(_requeue_cmd(tmp_path / "ckpt2", tmp_path / "state2.json"), signal.SIGTERM)
+    assert rc not in (0, sv.EXIT_REQUEUE) and "not restarted: stopped by SIGTERM" in out, out
+    assert "step:4" not in out and _attempts(out) == 1
