@@ -305,7 +305,7 @@ def _find(cmds: list[list[str]], *prefix: str) -> list[list[str]]:
 
 def _supervised_srun(cmds: list[list[str]]) -> list[str]:
     """The srun step of the SFT batch script: the command its restart supervisor runs (after its ``--``)."""
-    [supervisor] = [c for c in cmds if c[1:3] == ["-m", "verl_ds4.recipes.supervise"]]
+    [supervisor] = [c for c in cmds if len(c) > 1 and c[1] == str(REPO / "scripts" / "supervise.py")]
     assert supervisor[supervisor.index("--max-restarts") + 1] == "3" and "--requeue-signal" in supervisor
     srun = supervisor[supervisor.index("--") + 1:]
     assert srun[0] == "srun" and not _find(cmds, "srun"), cmds

@@ -5,9 +5,9 @@ checkpoint every 2 and ``MAX_RESTARTS=2``; once step 5 is printed, the test SIGK
 run, the launcher's supervisor restarts it by itself with ``resume_mode=auto`` from step 4, and the resumed steps 5
 and 6 give the losses of an uninterrupted run (``MAX_RESTARTS=0``, the demo's default) bit for bit.
 
-128 conversations in batches of 16: the run stays inside the first epoch (8 steps). A run resumed exactly at an
-epoch boundary did not match (64 conversations, 4 steps an epoch, resumed from step 4: step 5's loss 3.3643 against
-the uninterrupted 3.3984); not investigated here (issue 44's report), and not what this test is about.
+128 conversations in batches of 16: the run stays inside the first epoch (8 steps); a resume from a checkpoint written
+at the end of an epoch does not continue exactly in verl 0.9.1's SFT trainer (tests/test_cluster_launchers_real_on_cpu.py
+says so too; seen here again with 64 conversations: step 5's loss 3.3643 resumed against 3.3984 uninterrupted).
 """
 
 from __future__ import annotations

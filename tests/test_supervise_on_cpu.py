@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def test_a_rank_killed_under_a_torchrun_like_parent_is_restarted(tmp_path):
 def test_a_refusal_or_a_config_error_before_step_1_is_not_restarted(tmp_path):
     rc, out, _ = _supervised(tmp_path, 3, "--refuse")
     assert rc == 2 and _attempts(out) == 0 and "restart     " not in out, out
-    assert "not restarted: attempt 1 failed at start-up, before its first training step (exit status 2): a config error" in out
+    assert ("not restarted: attempt 1 failed at start-up, before its first training step (trainer.total_training_steps=-1: "
+            "expected a positive integer (a stand-in refusal)): a config error or a refusal") in out
     rc, out, _ = _supervised(tmp_path / "raise", 3, "--raise-at", 1)
     assert rc == 1 and _attempts(out) == 1, out
     assert "before its first training step (RuntimeError: stand-in fault at step 1): a config error" in out
@@ -117,6 +119,28 @@ def test_a_run_started_without_auto_in_a_folder_of_an_earlier_run_is_not_restart
     rc, out, _ = _supervised(tmp_path / "new", 3, "--steps", 6, "--kill-at", 4, "--once", tmp_path / "once2",
                              extra=["--resume-mode", "disable"], env=disable)
     assert rc == 0 and _attempts(out) == 2 and "resume_mode=auto, from step 2, DS4_RESTART=1" in out, out
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_sigterm_that_stopped_the_others():
+    # srun (or torchrun) stops the other tasks with SIGTERM once one fails: its exit status 143 says only that.
+    node0 = ["torch.distributed.elastic.multiprocessing.api.SignalException: Process 17 got signal: 15",
+             "traceback : Signal 15 (SIGTERM) received by PID 17"]
+    node1 = ["(then torchrun's report: failed (exitcode: -9) local_rank: 0 (pid: 18533) of binary: python; 40 lines)"]
+    assert sv.failure_reason(143, node0 + node1) == ("a rank was killed by SIGKILL (torchrun: exitcode -9)", "SIGKILL")
+    assert sv.failure_reason(143, node1 + node0) == ("a rank was killed by SIGKILL (torchrun: exitcode -9)", "SIGKILL")
+    # SIGTERM alone is how srun and torchrun stop the others, not a lost process: the error printed is the reason
+    # (a launcher's refusal on one node, the other node's task terminated by srun), and no signal counts.
+    refusal = ["[verl-ds4] FAILED: the overrides do not compose with verl's sft_trainer_engine config (Hydra's error)",
+               "    Could not override 'trainer.no_such_knob'."]
+    assert sv.failure_reason(143, node0[:1] + refusal) == (
+        "the overrides do not compose with verl's sft_trainer_engine config (Hydra's error)", None)
+    assert sv.failure_reason(143, node0[1:]) == ("stopped by SIGTERM (exit status 143)", None)
+    assert sv.failure_reason(-15, []) == ("stopped by SIGTERM (exit status -15)", None)
+    # Controls: a fault signal counts, by exit status or by the report line; a Python error is named.
+    assert sv.failure_reason(137, []) == ("killed by SIGKILL (exit status 137)", "SIGKILL")
+    assert sv.failure_reason(1, ["traceback : Signal 11 (SIGSEGV) received by PID 9"]) == (
+        "a process was killed by SIGSEGV", "SIGSEGV")
+    assert sv.failure_reason(1, ["ValueError: bad"]) == ("ValueError: bad", None)
 
 
 def _attempt(n, start, last, reason="RuntimeError: x", sig=None, rc=1):
@@ -217,3 +241,25 @@ def test_the_pre_timeout_signal_stops_the_attempt_and_asks_for_a_requeue(tmp_pat
     rc, out = _signalled(_requeue_cmd(tmp_path / "ckpt2", tmp_path / "state2.json"), signal.SIGTERM)
     assert rc not in (0, sv.EXIT_REQUEUE) and "not restarted: stopped by SIGTERM" in out, out
     assert "step:4" not in out and _attempts(out) == 1
+
+
+def test_the_trainer_output_in_a_log_file_is_read_for_its_step_and_error(tmp_path):
+    """As in the Slurm batch script, where the trainer's output goes to the node logs and srun prints nothing of it:
+    ``--progress-log`` names the file. The rank is killed before any checkpoint (save every 10 steps)."""
+    log, ckpt = tmp_path / "node0.log", tmp_path / "ckpt"
+
+    def run(*extra):
+        trainer = (f"{sys.executable} -m verl_ds4.testing.standin_trainer --ckpt-dir {ckpt} --steps 5 --save-freq 10 "
+                   f"--kill-rank-at 4 --once {tmp_path / extra[0]} > {log} 2>&1")
+        cmd = [sys.executable, "-m", "verl_ds4.recipes.supervise", "--max-restarts", "2", "--ckpt-dir", str(ckpt),
+               *extra[1:], "--", "bash", "-c", trainer]
+        return subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO, timeout=60)
+
+    out = run("once1", "--progress-log", str(log))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("restart     1 of 2: attempt 1 failed at step 4 (a rank was killed by SIGKILL (torchrun: exitcode -9)); "
+            "starting again from the start (no checkpoint yet)") in out.stdout, out.stdout
+    # Negative control: without the log the supervisor sees an exit 1 and no step: a start-up failure, not restarted.
+    shutil.rmtree(ckpt)
+    out = run("once2")
+    assert out.returncode == 1 and "failed at start-up, before its first training step (exit status 1)" in out.stdout

@@ -24,39 +24,35 @@ supervisor checked the folder, ``DS4_CKPT_CHECKED=1``. A run that started with a
 ``auto`` is restarted only when its folder held no checkpoint at its start. ``--state FILE`` keeps the restarts
 used and the failures across a Slurm requeue.
 
-    python -m verl_ds4.recipes.supervise --max-restarts N [--ckpt-dir DIR] [--state FILE] -- COMMAND...
+    python -m verl_ds4.recipes.supervise --max-restarts N [--ckpt-dir DIR] [--resume-mode MODE] [--state FILE]
+        [--requeue-signal USR1] [--progress-log FILE ...] [--check-only] -- COMMAND...
+
+``--progress-log``: a file the command writes the trainer's output to (the Slurm SFT batch script's node logs,
+which srun does not print), read after each attempt for its last step and its error. Running one attempt:
+:mod:`verl_ds4.recipes.supervise_attempt`.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import os
 import re
-import selectors
 import shutil
 import signal
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from verl_ds4.ckpt_manifest import step_folders
+from verl_ds4.recipes.supervise_attempt import Attempt, Runner, failure_reason, signal_name
+
+__all__ = ["EXIT_REQUEUE", "Attempt", "SuperviseError", "check_ckpt_dir", "decide", "failure_reason", "main",
+           "parse_budget", "supervise"]
 
 EXIT_REQUEUE = 75  # the attempt was stopped by the pre-timeout signal: the batch script requeues the job
 MIN_FREE = 64 << 20  # bytes a checkpoint folder must have free at least, when it holds no checkpoint yet
-TAIL = 200  # output lines kept per attempt to name its failure
-STOP_GRACE_S = 30.0  # seconds an attempt gets to end after SIGTERM before SIGKILL
-
-_STEP = re.compile(r"(?:\bstep:(\d+) - |\[verl-ds4\] step (\d+)/\d+)")
-_EXITCODE = re.compile(r"exitcode\W+(-\d+)")
-_SIGNAL_LINE = re.compile(r"Signal (\d+) \((SIG\w+)\) received")
-_ERROR = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)):?\s?(.*)$")
-_NUMBER = re.compile(r"\d{3,}")
-
 
 class SuperviseError(Exception):
     """A refusal at start-up (bad MAX_RESTARTS, a checkpoint folder that cannot take a checkpoint)."""
@@ -119,56 +115,6 @@ def newest_intact(ckpt_dir: str | Path | None) -> tuple[int | None, str | None]:
                       "names the damage)")
 
 
-@dataclasses.dataclass
-class Attempt:
-    """One run of the command and how it ended."""
-
-    number: int
-    resumed_from: int | None  # the newest intact checkpoint step when it started (None: none)
-    returncode: int = 0
-    last_step: int | None = None  # the last training step it printed
-    reason: str = ""
-    signal: str | None = None  # the signal that killed it or one of its processes
-    seconds: float = 0.0
-
-    @property
-    def failed_at(self) -> int:
-        """The step it was training when it failed (the one after the last it printed or resumed from)."""
-        return (self.last_step if self.last_step is not None else self.resumed_from or 0) + 1
-
-    @property
-    def signature(self) -> tuple:
-        return self.failed_at, _NUMBER.sub("N", self.reason)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def failure_reason(returncode: int, lines) -> tuple[str, str | None]:
-    """(what ended the attempt, the signal that killed a process of it or None), from its exit and output."""
-    if returncode < 0:
-        name = _signal_name(-returncode)
-        return f"killed by {name}", name
-    if returncode > 128 and returncode - 128 in {s.value for s in signal.Signals}:
-        name = _signal_name(returncode - 128)
-        return f"killed by {name} (exit status {returncode})", name
-    lines = list(lines)
-    for line in reversed(lines):
-        if m := _SIGNAL_LINE.search(line):
-            return f"a process was killed by {m.group(2)}", m.group(2)
-        if (m := _EXITCODE.search(line)) and int(m.group(1)) < 0:
-            name = _signal_name(-int(m.group(1)))
-            return f"a rank was killed by {name} (torchrun: exitcode {m.group(1)})", name
-    for line in reversed(lines):
-        if m := _ERROR.match(line):
-            return f"{m.group(1)}: {m.group(2)}"[:300].rstrip(": "), None
-    return f"exit status {returncode}", None
-
-
 def decide(history: list[Attempt], newest: int | None, none_intact: str | None, left: int) -> tuple[bool, str]:
     """Whether the last failed attempt of ``history`` is restarted, and why (or why not)."""
     a = history[-1]
@@ -196,83 +142,6 @@ def say(text: str) -> None:
     print(f"[verl-ds4] {text}", flush=True)
 
 
-class _Runner:
-    """Runs one attempt in a session of its own; stops it (and every process it started) on request."""
-
-    def __init__(self):
-        self.proc: subprocess.Popen | None = None
-        self.stop_reason: str | None = None
-
-    def stop(self, why: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = why
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        family = _family(proc.pid)
-        for pid in family:  # torchrun's ranks run in sessions of their own: signal each by pid
-            _kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in family:
-            _kill(pid, signal.SIGKILL)
-
-    def run(self, cmd: list[str], env: dict, attempt: Attempt) -> Attempt:
-        """Run one attempt; its stdout and stderr go to ours unchanged, their lines are read for steps and errors."""
-        tail: collections.deque[str] = collections.deque(maxlen=TAIL)
-        start = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        streams = {self.proc.stdout.fileno(): (sys.stdout.buffer, [b""]),
-                   self.proc.stderr.fileno(): (sys.stderr.buffer, [b""])}
-        with selectors.DefaultSelector() as selector:
-            for fd in streams:
-                selector.register(fd, selectors.EVENT_READ)
-            while selector.get_map():
-                for key, _ in selector.select():
-                    out, pending = streams[key.fd]
-                    chunk = os.read(key.fd, 1 << 16)
-                    if not chunk:
-                        selector.unregister(key.fd)
-                        if pending[0]:
-                            self._line(pending[0].decode(errors="replace"), tail, attempt)
-                        continue
-                    out.write(chunk)
-                    out.flush()
-                    *lines, pending[0] = (pending[0] + chunk).split(b"\n")
-                    for raw in lines:
-                        self._line(raw.decode(errors="replace"), tail, attempt)
-        attempt.returncode = self.proc.wait()
-        attempt.seconds = time.monotonic() - start
-        if attempt.returncode != 0:
-            attempt.reason, attempt.signal = failure_reason(attempt.returncode, tail)
-        return attempt
-
-    @staticmethod
-    def _line(line: str, tail, attempt: Attempt) -> None:
-        line = line.rsplit("\r", 1)[-1]
-        tail.append(line)
-        if m := _STEP.search(line):
-            attempt.last_step = int(m.group(1) or m.group(2))
-
-
-def _family(pid: int) -> list[int]:
-    try:
-        import psutil
-
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)] + [pid]
-    except Exception:  # psutil missing or the process gone: the session's group is the fallback
-        return [pid]
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
-
-
 def _load_state(path: Path | None) -> dict:
     if path is None or not path.is_file():
         return {"used": 0, "attempts": []}
@@ -289,9 +158,10 @@ def _save_state(path: Path | None, state: dict) -> None:
 
 def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None = None,
               state_file: str | Path | None = None, requeue_signal: str | None = None,
-              resume_mode: str = "auto", env: dict | None = None) -> int:
+              resume_mode: str = "auto", progress_logs=(), env: dict | None = None) -> int:
     """Run ``cmd``, restarting it after a failure a restart can fix, at most ``max_restarts`` times in all.
 
+    ``progress_logs``: files an attempt writes its output to (read after it, for its steps and errors).
     ``resume_mode`` is the run's own (``RESUME_MODE``): a run that did not start with ``auto`` (``disable``, or
     ``resume_path`` to a given checkpoint) is restarted with ``auto`` only when its checkpoint folder held no
     checkpoint at its start, so that every checkpoint a restart may resume from is this run's.
@@ -300,9 +170,9 @@ def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None 
     state = _load_state(state_path)
     state.setdefault("fresh", ckpt_dir is None or not step_folders(Path(str(ckpt_dir)).expanduser()))
     history = [Attempt(**a) for a in state["attempts"]]
-    runner = _Runner()
+    runner = Runner()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: runner.stop(f"stopped by {_signal_name(s)}"))
+        signal.signal(sig, lambda s, _f: runner.stop(f"stopped by {signal_name(s)}"))
     if requeue_signal:
         signal.signal(getattr(signal, "SIG" + requeue_signal.removeprefix("SIG")),
                       lambda s, _f: runner.stop("requeue"))
@@ -315,20 +185,23 @@ def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None 
             child["DS4_CKPT_CHECKED"] = "1"  # the launcher need not check the folder again
         if state["used"] and newest is not None:
             child.update(RESUME_MODE="auto", RESUME_FROM="")
-        runner.run(cmd, child, attempt)
+        runner.run(cmd, child, attempt, progress_logs)
+        after, none_intact = newest_intact(ckpt_dir)
+        if attempt.last_step is None and after is not None and after > (newest or 0):
+            attempt.last_step = after  # it printed no step we saw, but saved a newer checkpoint: it trained
         history.append(attempt)
         state["attempts"] = [dataclasses.asdict(a) for a in history]
         _save_state(state_path, state)
-        if runner.stop_reason == "requeue" and state["used"] >= max_restarts:
-            say(f"not restarted: Slurm's pre-timeout signal ({requeue_signal}) at step {attempt.failed_at}, and no "
-                "restart is left (MAX_RESTARTS)")
-            return attempt.returncode or 143
+        left = max_restarts - state["used"]
         if runner.stop_reason == "requeue":
+            pre = f"Slurm's pre-timeout signal ({requeue_signal}) at step {attempt.failed_at}"
+            if left <= 0:
+                say(f"not restarted: {pre}, and no restart is left (MAX_RESTARTS)")
+                return attempt.returncode or 143
             state["used"] += 1
             _save_state(state_path, state)
-            say(f"restart     {state['used']} of {max_restarts}: Slurm's pre-timeout signal ({requeue_signal}) at "
-                f"step {attempt.failed_at}; the job is requeued and resumes from the newest intact checkpoint "
-                f"(steps after it are trained again); {max(0, max_restarts - state['used'])} tries left")
+            say(f"restart     {state['used']} of {max_restarts}: {pre}; the job is requeued and resumes from the newest "
+                f"intact checkpoint (steps after it are trained again); {left - 1} tries left")
             return EXIT_REQUEUE
         if runner.stop_reason:
             say(f"not restarted: {runner.stop_reason} (a person or the scheduler stopped the run)")
@@ -337,8 +210,7 @@ def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None 
             if state["used"]:
                 say(f"finished after {state['used']} restart(s)")
             return 0
-        newest, none_intact = newest_intact(ckpt_dir)
-        retry, why = decide(history, newest, none_intact, max_restarts - state["used"])
+        retry, why = decide(history, after, none_intact, left)
         if retry and resume_mode != "auto" and not state["fresh"]:
             retry, why = False, (f"{why}; it started with RESUME_MODE={resume_mode} in {ckpt_dir}, which already held "
                                  "checkpoints of an earlier run that a restart (resume_mode=auto) could resume from; "
@@ -348,10 +220,9 @@ def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None 
             return attempt.returncode
         state["used"] += 1
         _save_state(state_path, state)
-        start = (f"step {newest} (the newest intact checkpoint in {ckpt_dir}), resume_mode=auto" if newest is not None
+        start = (f"step {after} (the newest intact checkpoint in {ckpt_dir}), resume_mode=auto" if after is not None
                  else "the start (no checkpoint yet)" if ckpt_dir else "its newest intact checkpoint (resume_mode=auto)")
-        say(f"restart     {state['used']} of {max_restarts}: {why}; starting again from {start}; "
-            f"{max_restarts - state['used']} tries left")
+        say(f"restart     {state['used']} of {max_restarts}: {why}; starting again from {start}; {left - 1} tries left")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Slurm's pre-timeout signal: stop the attempt and exit 75 for the batch script to requeue")
     parser.add_argument("--resume-mode", default="auto",
                         help="the run's RESUME_MODE (a restart itself uses auto)")
+    parser.add_argument("--progress-log", action="append", default=[], metavar="FILE",
+                        help="a file the command writes the trainer's output to (the Slurm node logs), read after "
+                             "each attempt for its last step and its error")
     parser.add_argument("--check-only", action="store_true", help="only the start-up checks")
     args = parser.parse_args(argv)
     try:
@@ -384,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"restarts    MAX_RESTARTS={budget}: a run that dies is started again from its newest intact checkpoint "
         f"(resume_mode=auto), at most {budget} time(s)" + (f"; checkpoints {folder}" if folder else ""))
     status = supervise(cmd, max_restarts=budget, ckpt_dir=args.ckpt_dir, state_file=args.state,
-                       requeue_signal=args.requeue_signal, resume_mode=args.resume_mode)
+                       requeue_signal=args.requeue_signal, resume_mode=args.resume_mode,
+                       progress_logs=args.progress_log)
     return 128 - status if status < 0 else status  # killed by signal N: the shell's 128 + N
 
 
