@@ -48,8 +48,8 @@ from pathlib import Path
 from verl_ds4.ckpt_manifest import step_folders
 from verl_ds4.recipes.supervise_attempt import Attempt, Runner, failure_reason, signal_name
 
-__all__ = ["EXIT_REQUEUE", "Attempt", "SuperviseError", "check_ckpt_dir", "decide", "failure_reason", "main",
-           "parse_budget", "supervise"]
+__all__ = ["EXIT_REQUEUE", "Attempt", "SuperviseError", "check_ckpt_dir", "check_overrides", "decide", "failure_reason",
+           "main", "parse_budget", "supervise"]
 
 EXIT_REQUEUE = 75  # the attempt was stopped by the pre-timeout signal: the batch script requeues the job
 MIN_FREE = 64 << 20  # bytes a checkpoint folder must have free at least, when it holds no checkpoint yet
@@ -65,6 +65,20 @@ def parse_budget(text: str, name: str = "MAX_RESTARTS") -> int:
             f"verl-ds4: {name}={text!r}: expected a non-negative integer, the restarts allowed after the run dies "
             f"(e.g. {name}=3; {name}=0 stops at the first failure)")
     return int(str(text).strip())
+
+
+def check_overrides(cmd: list[str], budget: int) -> None:
+    """Refuse a resume override in the command that a restart could not replace (the trainer's overrides come last:
+    ``trainer.resume_mode=disable`` would start every restart from scratch, a ``resume_from_path`` would go back to
+    that checkpoint), unless the budget is 0."""
+    for arg in cmd if budget else ():
+        key, sep, value = arg.lstrip("+").partition("=")
+        if sep and (key == "trainer.resume_from_path" and value not in ("", "null") or
+                    key == "trainer.resume_mode" and value != "auto"):
+            raise SuperviseError(
+                f"verl-ds4: {arg} with MAX_RESTARTS={budget}: a restart resumes with resume_mode=auto from the newest "
+                "intact checkpoint, which this override would undo; set the launcher's RESUME_MODE / RESUME_FROM "
+                "instead of the override, or MAX_RESTARTS=0")
 
 
 def _size(folder: Path) -> int:
@@ -247,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         budget = parse_budget(args.max_restarts)
+        check_overrides(cmd, budget)
         folder = check_ckpt_dir(args.ckpt_dir) if args.ckpt_dir else None
     except SuperviseError as e:
         print(str(e), file=sys.stderr)
