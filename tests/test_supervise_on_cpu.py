@@ -276,3 +276,43 @@ def test_the_trainer_output_in_a_log_file_is_read_for_its_step_and_error(tmp_pat
     shutil.rmtree(ckpt)
     out = run("once2")
     assert out.returncode == 1 and "failed at start-up, before its first training step (exit status 1)" in out.stdout
+
+
+def _launcher(script: str, *args: str, **knobs: str) -> subprocess.CompletedProcess:
+    env = {**_env(), "PYTHON": sys.executable, **knobs}
+    for name in ("MAX_RESTARTS", "DS4_SUPERVISED", "DS4_CKPT_CHECKED", "WORK_DIR", "CKPT_DIR"):
+        if name not in knobs:
+            env.pop(name, None)
+    return subprocess.run(["bash", f"scripts/{script}", *args], env=env, capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("script, args", [
+    ("run_ds4_proxy_sft_cpu.sh", ()), ("run_ds4_proxy_ppo_cpu.sh", ()),
+    ("run_deepseek_v4_flash_sft_megatron.sh", ("--dry-run",)), ("run_deepseek_v4_flash_grpo_megatron.sh", ()),
+])
+def test_every_local_launcher_refuses_a_bad_budget_and_a_folder_it_cannot_write_before_anything_starts(
+        script, args, tmp_path):
+    start = time.monotonic()
+    out = _launcher(script, *args, MAX_RESTARTS="three", WORK_DIR=str(tmp_path / "w"), CKPT_DIR=str(tmp_path / "c"))
+    assert out.returncode == 2 and "MAX_RESTARTS='three': expected a non-negative integer" in out.stderr, out.stderr
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    folder = blocker / ("w/checkpoints" if "cpu" in script else "c")
+    out = _launcher(script, MAX_RESTARTS="1", WORK_DIR=str(blocker / "w"), CKPT_DIR=str(blocker / "c"))
+    assert out.returncode == 2 and f"the checkpoint folder {folder} is not writable" in out.stderr, out.stderr
+    assert not (tmp_path / "w" / "assets").exists() and time.monotonic() - start < 60  # nothing built, seconds
+    # MAX_RESTARTS=0 checks the folder too (the launcher runs without the supervisor then).
+    out = _launcher(script, MAX_RESTARTS="0", WORK_DIR=str(blocker / "w"), CKPT_DIR=str(blocker / "c"))
+    assert out.returncode == 2 and f"the checkpoint folder {folder} is not writable" in out.stderr, out.stderr
+
+
+def test_the_cluster_launchers_refuse_a_bad_budget_and_print_theirs(tmp_path):
+    for script, args in (("slurm_submit.sh", ("--dry-run", "sft")), ("ray_cluster.sh", ("--dry-run", "submit", "ppo")),
+                         ("slurm_sft.sbatch", ("--dry-run",))):
+        out = _launcher(script, *args, MAX_RESTARTS="-1")
+        assert out.returncode == 2 and "MAX_RESTARTS='-1': expected a non-negative integer" in out.stderr, out.stderr
+        good = _launcher(script, *args)  # control: the default, 3, in the plan
+        assert good.returncode == 0 and "[verl-ds4] restarts    MAX_RESTARTS=3" in good.stdout, good.stdout + good.stderr
+    sbatch = _launcher("slurm_submit.sh", "--dry-run", "sft", REQUEUE_BEFORE_S="600").stdout
+    assert "--signal=B:USR1@600" in sbatch and "--requeue" in sbatch
