@@ -4,6 +4,7 @@
 # assistant-only loss mask). Recipe: recipes/recipe/deepseek_v4_sft.yaml on verl's sft_trainer_engine.
 #
 #   bash scripts/run_deepseek_v4_flash_sft_megatron.sh --dry-run          # compose + validate + plan, no GPU
+#   bash scripts/run_deepseek_v4_flash_sft_megatron.sh --print-ckpt-dir   # CKPT_DIR as these knobs give it (runs nothing)
 #   MESH=h200_64gpu_pp4_ep8_cp4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh
 #   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh optim.lr=5e-6
 #
@@ -17,10 +18,12 @@
 set -euo pipefail
 
 DRY_RUN=0
+PRINT_CKPT_DIR=0
 PASSTHROUGH=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
+        --print-ckpt-dir) PRINT_CKPT_DIR=1 ;;
         *) PASSTHROUGH+=("$arg") ;;
     esac
 done
@@ -74,6 +77,10 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 # --------------------------------------------------
+if [ "$PRINT_CKPT_DIR" = 1 ]; then
+    echo "$CKPT_DIR"   # for scripts/slurm_sft.sbatch: the folder its supervisor checks and restarts from
+    exit 0
+fi
 
 # Automatic restart (verl_ds4.recipes.supervise): with MAX_RESTARTS > 0 the launcher runs itself again under the
 # supervisor, which refuses a bad MAX_RESTARTS and a checkpoint folder that cannot take a checkpoint first, then

@@ -27,6 +27,7 @@
 # the checkpoints folder is shared.
 #
 # Usage:  bash scripts/run_ds4_proxy_sft_cpu.sh [--verbose] [extra Hydra overrides...]
+#         bash scripts/run_ds4_proxy_sft_cpu.sh --print-ckpt-dir   # the checkpoint folder these knobs give (runs nothing)
 #   resume after an interruption: run the same command again (trainer.resume_mode=auto); MAX_RESTARTS=N does it by
 #   itself up to N times when the run dies (verl_ds4.recipes.supervise; docs/checkpoints.md, "Automatic restart").
 #
@@ -73,6 +74,7 @@ OVERRIDES=()
 for arg in "$@"; do
     case "$arg" in
         --verbose) VERBOSE=1 ;;
+        --print-ckpt-dir) echo "$WORK_DIR/checkpoints"; exit 0 ;;
         *) OVERRIDES+=("$arg") ;;
     esac
 done

@@ -153,6 +153,7 @@ def test_decide_rules_and_their_controls():
     retry, why = sv.decide(history, 4, None, 3)
     assert not retry and "no intact checkpoint progress" in why and "both started from step 4" in why
     assert sv.decide(history, 6, None, 3)[0]  # control: a newer intact checkpoint: restarted
+    assert sv.decide(history, None, None, 3, known=False)[0]  # no folder known (Slurm in a container): no such rule
     # The same way twice, pids and ports aside.
     same = [_attempt(1, None, 3, "a rank was killed by SIGKILL (pid 1234)", "SIGKILL"),
             _attempt(2, 2, 3, "a rank was killed by SIGKILL (pid 5678)", "SIGKILL")]

@@ -129,8 +129,12 @@ def newest_intact(ckpt_dir: str | Path | None) -> tuple[int | None, str | None]:
                       "names the damage)")
 
 
-def decide(history: list[Attempt], newest: int | None, none_intact: str | None, left: int) -> tuple[bool, str]:
-    """Whether the last failed attempt of ``history`` is restarted, and why (or why not)."""
+def decide(history: list[Attempt], newest: int | None, none_intact: str | None, left: int,
+           known: bool = True) -> tuple[bool, str]:
+    """Whether the last failed attempt of ``history`` is restarted, and why (or why not).
+
+    ``known``: the checkpoint folder is known (``newest`` means something); without it there is no progress rule.
+    """
     a = history[-1]
     where = f"at step {a.failed_at}"
     failed = [h for h in history[:-1] if h.returncode != 0]
@@ -142,7 +146,7 @@ def decide(history: list[Attempt], newest: int | None, none_intact: str | None, 
                        "error or a refusal, which a restart would meet again; fix what its output names")
     if none_intact:
         return False, f"attempt {a.number} failed {where} ({a.reason}), and no checkpoint to restart from: {none_intact}"
-    if failed and failed[-1].resumed_from == a.resumed_from and newest == a.resumed_from:
+    if known and failed and failed[-1].resumed_from == a.resumed_from and newest == a.resumed_from:
         start = f"step {a.resumed_from}" if a.resumed_from is not None else "scratch"
         return False, (f"attempt {a.number} failed {where} ({a.reason}) with no intact checkpoint progress: it and "
                        f"attempt {failed[-1].number} both started from {start} and saved no newer checkpoint; save "
@@ -224,7 +228,7 @@ def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None 
             if state["used"]:
                 say(f"finished after {state['used']} restart(s)")
             return 0
-        retry, why = decide(history, after, none_intact, left)
+        retry, why = decide(history, after, none_intact, left, known=ckpt_dir is not None)
         if retry and resume_mode != "auto" and not state["fresh"]:
             retry, why = False, (f"{why}; it started with RESUME_MODE={resume_mode} in {ckpt_dir}, which already held "
                                  "checkpoints of an earlier run that a restart (resume_mode=auto) could resume from; "
