@@ -77,6 +77,12 @@ ds4_require_positive_int() {
     fi
 }
 
+# The restart budget MAX_RESTARTS: a non-negative integer (verl_ds4.recipes.supervise checks it again where it runs).
+ds4_require_restarts() {
+    [[ ${MAX_RESTARTS:-} =~ ^[0-9]+$ ]] ||
+        ds4_die "MAX_RESTARTS='${MAX_RESTARTS:-}': expected a non-negative integer, the restarts allowed after the run dies (e.g. export MAX_RESTARTS=3; 0 stops at the first failure); nothing was submitted or started"
+}
+
 ds4_say() {
     echo "[verl-ds4] $*"
 }

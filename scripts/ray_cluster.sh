@@ -43,6 +43,8 @@
 #                      set it empty to run the launcher from the image's copy instead)
 #   RAY_JOB_ID         submission id (default ds4-<recipe>-<date>-<pid>); a failed job exits with its trainer's status
 #   RAY_NO_WAIT        1: return after submitting instead of following the job's logs
+#   MAX_RESTARTS       submit: restarts of a driver that dies, by the launcher inside the job, each from the newest
+#                      intact checkpoint (default 3; 0: none; docs/checkpoints.md, "Automatic restart")
 #   RAY_WAIT_TIMEOUT   seconds wait-nodes waits for $NNODES nodes (default 600)
 #   EXTRA_ENV_VARS     more env variable names to carry to the job, space separated
 #   RAY_NODE_DIR       this node's PID file and log (default /tmp/verl-ds4-ray/{head,worker}; stop
@@ -106,6 +108,7 @@ RAY_TEMP_DIR=${RAY_TEMP_DIR:-}
 RAY_NODE_PORTS=${RAY_NODE_PORTS:-}
 RAY_WORKER_PORTS=${RAY_WORKER_PORTS:-200}
 RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-120}
+MAX_RESTARTS=${MAX_RESTARTS:-3}   # submit: the launcher restarts a driver that dies, from the newest intact checkpoint
 #########################################################################
 
 ds4_require_device
@@ -350,6 +353,8 @@ case "$command_name" in
         script=$(ds4_recipe_script "$recipe")
         NNODES=${NNODES:-1}
         ds4_require_positive_int NNODES
+        ds4_require_restarts
+        export MAX_RESTARTS   # a knob of the launcher: it travels in the runtime env
         if [ "$DS4_DEVICE" = cpu ]; then
             # The CPU job: its recipe, process counts and plugin modules travel in the runtime env.
             ds4_procs_per_node
@@ -386,6 +391,7 @@ case "$command_name" in
         [ "$RAY_NO_WAIT" = 1 ] && submit_args+=(--no-wait)
         ds4_say "submit      $recipe ($DS4_DEVICE): $(ds4_recipe_script "$recipe") to $address"
         ds4_say "processes   $NNODES node(s) x $NPROC_PER_NODE per node"
+        ds4_say "restarts    MAX_RESTARTS=$MAX_RESTARTS: the launcher in the job restarts a driver that dies, from the newest intact checkpoint (resume_mode=auto), on this cluster"
         ds4_say "logs        the driver's output follows here (ray job logs <id> --address $address); workers: each node's ${RAY_TEMP_DIR:-/tmp/ray}/session_latest/logs; the job's own: ${WORK_DIR:-WORK_DIR}/logs"
         status=0
         ds4_run ray job submit "${submit_args[@]}" -- bash "$script" "$@" || status=$?

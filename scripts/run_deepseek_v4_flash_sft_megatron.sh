@@ -4,6 +4,7 @@
 # assistant-only loss mask). Recipe: recipes/recipe/deepseek_v4_sft.yaml on verl's sft_trainer_engine.
 #
 #   bash scripts/run_deepseek_v4_flash_sft_megatron.sh --dry-run          # compose + validate + plan, no GPU
+#   bash scripts/run_deepseek_v4_flash_sft_megatron.sh --print-ckpt-dir   # CKPT_DIR as these knobs give it (runs nothing)
 #   MESH=h200_64gpu_pp4_ep8_cp4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh
 #   NNODES=8 GPUS_PER_NODE=8 PP=4 EP=8 CP=4 bash scripts/run_deepseek_v4_flash_sft_megatron.sh optim.lr=5e-6
 #
@@ -17,10 +18,12 @@
 set -euo pipefail
 
 DRY_RUN=0
+PRINT_CKPT_DIR=0
 PASSTHROUGH=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
+        --print-ckpt-dir) PRINT_CKPT_DIR=1 ;;
         *) PASSTHROUGH+=("$arg") ;;
     esac
 done
@@ -66,11 +69,37 @@ CKPT_DIR=${CKPT_DIR:-$HOME/checkpoints/$PROJECT_NAME/$EXP_NAME}
 # Resume: auto (latest checkpoint in CKPT_DIR), disable, or a RESUME_FROM checkpoint folder.
 RESUME_MODE=${RESUME_MODE:-auto}
 RESUME_FROM=${RESUME_FROM:-}
+# Restarts after the run dies (a rank or node lost, a non-zero exit of the trainer), each from the newest intact
+# checkpoint in CKPT_DIR with resume_mode=auto; 0: stop at the first failure (docs/checkpoints.md, "Automatic restart").
+MAX_RESTARTS=${MAX_RESTARTS:-3}
 PYTHON=${PYTHON:-python3}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 # --------------------------------------------------
+if [ "$PRINT_CKPT_DIR" = 1 ]; then
+    echo "$CKPT_DIR"   # for scripts/slurm_sft.sbatch: the folder its supervisor checks and restarts from
+    exit 0
+fi
+
+# Automatic restart (verl_ds4.recipes.supervise): with MAX_RESTARTS > 0 the launcher runs itself again under the
+# supervisor, which refuses a bad MAX_RESTARTS and a checkpoint folder that cannot take a checkpoint first, then
+# restarts a run that dies from its newest intact checkpoint (RESUME_MODE=auto); with 0 only those checks run.
+# DS4_SUPERVISED: already supervised (by it, or by the Slurm batch script around every node); DS4_CKPT_CHECKED:
+# the supervisor checked the folder.
+# --dry-run checks MAX_RESTARTS only (the folder is the cluster's).
+RESTART_MODE=$RESUME_MODE
+[ -n "$RESUME_FROM" ] && RESTART_MODE=resume_path
+if [ "$DRY_RUN" = 1 ]; then
+    "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --check-only --max-restarts "$MAX_RESTARTS" || exit 2
+    echo "[verl-ds4] restarts    MAX_RESTARTS=$MAX_RESTARTS: a run that dies starts again from its newest intact checkpoint in $CKPT_DIR (resume_mode=auto)"
+elif [ -z "${DS4_SUPERVISED:-}" ] && [ "$MAX_RESTARTS" != 0 ]; then
+    exec "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --max-restarts "$MAX_RESTARTS" --resume-mode "$RESTART_MODE" \
+        --ckpt-dir "$CKPT_DIR" -- bash "${BASH_SOURCE[0]}" "$@"
+elif [ -z "${DS4_CKPT_CHECKED:-}" ] && ! "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --check-only \
+        --max-restarts "$MAX_RESTARTS" --ckpt-dir "$CKPT_DIR"; then
+    exit 2
+fi
 
 RECIPE=(
     "hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]"

@@ -57,6 +57,8 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-2}     # trainer processes per node (trainer.n_
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
 SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
+MAX_RESTARTS=${MAX_RESTARTS:-0}         # restarts from the newest intact checkpoint after the run dies (0 here: the demo
+                                        # stops at the first failure; scripts/ray_cluster.sh submit defaults to 3)
 MISMATCH_MAX=${MISMATCH_MAX:-1e-5}     # stop when rollout and actor log-probs differ by more (max abs; null: report only)
 INDEXER_REPLAY=${INDEXER_REPLAY:-0}     # 1: the actor replays the rollout's indexer top-k choices (ds4, ds41;
                                         # actor_rollout_ref.actor.megatron.indexer_replay=true)
@@ -105,6 +107,19 @@ if [ -n "$MAX_POSITIONS" ] && [ -n "$MODEL_PATH" ]; then
 fi
 if [ $((NNODES * NPROC_PER_NODE % CP)) != 0 ]; then
     echo "CP=$CP does not divide the trainer's $((NNODES * NPROC_PER_NODE)) processes (NNODES=$NNODES x NPROC_PER_NODE=$NPROC_PER_NODE)" >&2; exit 2
+fi
+
+# Automatic restart (verl_ds4.recipes.supervise): with MAX_RESTARTS > 0 the launcher runs itself again under the
+# supervisor, which refuses a bad MAX_RESTARTS and a checkpoint folder that cannot take a checkpoint first, then
+# restarts a run that dies from its newest intact checkpoint (RESUME_MODE=auto); with 0 only those checks run.
+# DS4_SUPERVISED: already supervised (by it, or by the Slurm batch script around every node); DS4_CKPT_CHECKED:
+# the supervisor checked the folder.
+if [ -z "${DS4_SUPERVISED:-}" ] && [ "$MAX_RESTARTS" != 0 ]; then
+    exec "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --max-restarts "$MAX_RESTARTS" --resume-mode "$RESUME_MODE" \
+        --ckpt-dir "$WORK_DIR/checkpoints" -- bash "scripts/$(basename "${BASH_SOURCE[0]}")" "$@"
+elif [ -z "${DS4_CKPT_CHECKED:-}" ] && ! "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --check-only \
+        --max-restarts "$MAX_RESTARTS" --ckpt-dir "$WORK_DIR/checkpoints"; then
+    exit 2
 fi
 
 OVERRIDES=()
@@ -235,6 +250,7 @@ CONSOLE=(
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts${PROMPT_LENGTH:+ of <= $PROMPT_LENGTH tokens}), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)"); indexer replay $([ "$INDEXER_REPLAY" = 1 ] && echo on || echo off) (INDEXER_REPLAY)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
+    --fact "restarts=MAX_RESTARTS=$MAX_RESTARTS$([ "${DS4_RESTART:-0}" = 0 ] || echo "; this is restart $DS4_RESTART")"
 )
 [ -n "$REWARD_RISE" ] && CONSOLE+=(--reward-rise "$REWARD_RISE")
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)

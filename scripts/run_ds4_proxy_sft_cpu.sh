@@ -27,7 +27,9 @@
 # the checkpoints folder is shared.
 #
 # Usage:  bash scripts/run_ds4_proxy_sft_cpu.sh [--verbose] [extra Hydra overrides...]
-#   resume after an interruption: run the same command again (trainer.resume_mode=auto).
+#         bash scripts/run_ds4_proxy_sft_cpu.sh --print-ckpt-dir   # the checkpoint folder these knobs give (runs nothing)
+#   resume after an interruption: run the same command again (trainer.resume_mode=auto); MAX_RESTARTS=N does it by
+#   itself up to N times when the run dies (verl_ds4.recipes.supervise; docs/checkpoints.md, "Automatic restart").
 #
 # The console is quiet (verl_ds4.cpu.console): start-up facts, a progress line every few steps with
 # an ETA, and a summary (loss trend, tokens/s, checkpoint; loss curve in $WORK_DIR/loss.png).
@@ -61,6 +63,8 @@ SAVE_FREQ=${SAVE_FREQ:-40}              # checkpoint every N steps (and at the l
 SEED=${SEED:-42}
 DTYPE=${DTYPE:-float32}                 # float32 (CPU engine config) | bfloat16 (verl's default)
 RESUME_MODE=${RESUME_MODE:-auto}        # auto | disable | resume_path
+MAX_RESTARTS=${MAX_RESTARTS:-0}         # restarts from the newest intact checkpoint after the run dies (0 here: the demo
+                                        # stops at the first failure; the Slurm and Ray launchers default to 3)
 MASTER_PORT=${MASTER_PORT:-29561}
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Megatron's and torchrun's full output on the console
 PRINT_EVERY=${PRINT_EVERY:-0}           # a progress line every N steps (0: about 20 lines per run)
@@ -70,6 +74,7 @@ OVERRIDES=()
 for arg in "$@"; do
     case "$arg" in
         --verbose) VERBOSE=1 ;;
+        --print-ckpt-dir) echo "$WORK_DIR/checkpoints"; exit 0 ;;
         *) OVERRIDES+=("$arg") ;;
     esac
 done
@@ -102,6 +107,19 @@ fi
 WORLD=$((NNODES * NPROC))
 if [ $((WORLD % CP)) != 0 ]; then
     echo "CP=$CP does not divide the world size $WORLD (NNODES=$NNODES x NPROC=$NPROC): pick CP among its divisors" >&2; exit 2
+fi
+
+# Automatic restart (verl_ds4.recipes.supervise): with MAX_RESTARTS > 0 the launcher runs itself again under the
+# supervisor, which refuses a bad MAX_RESTARTS and a checkpoint folder that cannot take a checkpoint first, then
+# restarts a run that dies from its newest intact checkpoint (RESUME_MODE=auto); with 0 only those checks run.
+# DS4_SUPERVISED: already supervised (by it, or by the Slurm batch script around every node); DS4_CKPT_CHECKED:
+# the supervisor checked the folder.
+if [ -z "${DS4_SUPERVISED:-}" ] && [ "$MAX_RESTARTS" != 0 ]; then
+    exec "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --max-restarts "$MAX_RESTARTS" --resume-mode "$RESUME_MODE" \
+        --ckpt-dir "$WORK_DIR/checkpoints" -- bash "scripts/$(basename "${BASH_SOURCE[0]}")" "$@"
+elif [ -z "${DS4_CKPT_CHECKED:-}" ] && ! "$PYTHON" -W ignore -m verl_ds4.recipes.supervise --check-only \
+        --max-restarts "$MAX_RESTARTS" --ckpt-dir "$WORK_DIR/checkpoints"; then
+    exit 2
 fi
 
 ASSETS="$WORK_DIR/assets"
@@ -178,6 +196,7 @@ CONSOLE=(
     --fact "parallel=CP $CP x DP $(( WORLD / CP )), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN $TASK conversations, <= $SEQ_LEN tokens each), batch $BATCH, $STEPS steps, lr $LR"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
+    --fact "restarts=MAX_RESTARTS=$MAX_RESTARTS$([ "${DS4_RESTART:-0}" = 0 ] || echo "; this is restart $DS4_RESTART")"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 # A rerun of a finished run: verl's sft_trainer would resume at the last step and train one step past it;

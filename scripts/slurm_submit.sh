@@ -29,6 +29,9 @@
 #   CONTAINER_MOUNTS  pyxis --container-mounts (e.g. /data:/data,/ckpt:/ckpt)
 #   CONTAINER_WORKDIR checkout inside the container (default /opt/verl-ds4, the image's copy)
 #   JOB_NAME          Slurm job name (default ds4-<recipe>)
+#   MAX_RESTARTS      restarts after the run dies, each from the newest intact checkpoint (default 3; 0: none)
+#   REQUEUE_BEFORE_S  sft: Slurm signals the job this many seconds before its time limit (--signal=B:USR1@N); it
+#                     stops the run and requeues the job, which resumes from the newest intact checkpoint (default 300)
 #   CLUSTER_LOG_DIR   where the job's output goes (default runs/slurm): <job name>-<job id>.out (the
 #                     plan and the outcome) and <job name>-<job id>/node<N>.log (each node's task)
 #   sbatch's own input variables apply as usual: SBATCH_PARTITION, SBATCH_ACCOUNT,
@@ -55,13 +58,17 @@ fi
 ############################ user-adjustable ############################
 NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MAX_RESTARTS=${MAX_RESTARTS:-3}         # restarts after the run dies, from the newest intact checkpoint (0: none)
+REQUEUE_BEFORE_S=${REQUEUE_BEFORE_S:-300}  # sft: seconds before the time limit Slurm sends USR1: stop, requeue
 #########################################################################
 
 ds4_require_device
 ds4_require_positive_int NNODES
 ds4_require_positive_int GPUS_PER_NODE
+ds4_require_positive_int REQUEUE_BEFORE_S
+ds4_require_restarts
 ds4_procs_per_node
-export NNODES GPUS_PER_NODE DS4_DEVICE
+export NNODES GPUS_PER_NODE DS4_DEVICE MAX_RESTARTS
 [ "$DS4_DEVICE" = cpu ] && export NPROC_PER_NODE
 CLUSTER_LOG_DIR=${CLUSTER_LOG_DIR:-runs/slurm}
 
@@ -100,10 +107,18 @@ sbatch_args+=(
     --output="$CLUSTER_LOG_DIR/%x-%j.out"
     --export=ALL
 )
+# sft: Slurm sends the batch shell USR1 REQUEUE_BEFORE_S seconds before the time limit; the batch script stops the
+# run and requeues the job, which resumes from the newest intact checkpoint (one of the MAX_RESTARTS).
+[ "$recipe" = sft ] && sbatch_args+=(--signal=B:USR1@"$REQUEUE_BEFORE_S")
 export CLUSTER_LOG_DIR
 
 ds4_say "submit      $recipe ($DS4_DEVICE): $(ds4_recipe_script "$recipe") on $NNODES node(s) x $NPROC_PER_NODE process(es) per node"
 ds4_say "nodes       $NNODES, chosen by Slurm; the job prints their list and the rendezvous address first"
+if [ "$recipe" = sft ]; then
+    ds4_say "restarts    MAX_RESTARTS=$MAX_RESTARTS: the job restarts a run that dies from the newest intact checkpoint; USR1 ${REQUEUE_BEFORE_S}s before the time limit requeues it"
+else
+    ds4_say "restarts    MAX_RESTARTS=$MAX_RESTARTS: the launcher in the Ray job restarts a driver that dies, from the newest intact checkpoint; a lost node requeues the job (--requeue)"
+fi
 if [ "$recipe" = sft ]; then
     ds4_say "rendezvous  torchrun: the first node's address, port ${MASTER_PORT:-29500} (MASTER_PORT)"
 else

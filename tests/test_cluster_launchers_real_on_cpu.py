@@ -309,7 +309,8 @@ def test_requeue_after_a_kill_inside_a_save_then_scancel_then_the_same_submissio
     ref = sft_reference["losses"]
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
-    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut")
+    # MAX_RESTARTS=0: Slurm's requeue is what this test exercises, not the batch script's own restart of the step.
+    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut", MAX_RESTARTS="0")
     ckpt = work / "checkpoints"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     seen: dict[str, dict[int, float]] = {}
@@ -370,6 +371,63 @@ def test_requeue_after_a_kill_inside_a_save_then_scancel_then_the_same_submissio
     _assert_nothing_left(marker, f"the resumed job {job2}")
 
 
+def _all_node0_losses(work: Path) -> list[dict[int, float]]:
+    return [parse_losses(log.read_text(errors="replace")) for log in sorted((work / "logs").glob("*-node0.log"))]
+
+
+def test_the_job_restarts_a_run_whose_rank_died_and_requeues_itself_on_the_pre_timeout_signal(slurm, tmp_path):
+    """Issue 44 on Slurm, one 6-step job (checkpoints every 2, MAX_RESTARTS=3 by default). After the step-2
+    checkpoint the trainer rank on the second node is SIGKILLed: the batch script's supervisor runs the srun step
+    again on both nodes, from step 2. After the restarted run's step-4 checkpoint the batch shell gets USR1 as
+    ``--signal=B:USR1@N`` would send it before the time limit (``scancel --batch --signal=USR1``): the run is
+    stopped, the job requeues itself and resumes from step 4 to the end. Every step seen twice has the same
+    loss both times, bit for bit."""
+    work = tmp_path / "work"
+    marker = uuid.uuid4().hex
+    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-restart")
+    ckpt = work / "checkpoints"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    job_id, submitted = slurm.submit(["sft"], env)
+    assert "[verl-ds4] restarts    MAX_RESTARTS=3: the job restarts a run that dies" in submitted, submitted
+    try:
+        _wait_for_checkpoint(slurm, job_id, tracker, 2)
+        ranks = [line for line in _marked_processes(marker)
+                 if line.split()[2:5] == ["-u", "-m", "verl.trainer.sft_trainer"] and "/assets/node1/" in line]
+        assert ranks, _marked_processes(marker)
+        killed_at = time.monotonic()
+        os.kill(int(ranks[0].split()[0]), signal.SIGKILL)
+        state = work / "slurm" / f"ds4-sft-restart-{job_id}" / "restarts.json"
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not (state.exists() and json.loads(state.read_text())["used"] == 1):
+            assert time.monotonic() < deadline and slurm.job(job_id).get("JobState") not in FINAL_STATES, \
+                (slurm.job(job_id), state.read_text() if state.exists() else None)
+            time.sleep(0.2)
+        restart_s = time.monotonic() - killed_at
+        _wait_for_checkpoint(slurm, job_id, tracker, 4)
+        usr1 = _run(["scancel", "--batch", "--signal=USR1", job_id], env)
+        assert usr1.returncode == 0, usr1.stderr
+        info = slurm.wait(job_id)
+    finally:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True)
+    out = (work / "slurm" / f"ds4-sft-restart-{job_id}.out").read_text(errors="replace")
+    print(f"\nrestart decided {restart_s:.1f} s after the rank's SIGKILL\n{out[-3000:]}")
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, out[-4000:])
+    attempts = json.loads(state.read_text())["attempts"]
+    assert [a["returncode"] != 0 for a in attempts] == [True, True, False], attempts
+    assert attempts[0]["reason"] == "a rank was killed by SIGKILL (torchrun: exitcode -9)", attempts
+    assert [a["resumed_from"] for a in attempts] == [None, 2, 4], attempts
+    assert "[verl-ds4] finished after 2 restart(s)" in out and "all 2 node(s) finished" in out
+    assert tracker.read_text().strip() == "6"
+    runs = _all_node0_losses(work)
+    assert len(runs) == 3 and sorted(runs[-1]) == [5, 6] and min(runs[1]) == 3, runs
+    merged: dict[int, float] = {}
+    for losses in runs:
+        for step, loss in losses.items():
+            assert merged.setdefault(step, loss) == loss, (step, runs)  # a step trained again: the same loss
+    assert sorted(merged) == [1, 2, 3, 4, 5, 6] and len(set(merged.values())) == 6
+    _assert_nothing_left(marker, f"the restarted job {job_id}")
+
+
 def test_a_failing_sft_job_prints_each_failed_nodes_log_tail(slurm, tmp_path):
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
@@ -391,6 +449,9 @@ def test_a_failing_sft_job_prints_each_failed_nodes_log_tail(slurm, tmp_path):
         else:
             assert f"[verl-ds4] node {rank} ({node}) was stopped before it finished" in out, out[-4000:]
     assert "no_such_knob" in out  # the tail shows why
+    # A refusal at start-up is not retried (issue 44): one attempt, though srun ended the other node with SIGTERM.
+    assert "[verl-ds4] not restarted: attempt 1 failed at start-up, before its first training step" in out, out[-4000:]
+    assert "[verl-ds4] restart     1 of" not in out
     first = next(iter(statuses.values()))
     assert f"[verl-ds4] FAILED (exit {first})" in out and "all 2 node(s) finished" not in out
     assert info["ExitCode"] == f"{first}:0", info

@@ -303,6 +303,15 @@ def _find(cmds: list[list[str]], *prefix: str) -> list[list[str]]:
     return [c for c in cmds if c[: len(prefix)] == list(prefix)]
 
 
+def _supervised_srun(cmds: list[list[str]]) -> list[str]:
+    """The srun step of the SFT batch script: the command its restart supervisor runs (after its ``--``)."""
+    [supervisor] = [c for c in cmds if len(c) > 1 and c[1] == str(REPO / "scripts" / "supervise.py")]
+    assert supervisor[supervisor.index("--max-restarts") + 1] == "3" and "--requeue-signal" in supervisor
+    srun = supervisor[supervisor.index("--") + 1:]
+    assert srun[0] == "srun" and not _find(cmds, "srun"), cmds
+    return srun
+
+
 def _assert_nothing_ran(fake_bin):
     _, calls = fake_bin
     assert not calls.exists(), f"--dry-run ran commands: {calls.read_text()}"
@@ -477,7 +486,8 @@ def test_slurm_sft_dry_run_in_a_container(fake_bin):
     exports = dict(c[1].split("=", 1) for c in _find(cmds, "export"))
     assert exports["PET_NNODES"] == "4" and exports["PET_NPROC_PER_NODE"] == "8"
     assert exports["PET_MASTER_ADDR"] == exports["MASTER_ADDR"] == "node1"
-    [srun] = _find(cmds, "srun")
+    assert "--signal=B:USR1@300" in sbatch and "--requeue" in sbatch
+    srun = _supervised_srun(cmds)
     assert "--nodes=4" in srun and "--ntasks-per-node=1" in srun
     assert "--container-image=registry.example.com/verl-ds4:0.1.0" in srun
     assert "--container-mounts=/data:/data" in srun and "--container-workdir=/opt/verl-ds4" in srun
@@ -555,7 +565,7 @@ def test_cpu_switch_changes_device_launcher_and_process_counts_only(fake_bin):
     exports = dict(c[1].split("=", 1) for c in _find(cmds, "export"))
     assert exports["PET_NNODES"] == "2" and exports["PET_NPROC_PER_NODE"] == "1" and exports["NPROC"] == "1"
     assert exports["PET_MASTER_ADDR"] == "node1"
-    [srun] = _find(cmds, "srun")
+    srun = _supervised_srun(cmds)
     assert srun[srun.index("bash") + 3:] == ["scripts/run_ds4_proxy_sft_cpu.sh", "trainer.save_freq=2"]
     assert "[verl-ds4] processes   1 per node, world size 2" in out.stdout
     # The same without the switch: the GPU launcher and its GPUs (and a GPU job's knobs are not checked in a dry run).
