@@ -175,7 +175,7 @@ def main(commit: str, args: dict) -> dict:
     for name in args["runs"]:
         start = time.monotonic()
         if name in args.get("refused", {}):
-            over = args["refused"][name]
+            over = [o.format(**assets) for o in args["refused"][name]]  # "{transformers_model}": a folder path
             result["runs"][name] = run_distributed(_refused_rank, world_size=1, args=(assets, over), timeout=600)[0]
         elif name.startswith("reference"):
             from transformers import AutoTokenizer

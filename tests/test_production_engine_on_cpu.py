@@ -19,7 +19,9 @@ megatron is Megatron-LM dev (the default proven commit), on 1 and 2 gloo ranks:
   CP 2 = CP 1, one training step moves the weights;
 * the CPU provider settings arrive through ``engine.override_transformer_config``; a contradicting user value is
   refused naming it, a user's own indexer-loss coefficient is kept; without ``VERL_ENGINE_VENDOR=production`` the
-  default CPU engines stay selected.
+  default CPU engines stay selected; a folder in transformers' names and an HF-format model save that cannot run
+  (no ModelOpt for Bridge's ``save_hf_weights``) are refused at start-up;
+* verl's SFT trainer (torchrun, 2 processes, CP 2) runs the engine for 3 steps, the loss falls.
 
 Skipped where the production path cannot run: a Python other than 3.12 or no Megatron-Bridge with its DS4 bridge
 (lane 1), or no Megatron-LM dev export (with CI=true and the archives beside the repository that is an error).
@@ -48,6 +50,7 @@ REFUSED = {
     "refused_grouped_gemm": ["+engine.override_transformer_config.moe_grouped_gemm=True"],
     "refused_coeff_none": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=null"],
     "refused_te": ["+engine.override_transformer_config.transformer_impl=transformer_engine"],
+    "refused_transformers_names": ["model.path={transformers_model}"],  # the same weights in transformers' names
     "refused_hf_save": ["engine.forward_only=False"],  # training, the model saved as HF (verl's default contents)
     "kept_coeff": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=0.5",
                    "+engine.override_transformer_config.moe_grouped_gemm=False"],
@@ -217,6 +220,14 @@ def test_a_contradicting_user_setting_is_refused_naming_it(run, name, key):
     r = run["runs"][name]
     assert r["refused"] and r["type"] == "ValueError", r
     assert key in r["message"] and "Remove those overrides or set" in r["message"], r["message"]
+
+
+def test_a_folder_in_transformers_names_is_refused_naming_the_missing_tensors(run):
+    """Bridge alone ends in ``KeyError: 'Key not found: layers.0.hc_ffn_scale'``; the engine's load checks the folder
+    first. Control: the native folder of the same weights loads (every other run)."""
+    r = run["runs"]["refused_transformers_names"]
+    assert r["refused"] and r["type"] == "UnmappableFolder", r
+    assert "embed.weight" in r["message"] and "native names" in r["message"], r["message"]
 
 
 def test_an_hf_model_save_that_cannot_run_is_refused_at_start_up(run):

@@ -80,7 +80,7 @@ from verl_ds4.cpu.engine import _CPUMegatronEngineMixin, register_cpu_engines  #
 from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead  # noqa: E402
 from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu  # noqa: E402
 from verl_ds4.substitutes.provider_settings import CPU_OVERRIDES  # noqa: E402
-from verl_ds4.verify.production import _quiet_progress  # noqa: E402
+from verl_ds4.verify.production import _quiet_progress, check_mappable  # noqa: E402
 
 #: The provider settings this engine adds to ``engine.override_transformer_config`` where the user set none:
 #: the CPU settings, and the indexer-loss coefficient (Megatron-LM dev's unfused THD path at CP 1 multiplies by the
@@ -122,6 +122,17 @@ def _cuda_literals_keeping_cpu_device():
     with cuda_literals_on_cpu():
         torch.cuda.current_device = cpu_device  # restored by cuda_literals_on_cpu on exit (to this same function)
         yield
+
+
+def _checked_load(bridge, load):
+    def load_hf_weights(model, hf_path=None, *args, allowed_mismatched_params=None, **kwargs):
+        from verl.utils.megatron_utils import unwrap_model
+
+        chunks = [unwrap_model(chunk) for chunk in (model if isinstance(model, list) else [model])]
+        check_mappable(bridge, chunks, hf_path, allowed=tuple(allowed_mismatched_params or ()))
+        return load(model, hf_path, *args, allowed_mismatched_params=allowed_mismatched_params, **kwargs)
+
+    return load_hf_weights
 
 
 class _ProductionCPUMixin(_CPUMegatronEngineMixin):
@@ -184,9 +195,17 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
             return super(_CPUMegatronEngineMixin, self)._build_tf_config()
 
     def _build_megatron_module(self):
-        """verl's own ``make_megatron_module`` + ``bridge.load_hf_weights`` (the CPU mixin's replacement skipped)."""
-        with cuda_literals_on_cpu(), _quiet_progress():
-            module = super(_CPUMegatronEngineMixin, self)._build_megatron_module()
+        """verl's own ``make_megatron_module`` + ``bridge.load_hf_weights`` (the CPU mixin's replacement skipped);
+        while it runs, the bridge's load first checks that the folder maps onto the built model
+        (:func:`verl_ds4.verify.production.check_mappable`: a folder in other names, e.g. transformers', is refused
+        naming the tensors, where Bridge would end in a bare ``KeyError``)."""
+        bridge = self.bridge
+        bridge.load_hf_weights = _checked_load(bridge, bridge.load_hf_weights)  # this instance, for this build
+        try:
+            with cuda_literals_on_cpu(), _quiet_progress():
+                module = super(_CPUMegatronEngineMixin, self)._build_megatron_module()
+        finally:
+            del bridge.load_hf_weights  # the class's method again
         for chunk in module:
             for name, param in chunk.named_parameters():
                 if param.device.type != "cpu":
