@@ -226,7 +226,7 @@ def test_a_folder_in_transformers_names_is_refused_naming_the_missing_tensors(ru
     """Bridge alone ends in ``KeyError: 'Key not found: layers.0.hc_ffn_scale'``; the engine's load checks the folder
     first. Control: the native folder of the same weights loads (every other run)."""
     r = run["runs"]["refused_transformers_names"]
-    assert r["refused"] and r["type"] == "UnmappableFolder", r
+    assert r["refused"] and r["type"] == "NotNativeFolder", r
     assert "embed.weight" in r["message"] and "native names" in r["message"], r["message"]
 
 

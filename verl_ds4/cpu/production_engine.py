@@ -38,7 +38,7 @@ from typing import Any
 
 from verl_ds4.substitutes import megatron_dev
 
-__all__ = ["PRODUCTION_SETTINGS", "VENDOR", "ProductionCPUMegatronEngineWithLMHead",
+__all__ = ["NATIVE_MARKERS", "NotNativeFolder", "PRODUCTION_SETTINGS", "VENDOR", "ProductionCPUMegatronEngineWithLMHead",
            "ProductionCPUMegatronEngineWithValueHead", "production_overrides", "register_production_cpu_engines"]
 
 #: ``VERL_ENGINE_VENDOR`` value that selects these engines for ``device="cpu"``.
@@ -53,15 +53,30 @@ def _dev_tree_on_path() -> bool:
     return any(p and (Path(p) / marker).is_file() for p in sys.path)
 
 
+#: Megatron-Bridge's DeepSeek-V4 bridge (from Bridge 0.6; lane 2 installs 0.6.2, which needs Python 3.12).
+_DS4_BRIDGE = ("megatron", "bridge", "models", "deepseek", "deepseek_v4_bridge.py")
+
+
 def _use_megatron_dev() -> None:
     """Megatron-LM dev first on ``sys.path`` (the default proven commit, or ``MEGATRON_DEV_DIR``) when nothing
-    imported megatron yet and no dev tree is on the path; then refuse a released ``megatron.core``."""
+    imported megatron yet and no dev tree is on the path; then refuse a released ``megatron.core`` or a Python /
+    Megatron-Bridge that cannot build DS4, saying what to do."""
+    import importlib.util
+    from pathlib import Path
+
     if "megatron.core" not in sys.modules and not _dev_tree_on_path():
         megatron_dev.use(megatron_dev.find())
-    from verl_ds4.verify.production import require_bridge, require_megatron_dev
-
-    require_megatron_dev()
-    require_bridge()
+    if importlib.util.find_spec("megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention") is None:
+        raise RuntimeError(
+            "the production CPU engine runs Megatron-LM dev's DeepSeek-V4, and this process's megatron.core has none "
+            "(a released megatron-core, imported before this module). Import verl_ds4.cpu.production_engine before "
+            f"anything imports megatron (first in VERL_USE_EXTERNAL_MODULES), with an export: {megatron_dev.make_command()}")
+    if sys.version_info[:2] != (3, 12) or not any(Path(p, *_DS4_BRIDGE).is_file() for p in sys.path if p):
+        raise RuntimeError(
+            "the production CPU engine needs Python 3.12 and Megatron-Bridge 0.6.2 with its DeepSeek-V4 bridge "
+            f"(this is Python {sys.version_info[0]}.{sys.version_info[1]}); use the lane-2 venv (.venv312, set up by "
+            "bash scripts/dev.sh test) or `pip install --no-deps megatron-bridge==0.6.2` and its import-time packages "
+            "(scripts/dev.sh BRIDGE312_IMPORT_DEPS)")
 
 
 _use_megatron_dev()
@@ -80,7 +95,6 @@ from verl_ds4.cpu.engine import _CPUMegatronEngineMixin, register_cpu_engines  #
 from verl_ds4.engine.megatron import DS4MegatronEngineWithLMHead, DS4MegatronEngineWithValueHead  # noqa: E402
 from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu  # noqa: E402
 from verl_ds4.substitutes.provider_settings import CPU_OVERRIDES  # noqa: E402
-from verl_ds4.verify.production import _quiet_progress, check_mappable  # noqa: E402
 
 #: The provider settings this engine adds to ``engine.override_transformer_config`` where the user set none:
 #: the CPU settings, and the indexer-loss coefficient (Megatron-LM dev's unfused THD path at CP 1 multiplies by the
@@ -124,15 +138,45 @@ def _cuda_literals_keeping_cpu_device():
         yield
 
 
-def _checked_load(bridge, load):
-    def load_hf_weights(model, hf_path=None, *args, allowed_mismatched_params=None, **kwargs):
-        from verl.utils.megatron_utils import unwrap_model
+#: Tensors every DeepSeek-V4 folder in DeepSeek's native names has (transformers' names: model.embed_tokens.weight, ...).
+NATIVE_MARKERS = ("embed.weight", "head.weight", "norm.weight")
 
-        chunks = [unwrap_model(chunk) for chunk in (model if isinstance(model, list) else [model])]
-        check_mappable(bridge, chunks, hf_path, allowed=tuple(allowed_mismatched_params or ()))
-        return load(model, hf_path, *args, allowed_mismatched_params=allowed_mismatched_params, **kwargs)
+
+class NotNativeFolder(ValueError):
+    """A model folder whose tensors are not in DeepSeek's native names (Megatron-Bridge's DS4 bridge reads only those)."""
+
+
+def _checked_load(bridge, load):
+    """``bridge.load_hf_weights`` that first refuses a folder not in DeepSeek's native names (Bridge 0.6.2 alone ends
+    in ``KeyError: 'Key not found: layers.0.hc_ffn_scale'`` for transformers' names)."""
+
+    def load_hf_weights(model, hf_path=None, *args, **kwargs):
+        keys = set(bridge.hf_pretrained.state.source.get_all_keys())
+        missing = [k for k in NATIVE_MARKERS if k not in keys]
+        if missing:
+            raise NotNativeFolder(
+                f"the model folder {hf_path} has no {missing}: Megatron-Bridge's DeepSeek-V4 bridge reads DeepSeek's "
+                f"native names (embed.weight, layers.N.attn.wq_a.weight, head.weight); this folder has e.g. "
+                f"{sorted(keys)[:4]}. A folder in transformers' names re-saves in native ones with "
+                "verl_ds4.models.ds4.hf_checkpoint (load_hf_checkpoint, then save_hf_checkpoint(model, folder, "
+                "family='native')).")
+        return load(model, hf_path, *args, **kwargs)
 
     return load_hf_weights
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """Bridge logs a progress bar per load at INFO; the engine's own lines say what was built."""
+    import logging
+
+    log = logging.getLogger("megatron.bridge")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 class _ProductionCPUMixin(_CPUMegatronEngineMixin):
@@ -196,9 +240,8 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
 
     def _build_megatron_module(self):
         """verl's own ``make_megatron_module`` + ``bridge.load_hf_weights`` (the CPU mixin's replacement skipped);
-        while it runs, the bridge's load first checks that the folder maps onto the built model
-        (:func:`verl_ds4.verify.production.check_mappable`: a folder in other names, e.g. transformers', is refused
-        naming the tensors, where Bridge would end in a bare ``KeyError``)."""
+        while it runs, the bridge's load first refuses a folder that is not in DeepSeek's native names
+        (:func:`_checked_load`)."""
         bridge = self.bridge
         bridge.load_hf_weights = _checked_load(bridge, bridge.load_hf_weights)  # this instance, for this build
         try:
