@@ -50,6 +50,8 @@ REFUSED = {
     "refused_grouped_gemm": ["+engine.override_transformer_config.moe_grouped_gemm=True"],
     "refused_coeff_none": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=null"],
     "refused_te": ["+engine.override_transformer_config.transformer_impl=transformer_engine"],
+    "refused_vanilla_mbridge": ["engine.vanilla_mbridge=True"],
+    "refused_dist_without_path": ["engine.use_dist_checkpointing=True"],
     "refused_transformers_names": ["model.path={transformers_model}"],  # the same weights in transformers' names
     "refused_hf_save": ["engine.forward_only=False"],  # training, the model saved as HF (verl's default contents)
     "kept_coeff": ["+engine.override_transformer_config.dsa_indexer_loss_coeff=0.5",
@@ -240,6 +242,15 @@ def test_an_hf_model_save_that_cannot_run_is_refused_at_start_up(run):
     else:
         assert r["refused"] and r["type"] == "ValueError", r
         assert "save_hf_weights imports ModelOpt" in r["message"] and "checkpoint.save_contents" in r["message"]
+
+
+@pytest.mark.parametrize("name,text", [("refused_vanilla_mbridge", "set engine.vanilla_mbridge=False"),
+                                       ("refused_dist_without_path", "use_dist_checkpointing=True without "
+                                                                      "dist_checkpointing_path")])
+def test_settings_the_engine_cannot_build_with_are_refused(run, name, text):
+    """Controls: every other run has vanilla_mbridge=False and use_dist_checkpointing=False, and builds."""
+    r = run["runs"][name]
+    assert r["refused"] and r["type"] == "ValueError" and text in r["message"], r
 
 
 def test_the_users_own_settings_are_kept(run):
