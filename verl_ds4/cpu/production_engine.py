@@ -29,7 +29,6 @@ family="native")``); weights come from it (``engine.use_dist_checkpointing=False
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -37,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.substitutes.environment import quiet_progress, require_bridge, require_megatron_dev
 
 __all__ = ["NATIVE_MARKERS", "NotNativeFolder", "PRODUCTION_SETTINGS", "VENDOR", "ProductionCPUMegatronEngineWithLMHead",
            "ProductionCPUMegatronEngineWithValueHead", "production_overrides", "register_production_cpu_engines"]
@@ -53,30 +53,14 @@ def _dev_tree_on_path() -> bool:
     return any(p and (Path(p) / marker).is_file() for p in sys.path)
 
 
-#: Megatron-Bridge's DeepSeek-V4 bridge (from Bridge 0.6; lane 2 installs 0.6.2, which needs Python 3.12).
-_DS4_BRIDGE = ("megatron", "bridge", "models", "deepseek", "deepseek_v4_bridge.py")
-
-
 def _use_megatron_dev() -> None:
     """Megatron-LM dev first on ``sys.path`` (the default proven commit, or ``MEGATRON_DEV_DIR``) when nothing
     imported megatron yet and no dev tree is on the path; then refuse a released ``megatron.core`` or a Python /
-    Megatron-Bridge that cannot build DS4, saying what to do."""
-    import importlib.util
-    from pathlib import Path
-
+    Megatron-Bridge that cannot build DS4, saying what to do (:mod:`verl_ds4.substitutes.environment`)."""
     if "megatron.core" not in sys.modules and not _dev_tree_on_path():
         megatron_dev.use(megatron_dev.find())
-    if importlib.util.find_spec("megatron.core.transformer.experimental_attention_variant.deepseek_v4_hybrid_attention") is None:
-        raise RuntimeError(
-            "the production CPU engine runs Megatron-LM dev's DeepSeek-V4, and this process's megatron.core has none "
-            "(a released megatron-core, imported before this module). Import verl_ds4.cpu.production_engine before "
-            f"anything imports megatron (first in VERL_USE_EXTERNAL_MODULES), with an export: {megatron_dev.make_command()}")
-    if sys.version_info[:2] != (3, 12) or not any(Path(p, *_DS4_BRIDGE).is_file() for p in sys.path if p):
-        raise RuntimeError(
-            "the production CPU engine needs Python 3.12 and Megatron-Bridge 0.6.2 with its DeepSeek-V4 bridge "
-            f"(this is Python {sys.version_info[0]}.{sys.version_info[1]}); use the lane-2 venv (.venv312, set up by "
-            "bash scripts/dev.sh test) or `pip install --no-deps megatron-bridge==0.6.2` and its import-time packages "
-            "(scripts/dev.sh BRIDGE312_IMPORT_DEPS)")
+    require_megatron_dev()  # a released megatron.core imported first: import this module first (VERL_USE_EXTERNAL_MODULES)
+    require_bridge()
 
 
 _use_megatron_dev()
@@ -123,21 +107,6 @@ def production_overrides(user: Mapping[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
-@contextlib.contextmanager
-def _cuda_literals_keeping_cpu_device():
-    """:func:`cuda_literals_on_cpu` with ``torch.cuda.current_device`` left as the substitutes have it (the CPU
-    device). The block's ``current_device() == 0`` is mapped to the CPU only while its torch-function mode is active,
-    and autograd runs backward functions outside it: Megatron-LM dev's CP backward
-    (``tensor_parallel/mappings.py`` ``_reduce_scatter_along_first_dim``: ``torch.empty(...,
-    device=torch.cuda.current_device())``) would then ask for CUDA device 0."""
-    import torch
-
-    cpu_device = torch.cuda.current_device
-    with cuda_literals_on_cpu():
-        torch.cuda.current_device = cpu_device  # restored by cuda_literals_on_cpu on exit (to this same function)
-        yield
-
-
 #: Tensors every DeepSeek-V4 folder in DeepSeek's native names has (transformers' names: model.embed_tokens.weight, ...).
 NATIVE_MARKERS = ("embed.weight", "head.weight", "norm.weight")
 
@@ -163,20 +132,6 @@ def _checked_load(bridge, load):
         return load(model, hf_path, *args, **kwargs)
 
     return load_hf_weights
-
-
-@contextlib.contextmanager
-def _quiet_progress():
-    """Bridge logs a progress bar per load at INFO; the engine's own lines say what was built."""
-    import logging
-
-    log = logging.getLogger("megatron.bridge")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 class _ProductionCPUMixin(_CPUMegatronEngineMixin):
@@ -228,11 +183,6 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
                 "(checkpoint.save_contents without model/hf_model, e.g. [optimizer,extra]), or start from a dist "
                 "checkpoint (engine.use_dist_checkpointing=True engine.dist_checkpointing_path=...).") from e
 
-    def forward_backward_batch(self, *args, **kwargs):
-        """verl's, inside :func:`_cuda_literals_keeping_cpu_device` (the CPU mixin's block would break the CP backward)."""
-        with _cuda_literals_keeping_cpu_device():
-            return super(_CPUMegatronEngineMixin, self).forward_backward_batch(*args, **kwargs)
-
     def _build_tf_config(self):
         """verl's own (the CPU mixin's replacement skipped)."""
         with cuda_literals_on_cpu():
@@ -245,14 +195,14 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
         bridge = self.bridge
         bridge.load_hf_weights = _checked_load(bridge, bridge.load_hf_weights)  # this instance, for this build
         try:
-            with cuda_literals_on_cpu(), _quiet_progress():
+            with cuda_literals_on_cpu(), quiet_progress():
                 module = super(_CPUMegatronEngineMixin, self)._build_megatron_module()
         finally:
             del bridge.load_hf_weights  # the class's method again
         for chunk in module:
             for name, param in chunk.named_parameters():
                 if param.device.type != "cpu":
-                    raise RuntimeError(f"the production CPU engine built {name} on {param.device}; expected the CPU")
+                    raise RuntimeError(f"the production CPU engine built {name} on {param.device}; expected the CPU")  # error-catalogue: internal invariant (the substitutes build on the CPU)
         return module
 
 

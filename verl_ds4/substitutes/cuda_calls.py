@@ -79,7 +79,12 @@ def install(patches: Patches) -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
     cpu = torch.device("cpu")
-    patches.set(torch.cuda, "current_device", lambda: cpu)
+
+    def current_device():
+        return cpu
+
+    current_device.returns_cpu = True  # cuda_literals_on_cpu keeps it (see there)
+    patches.set(torch.cuda, "current_device", current_device)
     patches.set(torch.cuda, "Stream", CPUStream)
     patches.set(torch.cuda, "Event", CPUEvent)
     patches.set(torch.cuda, "current_stream", lambda *a, **k: CPUStream())

@@ -94,7 +94,11 @@ def cuda_literals_on_cpu(report_cuda_types: bool = False):
     name CUDA.
     """
     saved = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "current_stream")}
-    torch.cuda.current_device = lambda: 0
+    if not getattr(torch.cuda.current_device, "returns_cpu", False):
+        # 0, mapped to the CPU by the mode below; the production path's substitute (verl_ds4.substitutes.cuda_calls)
+        # already returns the CPU device, and is kept: autograd runs backward functions outside this mode, and dev's
+        # CP backward allocates on torch.cuda.current_device() (tensor_parallel/mappings.py)
+        torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
     try:

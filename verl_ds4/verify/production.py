@@ -302,5 +302,3 @@ class ProductionModels:
             torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
         return {"indexer_loss": np.array([float(total)])}
 
-
-_quiet_progress = quiet_progress  # the name the production CPU engine imported first
