@@ -87,3 +87,20 @@ def restore_verl_hooks():
         engines.install_verl_hooks()
     elif any(engines.hooks_installed().values()):
         engines.uninstall_verl_hooks()
+
+
+@pytest.fixture(autouse=True)
+def _transformer_engine_env_restored():
+    """Megatron-Core sets ``NVTE_FLASH_ATTN`` / ``NVTE_FUSED_ATTN`` / ``NVTE_UNFUSED_ATTN`` in ``os.environ`` when it
+    builds a language model (``LanguageModule._set_attention_backend``, from the config's attention backend), and
+    refuses to build a model whose backend disagrees with values already there. A model built in the pytest process
+    would leak them into every later test and its subprocesses (the production path's verl overrides ask for the flash
+    backend: a leaked ``NVTE_FUSED_ATTN=1`` from an ``auto`` model refused it). Each test gets them back as they were."""
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
