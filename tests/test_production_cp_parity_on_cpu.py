@@ -30,34 +30,19 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing.megatron_dev_export import production_marks
 
 REPO = Path(__file__).resolve().parents[1]
 #: CP sizes per commit: the image's pin at 2 and 4, the newer commit at 2 (CI's time).
 CASES = {megatron_dev.PROVEN_COMMITS[0]: (2, 4), megatron_dev.PROVEN_COMMITS[1]: (2,)}
 
 
-def _skip_reason(commit: str) -> str | None:
-    if sys.version_info[:2] != (3, 12):
-        return "the production path runs on Python 3.12 (Megatron-Bridge 0.6.2): lane 2"
-    try:
-        from verl_ds4.verify.production import require_bridge
-
-        require_bridge()
-    except RuntimeError as err:
-        return str(err)
-    if not megatron_dev.available(commit):
-        if os.environ.get("CI") == "true" and megatron_dev.ARCHIVE_DIR.is_dir():
-            pytest.fail(f"CI has {megatron_dev.ARCHIVE_DIR} but no export of {commit[:12]}: this test must not skip in CI")
-        return f"no Megatron-LM dev export of {commit[:12]}: {megatron_dev.make_command(commit)}"
-    return None
+pytestmark = production_marks(*CASES)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES), ids=lambda c: c[:8])
 def result(request):
     commit = request.param
-    reason = _skip_reason(commit)
-    if reason:
-        pytest.skip(reason)
     cps = [str(cp) for cp in CASES[commit]]
     out = subprocess.run([sys.executable, str(REPO / "tests" / "production_cp_parity.py"), commit, *cps],
                          capture_output=True, text=True, timeout=900, cwd=REPO)  # fmt: skip

@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing.megatron_dev_export import production_marks
 
 REPO = Path(__file__).resolve().parents[1]
 COMMIT = megatron_dev.DEFAULT_COMMIT
@@ -59,26 +60,7 @@ REFUSED = {
 }
 
 
-def _bridge_problem() -> str | None:
-    from verl_ds4.verify.production import require_bridge
-
-    try:
-        require_bridge()
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-_no_bridge = _bridge_problem()
-_missing = not megatron_dev.available(COMMIT)
-if not _no_bridge and _missing and os.environ.get("CI") == "true" and megatron_dev.ARCHIVE_DIR.is_dir():
-    raise RuntimeError(f"CI has {megatron_dev.ARCHIVE_DIR} but no export of {COMMIT[:12]}: "
-                       "the production engine checks must not be skipped there")
-pytestmark = [
-    pytest.mark.skipif(bool(_no_bridge), reason=f"the production path cannot run here: {_no_bridge}"),
-    pytest.mark.skipif(not _no_bridge and _missing,
-                       reason=f"no Megatron-LM dev export of {COMMIT[:12]}: {megatron_dev.make_command(COMMIT)}"),
-]
+pytestmark = production_marks(COMMIT)
 
 
 @pytest.fixture(scope="module")

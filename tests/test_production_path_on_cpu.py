@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing.megatron_dev_export import production_marks
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITS = megatron_dev.PROVEN_COMMITS
@@ -53,27 +54,7 @@ PERTURBED_PARAMETER = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.w
 FP32_BOUND, FP64_BOUND = 1e-4, 1e-10
 
 
-def _bridge_problem() -> str | None:
-    from verl_ds4.verify.production import require_bridge
-
-    try:
-        require_bridge()
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-_no_bridge = _bridge_problem()
-_missing = [c for c in COMMITS if not megatron_dev.available(c)]
-if not _no_bridge and _missing and os.environ.get("CI") == "true" and megatron_dev.ARCHIVE_DIR.is_dir():
-    raise RuntimeError(f"CI has {megatron_dev.ARCHIVE_DIR} but no export of {', '.join(c[:12] for c in _missing)}: "
-                       "the production-path checks must not be skipped there")
-pytestmark = [
-    pytest.mark.skipif(bool(_no_bridge), reason=f"the production path cannot run here: {_no_bridge}"),
-    pytest.mark.skipif(not _no_bridge and bool(_missing),
-                       reason=f"no Megatron-LM dev export of {', '.join(c[:12] for c in _missing)}: "
-                       f"{megatron_dev.make_command(_missing[0]) if _missing else ''}"),
-]
+pytestmark = production_marks(*COMMITS)
 
 
 # ---------------------------------------------------------------- the folders (released megatron-core, this process)

@@ -117,7 +117,16 @@ class _CPUMegatronEngineMixin:
 
     # -- configuration ------------------------------------------------------------------
 
+    #: How the refusals name this engine.
+    ENGINE_NAME = "CPU Megatron engine"
+
     def _validate_cpu_engine_config(self) -> None:
+        problems = self._unsupported_settings()
+        if problems:
+            raise ValueError(f"The {self.ENGINE_NAME} does not support: " + "; ".join(problems) + ".")
+
+    def _unsupported_settings(self) -> list[str]:
+        """What a CPU engine cannot run, each with its fix; then :meth:`_checkpoint_setting_problems`."""
         ec = self.engine_config
         problems = []
         if ec.pipeline_model_parallel_size != 1 or (ec.virtual_pipeline_model_parallel_size or 1) != 1:
@@ -128,14 +137,16 @@ class _CPUMegatronEngineMixin:
             problems.append("parameter offload (set param_offload=False)")
         if getattr(self.model_config, "lora_rank", 0) or self.model_config.get("lora_adapter_path", None):
             problems.append("LoRA/PEFT")
+        return problems + self._checkpoint_setting_problems()
+
+    def _checkpoint_setting_problems(self) -> list[str]:
+        """This engine's model builders load no HF format through a bridge: training needs dist checkpointing."""
+        ec = self.engine_config
         if not ec.forward_only and not ec.use_dist_checkpointing:
-            problems.append(
-                "HF-format checkpoints (they need a Megatron bridge): set engine.use_dist_checkpointing=True "
-                "(with dist_checkpointing_path unset, the model starts from the builder's weights: the folder's "
-                "safetensors for the DS4 builder, else a seeded init)"
-            )
-        if problems:
-            raise ValueError("The CPU Megatron engine does not support: " + "; ".join(problems) + ".")
+            return ["HF-format checkpoints (they need a Megatron bridge): set engine.use_dist_checkpointing=True "
+                    "(with dist_checkpointing_path unset, the model starts from the builder's weights: the folder's "
+                    "safetensors for the DS4 builder, else a seeded init)"]
+        return []
 
     def _build_tf_config(self):
         from verl.utils.megatron_utils import check_mtp_config, mapping_string_to_attn_backend

@@ -146,24 +146,19 @@ class _ProductionCPUMixin(_CPUMegatronEngineMixin):
         engine_config = dataclasses.replace(engine_config, override_transformer_config=merged)
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
+    ENGINE_NAME = "production CPU Megatron engine"
+
     def _validate_cpu_engine_config(self) -> None:
-        """The CPU mixin's checks, except that HF-format weights are allowed: Megatron-Bridge loads them."""
-        ec, problems = self.engine_config, []
-        if ec.pipeline_model_parallel_size != 1 or (ec.virtual_pipeline_model_parallel_size or 1) != 1:
-            problems.append("pipeline parallelism (set pipeline_model_parallel_size=1)")
-        if ec.use_megatron_fsdp:
-            problems.append("Megatron FSDP (set use_megatron_fsdp=False)")
-        if ec.param_offload:
-            problems.append("parameter offload (set param_offload=False)")
-        if getattr(self.model_config, "lora_rank", 0) or self.model_config.get("lora_adapter_path", None):
-            problems.append("LoRA/PEFT")
-        if ec.use_dist_checkpointing and not ec.dist_checkpointing_path:
-            problems.append("use_dist_checkpointing=True without dist_checkpointing_path (set "
-                            "engine.use_dist_checkpointing=False to load the model folder's safetensors through "
-                            "Megatron-Bridge, or give engine.dist_checkpointing_path)")
-        if problems:
-            raise ValueError("The production CPU Megatron engine does not support: " + "; ".join(problems) + ".")
+        super()._validate_cpu_engine_config()
         self._refuse_unsavable_hf_checkpoint()
+
+    def _checkpoint_setting_problems(self) -> list[str]:
+        """HF-format weights are allowed (Megatron-Bridge loads them); dist checkpointing needs its path."""
+        ec = self.engine_config
+        if ec.use_dist_checkpointing and not ec.dist_checkpointing_path:
+            return ["use_dist_checkpointing=True without dist_checkpointing_path (set engine.use_dist_checkpointing=False "
+                    "to load the model folder's safetensors through Megatron-Bridge, or give engine.dist_checkpointing_path)"]
+        return []
 
     def _refuse_unsavable_hf_checkpoint(self) -> None:
         """A training engine without dist checkpointing saves its model in HF format through Megatron-Bridge

@@ -106,6 +106,7 @@ SCOPE = (
     "verl_ds4/substitutes/imports.py",
     "verl_ds4/substitutes/environment.py",
     "verl_ds4/cpu/production_engine.py",
+    "verl_ds4/cpu/engine.py",
     "verl_ds4/verify/ds41_hf.py",
     "verl_ds4/verify/seqlen.py",
     "verl_ds4/layout/plan_cli.py",

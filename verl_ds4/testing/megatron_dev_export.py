@@ -9,7 +9,7 @@ import pytest
 
 from verl_ds4.substitutes import megatron_dev
 
-__all__ = ["export_mark", "tree"]
+__all__ = ["export_mark", "production_marks", "tree"]
 
 
 def export_mark(*commits: str):
@@ -28,3 +28,16 @@ def export_mark(*commits: str):
 def tree(commit: str = megatron_dev.DEFAULT_COMMIT) -> megatron_dev.MegatronDevTree:
     """The export of ``commit`` (unpacked on first use)."""
     return megatron_dev.find(commit)
+
+
+def production_marks(*commits: str) -> list:
+    """The marks of a production-path test file (Megatron-LM dev's DS4 built by Megatron-Bridge): skip where the
+    production path cannot run (not Python 3.12, no Megatron-Bridge with its DS4 bridge: the reason says what to
+    install), then the export rule of :func:`export_mark` for ``commits``."""
+    from verl_ds4.substitutes.environment import require_bridge
+
+    try:
+        require_bridge()
+    except RuntimeError as err:
+        return [pytest.mark.skip(reason=f"the production path cannot run here: {err}")]
+    return [export_mark(*commits)]
