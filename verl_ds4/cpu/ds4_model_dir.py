@@ -85,7 +85,7 @@ def hash_table(vocab_size: int, num_experts: int, top_k: int, seed: int):
     return torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(vocab_size)])
 
 
-def _build_and_save(rank: int, world: int, config: dict, folder: str, seed: int) -> str:
+def _build_and_save(rank: int, world: int, config: dict, folder: str, seed: int, family: str = "transformers") -> str:
     import torch
     from megatron.core import parallel_state
 
@@ -100,18 +100,20 @@ def _build_and_save(rank: int, world: int, config: dict, folder: str, seed: int)
             for name, buf in model.named_buffers():
                 if name.endswith("tid2eid"):
                     buf.copy_(tables)
-        save_hf_checkpoint(model, folder, family="transformers")
+        save_hf_checkpoint(model, folder, family=family)
         return folder
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def write_ds4_weights(folder: str | Path, hf_config, seed: int = DS4_TINY_SEED, timeout: float = 300.0) -> Path:
-    """Write ``folder/model.safetensors`` for ``hf_config`` (a seeded :class:`DS4Model` init); returns the path."""
+def write_ds4_weights(folder: str | Path, hf_config, seed: int = DS4_TINY_SEED, timeout: float = 300.0,
+                      family: str = "transformers") -> Path:
+    """Write ``folder/model.safetensors`` for ``hf_config`` (a seeded :class:`DS4Model` init) under the tensor names of
+    ``family`` (``"transformers"``, or DeepSeek's ``"native"`` ones, which Megatron-Bridge reads); returns the path."""
     from verl_ds4.mcore.distributed import run_distributed
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    run_distributed(_build_and_save, world_size=1, args=(config, str(folder), seed), timeout=timeout)
+    run_distributed(_build_and_save, world_size=1, args=(config, str(folder), seed, family), timeout=timeout)
     return folder / "model.safetensors"
