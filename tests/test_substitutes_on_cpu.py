@@ -143,3 +143,44 @@ def test_an_fp8_folder_in_blocks_bridge_misreads_is_refused(tmp_path):
         check_block_size(folder([8, 16]))
     check_block_size(folder([128, 128]))  # the hub's blocks: accepted
     check_block_size(folder(None))  # a dequantised folder: accepted
+
+
+def _unpack_in_child(args):
+    """In a forked pool worker (its own copy of the module)."""
+    root, commit, archive = args
+    megatron_dev.UNPACK_ROOT = Path(root)
+    return str(megatron_dev.unpack(commit, archive=Path(archive)).root)
+
+
+def test_two_lanes_unpacking_one_archive_at_once_both_get_the_tree(tmp_path, monkeypatch):
+    """The test lanes may unpack the same commit at the same moment: each extracts into a folder of its own and renames
+    it into place; every caller gets the finished tree and no partial folder of theirs is left. A partial folder left by
+    a killed unpack does not stand in the way (and is left alone); a broken archive fails and leaves nothing."""
+    import multiprocessing
+    import tarfile
+
+    src = tmp_path / "src"
+    (src / "megatron" / "core").mkdir(parents=True)
+    for i in range(200):
+        (src / "megatron" / "core" / f"m{i}.py").write_text("x = 1\n" * 50)
+    archive = tmp_path / "export.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src / "megatron", arcname="megatron")
+    root = tmp_path / "carry"
+    commit = megatron_dev.DEFAULT_COMMIT
+    stale = root / f"megatron_dev_{commit[:8]}.partial-killed"
+    (stale / "megatron").mkdir(parents=True)
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        roots = pool.map(_unpack_in_child, [(str(root), commit, str(archive))] * 4)
+    dest = root / f"megatron_dev_{commit[:8]}"
+    assert set(roots) == {str(dest)} and (dest / "COMMIT").read_text().strip() == commit
+    assert len(list((dest / "megatron" / "core").iterdir())) == 200
+    left = sorted(p.name for p in root.iterdir())
+    assert left == [dest.name, stale.name], left  # only the tree, and the killed unpack's folder it did not touch
+    broken = tmp_path / "broken.tar.gz"
+    broken.write_bytes(archive.read_bytes()[:200])
+    other = root / "other"
+    monkeypatch.setattr(megatron_dev, "UNPACK_ROOT", other)  # this process: restored after the test
+    with pytest.raises(Exception):
+        megatron_dev.unpack(commit, archive=broken)
+    assert not other.exists() or list(other.iterdir()) == []  # the failed unpack's own folder is gone

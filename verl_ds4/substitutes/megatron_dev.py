@@ -113,20 +113,27 @@ def unpack(commit: str = DEFAULT_COMMIT, archive: Path | None = None) -> Megatro
     if not archive.is_file():
         raise MegatronDevError(f"no Megatron-LM dev export of {commit[:12]} at {dest} and no archive at {archive}. "
                                f"Make one: {make_command(commit)}")
-    partial = dest.with_name(dest.name + ".partial")
-    if partial.exists():
-        import shutil
+    # Extract into a folder of this process's own, then rename it into place: two processes (the two test lanes)
+    # may unpack the same commit at once, and a killed unpack leaves only its own partial folder.
+    import shutil
+    import tempfile
 
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(partial, filter="data")
-    (partial / "COMMIT").write_text(commit + "\n")
-    if dest.exists():
-        import shutil
-
-        shutil.rmtree(dest)
-    partial.rename(dest)  # a killed unpack leaves only the .partial folder
+    UNPACK_ROOT.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=UNPACK_ROOT))
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(partial, filter="data")
+        (partial / "COMMIT").write_text(commit + "\n")
+        if dest.exists() and not (dest / "COMMIT").is_file():
+            shutil.rmtree(dest)  # an incomplete tree of an older layout (never another process's: it renames whole)
+        try:
+            partial.rename(dest)
+        except OSError:
+            if not (dest / "COMMIT").is_file():
+                raise  # not another process's finished tree: say why
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial)  # another process's rename won; its tree is the same archive
     return MegatronDevTree(dest, commit)
 
 
