@@ -17,6 +17,7 @@ layers, hash and learned routing; seeded weights written as a native folder):
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 
@@ -39,23 +40,29 @@ def main(commit: str, cps: list[int]) -> dict:
     no_mtp = {**_default_cfg(), "num_nextn_predict_layers": 0}
     batches = {"ragged": (5, 127, 300, 23, 129, 55)}
     out = {"megatron_file": __import__("megatron.core").core.__file__, "commit": tree.commit, "cases": {}}
-    for name, cfg, coeff in (("exact", no_mtp, 0.0), ("indexer", no_mtp, None), ("full", None, None)):
-        if name != "indexer":  # the indexer case reuses the exact case's folder (the same weights)
-            folder = write_harness_folder(cfg, 1234)
-        opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
-        t = time.time()
-        sizes = cps if name == "exact" else cps[:1]  # the differences of dev's CP path: at the smallest CP > 1
-        runs = {cp: run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
-                               layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
-        out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}
-        out["cases"][name + "_seconds"] = round(time.time() - t, 1)
-        if name == "indexer":
+    written = []  # the folders this run writes, removed at its end
+    try:
+        for name, cfg, coeff in (("exact", no_mtp, 0.0), ("indexer", no_mtp, None), ("full", None, None)):
+            if name != "indexer":  # the indexer case reuses the exact case's folder (the same weights)
+                folder = write_harness_folder(cfg, 1234)
+                written.append(folder)
+            opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
             t = time.time()
-            linear = dataclasses.replace(opts, sparse_core="linear")
-            out["cases"]["linear"] = {str(cp): rows(run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg,
-                                                              batches=batches, layout_checks=False, options=linear), runs[cp])
-                                      for cp in [1, cps[0]]}
-            out["cases"]["linear_seconds"] = round(time.time() - t, 1)
+            sizes = cps if name == "exact" else cps[:1]  # the differences of dev's CP path: at the smallest CP > 1
+            runs = {cp: run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
+                                   layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
+            out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}
+            out["cases"][name + "_seconds"] = round(time.time() - t, 1)
+            if name == "indexer":
+                t = time.time()
+                linear = dataclasses.replace(opts, sparse_core="linear")
+                out["cases"]["linear"] = {str(cp): rows(run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg,
+                                                                  batches=batches, layout_checks=False, options=linear), runs[cp])
+                                          for cp in [1, cps[0]]}
+                out["cases"]["linear_seconds"] = round(time.time() - t, 1)
+    finally:
+        for folder in written:
+            shutil.rmtree(folder, ignore_errors=True)
     return out
 
 

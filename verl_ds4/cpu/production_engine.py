@@ -45,19 +45,11 @@ __all__ = ["NATIVE_MARKERS", "NotNativeFolder", "PRODUCTION_SETTINGS", "VENDOR",
 VENDOR = "production"
 
 
-def _dev_tree_on_path() -> bool:
-    """Whether a Megatron-LM dev tree (one with DS4) is on ``sys.path`` already (the caller chose its commit)."""
-    from pathlib import Path
-
-    marker = Path("megatron", "core", "transformer", "experimental_attention_variant", "deepseek_v4_hybrid_attention.py")
-    return any(p and (Path(p) / marker).is_file() for p in sys.path)
-
-
 def _use_megatron_dev() -> None:
     """Megatron-LM dev first on ``sys.path`` (the default proven commit, or ``MEGATRON_DEV_DIR``) when nothing
     imported megatron yet and no dev tree is on the path; then refuse a released ``megatron.core`` or a Python /
     Megatron-Bridge that cannot build DS4, saying what to do (:mod:`verl_ds4.substitutes.environment`)."""
-    if "megatron.core" not in sys.modules and not _dev_tree_on_path():
+    if "megatron.core" not in sys.modules and not megatron_dev.roots_on_path():
         megatron_dev.use(megatron_dev.find())
     require_megatron_dev()  # a released megatron.core imported first: import this module first (VERL_USE_EXTERNAL_MODULES)
     require_bridge()

@@ -31,6 +31,7 @@ __all__ = [
     "PROVEN_COMMITS",
     "UNPACK_ROOT",
     "available",
+    "roots_on_path",
     "check_commit",
     "find",
     "make_command",
@@ -161,6 +162,12 @@ def available(commit: str = DEFAULT_COMMIT) -> bool:
     if os.environ.get("MEGATRON_DEV_DIR"):
         return (Path(os.environ["MEGATRON_DEV_DIR"]) / "megatron" / "core").is_dir()
     return (_unpacked(commit) / "COMMIT").is_file() or _archive(commit).is_file()
+
+
+def roots_on_path() -> list[str]:
+    """The ``sys.path`` entries that hold a Megatron-LM dev tree (one with DeepSeek-V4's attention)."""
+    marker = Path("megatron", "core", "transformer", "experimental_attention_variant", "deepseek_v4_hybrid_attention.py")
+    return [p for p in sys.path if p and (Path(p) / marker).is_file()]
 
 
 def use(tree: MegatronDevTree) -> None:

@@ -101,19 +101,31 @@ class Installed:
     reference_mhc_rms: bool
 
     def undo(self) -> None:
+        global _INSTALLED
         from . import cp_layout_kernels
 
         cp_layout_kernels.uninstall()
         self.patches.undo()
+        _INSTALLED = None
+
+
+#: What :func:`install_all` installed in this process (None: nothing).
+_INSTALLED: Installed | None = None
 
 
 def install_all(*, reference_mhc_rms: bool = False) -> Installed:
     """Import Megatron-LM dev (already first on ``sys.path``, :func:`verl_ds4.substitutes.megatron_dev.use`) and
     Megatron-Bridge with the import stand-ins, then install every runtime substitute and the Bridge fix;
-    ``reference_mhc_rms`` also the mHC fix (float64 proofs). CPU processes only."""
+    ``reference_mhc_rms`` also the mHC fix (float64 proofs). CPU processes only. Installing again (every model a
+    process builds calls it) adds only a fix not installed yet and returns the same :class:`Installed`."""
+    global _INSTALLED
     from . import cp_layout_kernels, cuda_calls, imports, te_local, upstream_fixes
     from .hadamard import rotate_activation
 
+    if _INSTALLED is not None:
+        if reference_mhc_rms and not _INSTALLED.reference_mhc_rms:
+            _INSTALLED.reference_mhc_rms = upstream_fixes.install_reference_mhc_rms(_INSTALLED.patches)
+        return _INSTALLED
     imports.import_bridge()
     patches = Patches()
     cuda_calls.install(patches)
@@ -127,4 +139,5 @@ def install_all(*, reference_mhc_rms: bool = False) -> Installed:
     kernels = cp_layout_kernels.install(importlib.import_module(csa.__name__.rsplit(".", 1)[0] + ".csa_utils.cp_layout_kernels"))
     upstream_fixes.install_mtp_local_experts_mapping(patches)
     mhc = upstream_fixes.install_reference_mhc_rms(patches) if reference_mhc_rms else False
-    return Installed(patches, kernels, mhc)
+    _INSTALLED = Installed(patches, kernels, mhc)
+    return _INSTALLED

@@ -468,6 +468,7 @@ def run_parity(
     options = options or RunOptions()
     from verl_ds4.mcore.distributed import run_distributed
 
+    made_folder = None  # a production folder this call writes, and removes after the run
     if model == "production":
         import dataclasses
 
@@ -475,7 +476,8 @@ def run_parity(
 
         require_megatron_dev()
         if options.production_folder is None:
-            options = dataclasses.replace(options, production_folder=write_harness_folder(cfg, seed))
+            made_folder = write_harness_folder(cfg, seed)
+            options = dataclasses.replace(options, production_folder=made_folder)
     from verl_ds4.models.ds4 import model as _ds4_model  # noqa: F401  (import megatron once in the parent: forked ranks start fast)
 
     if cp_size < 1:
@@ -487,14 +489,20 @@ def run_parity(
         raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}.")
     batches = dict(batches or {"ragged": RAGGED, "short": SHORT})
     cuda = options.device == "cuda"
-    results = run_distributed(
-        _worker,
-        world_size=cp_size,
-        args=(model, cfg, tuple(dtypes), batches, seed, layout_checks, hash_ids_shift, options),
-        timeout=timeout,
-        # CUDA ranks start in a clean interpreter (a forked CUDA context is unusable) and talk over nccl.
-        **({"backend": "nccl", "start_method": "spawn"} if cuda else {}),
-    )
+    try:
+        results = run_distributed(
+            _worker,
+            world_size=cp_size,
+            args=(model, cfg, tuple(dtypes), batches, seed, layout_checks, hash_ids_shift, options),
+            timeout=timeout,
+            # CUDA ranks start in a clean interpreter (a forked CUDA context is unusable) and talk over nccl.
+            **({"backend": "nccl", "start_method": "spawn"} if cuda else {}),
+        )
+    finally:
+        if made_folder is not None:
+            import shutil
+
+            shutil.rmtree(made_folder, ignore_errors=True)
     return results[0]
 
 

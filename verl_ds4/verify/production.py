@@ -198,8 +198,10 @@ def released_megatron_env() -> dict:
     import os
     import sys
 
+    from verl_ds4.substitutes.megatron_dev import roots_on_path
+
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DEV_DIR"}
-    dev_roots = {p for p in sys.path if (Path(p) / "megatron" / "core" / "transformer" / "experimental_attention_variant").is_dir()}
+    dev_roots = set(roots_on_path())
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and p not in dev_roots)
     return env
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -108,20 +109,23 @@ def run(args: argparse.Namespace) -> int:
     for title, cfg, coeff, gate in (("MTP and indexer loss off", exact_cfg, 0.0, True),
                                     ("MTP depth 1, indexer loss 1e-2 (reported)", full_cfg, None, False)):
         folder = write_harness_folder(cfg, args.seed)
-        opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
-        common = dict(dtypes=("fp64",), cfg=cfg, seed=args.seed, timeout=args.timeout, model="production", batches=batches)
-        print(f"verify --engine production: {title}: CP=1 and CP={args.cp} ...", file=sys.stderr, flush=True)
-        reference = run_parity(1, layout_checks=False, options=opts, **common)
-        result = run_parity(args.cp, layout_checks=gate and not args.no_layout_checks, options=opts, **common)
-        rows = compare(result, reference, tolerances=tol)
-        ok = ok and (rows_passed(rows) or not gate)
-        tables.append((f"Production model (Megatron-LM dev {tree.short} via Megatron-Bridge): CP={args.cp} vs CP=1, {title}", rows))
-        if not gate:
-            print("verify --engine production: the own model at CP=1 on the same weights ...", file=sys.stderr, flush=True)
-            own = _own_reference(cfg, args.seed, folder, args.timeout)
-            rows = compare_with_own(reference.results[("fp64", "ragged")], own, args.fp64_rtol)
-            ok = ok and rows_passed(rows)
-            tables.append(("Production model vs verl-ds4's own model, CP=1, same weights", rows))
+        try:
+            opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
+            common = dict(dtypes=("fp64",), cfg=cfg, seed=args.seed, timeout=args.timeout, model="production", batches=batches)
+            print(f"verify --engine production: {title}: CP=1 and CP={args.cp} ...", file=sys.stderr, flush=True)
+            reference = run_parity(1, layout_checks=False, options=opts, **common)
+            result = run_parity(args.cp, layout_checks=gate and not args.no_layout_checks, options=opts, **common)
+            rows = compare(result, reference, tolerances=tol)
+            ok = ok and (rows_passed(rows) or not gate)
+            tables.append((f"Production model (Megatron-LM dev {tree.short} via Megatron-Bridge): CP={args.cp} vs CP=1, {title}", rows))
+            if not gate:
+                print("verify --engine production: the own model at CP=1 on the same weights ...", file=sys.stderr, flush=True)
+                own = _own_reference(cfg, args.seed, folder, args.timeout)
+                rows = compare_with_own(reference.results[("fp64", "ragged")], own, args.fp64_rtol)
+                ok = ok and rows_passed(rows)
+                tables.append(("Production model vs verl-ds4's own model, CP=1, same weights", rows))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # the weights and the own model's results: this case's only
     for title, rows in tables:
         print(format_table(rows, title, notes=[
             "rel = max|x - x_ref| / max|x_ref| (a gradient group: over all its parameters); fp64 on gloo ranks.",
