@@ -55,7 +55,8 @@ CP=${CP:-2}                             # context-parallel size of actor, refere
 NNODES=${NNODES:-1}                     # Ray nodes the trainer spreads over (trainer.nnodes)
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}     # trainer processes per node (trainer.n_gpus_per_node, logical GPUs)
 N_TRAIN=${N_TRAIN:-256}                 # prompts written to the training parquet
-SAVE_FREQ=${SAVE_FREQ:-$STEPS}          # checkpoint every N steps
+SAVE_FREQ=${SAVE_FREQ:-$([ "${ENGINE:-project}" = production ] && echo -1 || echo "$STEPS")}  # checkpoint every N steps
+                                        # (-1: none; ENGINE=production's default, see below)
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
 MAX_RESTARTS=${MAX_RESTARTS:-0}         # restarts from the newest intact checkpoint after the run dies (0 here: the demo
                                         # stops at the first failure; scripts/ray_cluster.sh submit defaults to 3)
@@ -65,6 +66,9 @@ INDEXER_REPLAY=${INDEXER_REPLAY:-0}     # 1: the actor replays the rollout's ind
 # ... on more than MISMATCH_TOKENS response tokens a step (each still <= 1e-3). ds41 without indexer replay: 2, for
 # top-k near-ties (docs/troubleshooting.md, "The mismatch gate stopped the run"); otherwise 0
 MISMATCH_TOKENS=${MISMATCH_TOKENS:-$([ "$MODEL" = ds41 ] && [ "$INDEXER_REPLAY" != 1 ] && echo 2 || echo 0)}
+ENGINE=${ENGINE:-project}               # project: verl-ds4's CPU engine (its own DS4); production: Megatron-LM dev's DS4
+                                        # built by Megatron-Bridge in verl's engine, the code a GPU run executes (MODEL=ds4,
+                                        # Python 3.12 with megatron-bridge, a Megatron-LM dev export; docs/architecture.md)
 VERBOSE=${VERBOSE:-0}                   # 1: verl's, Ray's and the workers' full output on the console
 REWARD_RISE=${REWARD_RISE:-}            # e.g. 0.3: the summary says whether the last-5 mean reward beat the first-5 by that
 # --------------------------------------------------------------------------------------
@@ -77,6 +81,19 @@ esac
 case "$MODEL" in
     ds4|ds4_proxy|ds41) ;;
     *) echo "MODEL=$MODEL: expected one of the known models ds4 (the full tiny DS4, default), ds4_proxy (attention-only) or ds41 (DeepSeek-V4.1), e.g. MODEL=ds4" >&2; exit 2 ;;
+esac
+case "$ENGINE" in
+    project) ;;
+    production)
+        if [ "$MODEL" != ds4 ]; then
+            echo "ENGINE=production with MODEL=$MODEL: the production engine builds Megatron-LM dev's DeepSeek-V4 (MODEL=ds4)" >&2; exit 2
+        fi
+        if [ "$SAVE_FREQ" != -1 ] || [ "$RESUME_MODE" != disable ]; then
+            echo "ENGINE=production with SAVE_FREQ=$SAVE_FREQ RESUME_MODE=$RESUME_MODE: on the CPU this engine saves no model (Megatron-Bridge's" \
+                 "HF save imports NVIDIA ModelOpt, a CUDA package), so it neither checkpoints nor resumes; use SAVE_FREQ=-1" \
+                 "RESUME_MODE=disable (the defaults), or ENGINE=project for checkpoints" >&2; exit 2
+        fi ;;
+    *) echo "ENGINE=$ENGINE: expected project (verl-ds4's CPU engine, default) or production (Megatron-LM dev's DS4 built by Megatron-Bridge)" >&2; exit 2 ;;
 esac
 if [ -n "$MODEL_PATH" ] && [ ! -f "$MODEL_PATH/config.json" ]; then
     echo "MODEL_PATH=$MODEL_PATH: expected an HF DS4 folder (config.json + *.safetensors + tokenizer), e.g. one written by" \
@@ -155,6 +172,31 @@ export VERL_PLATFORM=cpu
 export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine,verl_ds4.rollout,verl_ds4.rollout.cpu_weight_export,verl_ds4.cpu.ds4_builder,verl_ds4.cpu.ds41_builder,verl_ds4.rollout.mismatch_gate,verl_ds4.rollout.agent_loop
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
+ENGINE_ARGS=()
+ASSET_FAMILY=transformers
+if [ "$ENGINE" = production ]; then
+    # verl's own engine build (Megatron-Bridge -> Megatron-LM dev's DS4) for actor, reference and critic; the weight sync is
+    # verl's Bridge export (HF names), which the rollout loads into the same model (verl_ds4/rollout/production_policy.py).
+    # Bridge's HF save imports NVIDIA ModelOpt: no model checkpoint here (SAVE_FREQ=-1 unless set).
+    if ! MEGATRON_DEV_DIR=$(VERL_USE_EXTERNAL_MODULES= "$PYTHON" -W ignore -m verl_ds4.substitutes.megatron_dev --print-root); then
+        exit 2
+    fi
+    export MEGATRON_DEV_DIR
+    export VERL_ENGINE_VENDOR=production
+    export VERL_DS4_CPU_ROLLOUT_POLICY=verl_ds4.rollout.production_policy.ProductionCPUPolicy
+    export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.production_engine,verl_ds4.rollout,verl_ds4.rollout.mismatch_gate,verl_ds4.rollout.agent_loop
+    ASSET_FAMILY=native
+    ENV_KEY=ray_kwargs.ray_init.runtime_env.env_vars
+    ENGINE_ARGS=(
+        "$ENV_KEY.VERL_USE_EXTERNAL_MODULES='$VERL_USE_EXTERNAL_MODULES'"
+        "+$ENV_KEY.VERL_ENGINE_VENDOR=production" "+$ENV_KEY.MEGATRON_DEV_DIR=$MEGATRON_DEV_DIR"
+        "+$ENV_KEY.VERL_DS4_CPU_ROLLOUT_POLICY=$VERL_DS4_CPU_ROLLOUT_POLICY"
+        actor_rollout_ref.actor.megatron.use_dist_checkpointing=False
+        actor_rollout_ref.ref.megatron.use_dist_checkpointing=False
+        "actor_rollout_ref.actor.checkpoint.save_contents=[optimizer,extra]"
+    )
+    [ "$DS4_RL_RECIPE" = ppo ] && ENGINE_ARGS+=(critic.megatron.use_dist_checkpointing=False "critic.checkpoint.save_contents=[optimizer,extra]")
+fi
 
 RECIPE=(
     'hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]'
@@ -202,16 +244,16 @@ fi
 # The overrides compose with the recipe on verl's PPO config and add no key that nothing reads (a typo),
 # checked in seconds before Ray starts: Hydra's error first, the closest known key, no third-party warnings.
 if ! "$PYTHON" -W ignore -m verl_ds4.recipes.override_keys ppo_trainer --before "Ray started" -- "${RECIPE[@]}" \
-        "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}; then
+        "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" ${ENGINE_ARGS[@]+"${ENGINE_ARGS[@]}"} ${OVERRIDES[@]+"${OVERRIDES[@]}"}; then
     exit 2
 fi
 # The assets (data, the seeded model folder), written once the overrides passed.
-ASSET_ARGS=(--out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL")
+ASSET_ARGS=(--out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" --family "$ASSET_FAMILY")
 [ -n "$PROMPT_LENGTH" ] && ASSET_ARGS+=(--prompt-len "$PROMPT_LENGTH")
 [ -n "$MAX_POSITIONS" ] && ASSET_ARGS+=(--max-positions "$MAX_POSITIONS")
 if [ "$VERBOSE" = 1 ]; then
-    "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" >/dev/null
-elif ! assets_out=$("$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" 2>&1); then
+    VERL_USE_EXTERNAL_MODULES= "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" >/dev/null  # verl-ds4's own model writes them
+elif ! assets_out=$(VERL_USE_EXTERNAL_MODULES= "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1
@@ -247,6 +289,7 @@ CONSOLE=(
     --fact "job=$JOB, verl.trainer.main_ppo on CPU (Ray, recipe $RECIPE_NAME)"
     "${MODEL_FACT[@]}"
     --fact "parallel=CP $CP ($ROLES), TP 1, PP 1; $NNODES node(s) x $NPROC_PER_NODE processes$CLUSTER_FACT"
+    --fact "engine=$([ "$ENGINE" = production ] && echo "production (Megatron-LM dev's DS4 built by Megatron-Bridge in verl's engine, $MEGATRON_DEV_DIR; rollout: the same model, synced by Bridge's HF export)" || echo "project (verl-ds4's CPU engine and its own DS4)") (ENGINE)"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN prompts${PROMPT_LENGTH:+ of <= $PROMPT_LENGTH tokens}), batch $BATCH (updates of $MINI_BATCH), response <= $RESPONSE_LENGTH tokens, $STEPS steps"
     --fact "gate=rollout vs actor log-probs (CP $CP) every step: stop above max abs $MISMATCH_MAX (MISMATCH_MAX)$([ "$MISMATCH_TOKENS" = 0 ] || echo " on more than $MISMATCH_TOKENS tokens, or above 1e-3 (MISMATCH_TOKENS)"); indexer replay $([ "$INDEXER_REPLAY" = 1 ] && echo on || echo off) (INDEXER_REPLAY)"
     --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE${RESUME_FACT:-})"
@@ -256,5 +299,5 @@ CONSOLE=(
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)
 
 "$PYTHON" -m verl_ds4.cpu.console ppo "${CONSOLE[@]}" -- \
-    "$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" \
+    "$PYTHON" -m verl.trainer.main_ppo "${RECIPE[@]}" "${DATA[@]}" "${MODEL_ARGS[@]}" "${TRAINER[@]}" ${ENGINE_ARGS[@]+"${ENGINE_ARGS[@]}"} \
     ${OVERRIDES[@]+"${OVERRIDES[@]}"}

@@ -42,6 +42,7 @@ LANE2_FILES = frozenset({
     "test_production_path_on_cpu.py",
     "test_production_cp_parity_on_cpu.py",
     "test_production_engine_on_cpu.py",
+    "test_production_rl_on_cpu.py",
 })  # fmt: skip
 
 

@@ -10,7 +10,10 @@ layers, hash and learned routing; seeded weights written as a native folder):
 * ``exact``: MTP off and the indexer loss off (coefficient 0): every quantity against CP = 1, and the zigzag
   refusal and its control;
 * ``indexer``: MTP off, the indexer loss on (1e-2);
-* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2);
+* ``mtp``: MTP on (depth 1), the indexer loss off;
+* ``mtp_unfixed``: ``mtp`` without verl-ds4's MTP fix (:func:`verl_ds4.substitutes.upstream_fixes.
+  install_mtp_cp_token_share`), at the smallest CP: the fix's negative control;
+* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2), at the smallest CP;
 * ``linear``: the ``indexer`` case with verl-ds4's linear sparse attention installed into dev's layers
   (``ds4.sparse_attention=linear``), against the same case with dev's own functions, at CP 1 and at the smallest CP.
 """
@@ -42,8 +45,9 @@ def main(commit: str, cps: list[int]) -> dict:
     out = {"megatron_file": __import__("megatron.core").core.__file__, "commit": tree.commit, "cases": {}}
     written = []  # the folders this run writes, removed at its end
     try:
-        for name, cfg, coeff in (("exact", no_mtp, 0.0), ("indexer", no_mtp, None), ("full", None, None)):
-            if name != "indexer":  # the indexer case reuses the exact case's folder (the same weights)
+        cases = (("exact", no_mtp, 0.0), ("indexer", no_mtp, None), ("mtp", None, 0.0), ("full", None, None))
+        for name, cfg, coeff in cases:
+            if name in ("exact", "mtp"):  # indexer reuses exact's folder, full reuses mtp's (the same weights)
                 folder = write_harness_folder(cfg, 1234)
                 written.append(folder)
             opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
@@ -53,6 +57,18 @@ def main(commit: str, cps: list[int]) -> dict:
                                    layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
             out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}
             out["cases"][name + "_seconds"] = round(time.time() - t, 1)
+            if name == "mtp":  # the same case without the MTP fix (the ranks are forked: the parent's patch holds)
+                from verl_ds4.substitutes import upstream_fixes
+
+                t, fix = time.time(), upstream_fixes.install_mtp_cp_token_share
+                upstream_fixes.install_mtp_cp_token_share = lambda patches: False
+                try:
+                    unfixed = run_parity(cps[0], dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
+                                         layout_checks=False, options=opts)
+                finally:
+                    upstream_fixes.install_mtp_cp_token_share = fix
+                out["cases"]["mtp_unfixed"] = {str(cps[0]): rows(unfixed, runs[1])}
+                out["cases"]["mtp_unfixed_seconds"] = round(time.time() - t, 1)
             if name == "indexer":
                 t = time.time()
                 linear = dataclasses.replace(opts, sparse_core="linear")

@@ -136,3 +136,36 @@ def test_dynamic_cp_group_getter_of_either_release(monkeypatch):
     monkeypatch.setattr(thd, "mpu", SimpleNamespace())
     with pytest.raises(ValueError, match="get_dynamic_data_context_parallel_groups / get_hybrid"):
         thd.cp_context(2)
+
+
+def test_gpu_ds4_engines_install_the_mtp_cp_fix_only_where_it_applies():
+    """verl-ds4's GPU DS4 engines install fix 3 of verl_ds4.substitutes.upstream_fixes (the MTP loss as each CP rank's
+    share of the CP-global mean) at start-up: for DS4 at CP > 1 on a Megatron whose process_mtp_loss still normalises
+    per rank (megatron-core 0.19.2 and both proven dev commits; 0.16.1 has no process_mtp_loss). Controls: CP 1, a
+    non-DS4 model and the CPU engines (their own model, no Megatron MTP) install nothing."""
+    import megatron.core.transformer.multi_token_prediction as mtp
+
+    from verl_ds4.engine import megatron as engines
+    from verl_ds4 import ds4_facts
+    from verl_ds4.substitutes.upstream_fixes import mtp_loss_is_rank_mean
+
+    original = getattr(mtp, "process_mtp_loss", None)
+    applies = original is not None and mtp_loss_is_rank_mean(original)
+    ds4 = SimpleNamespace(hf_config=SimpleNamespace(model_type=ds4_facts.HF_MODEL_TYPE))
+    other = SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3"))
+    gpu, cpu = SimpleNamespace(sparse_attention_in_megatron=True), SimpleNamespace(sparse_attention_in_megatron=False)
+    install = engines.DS4MegatronEngineWithLMHead._install_upstream_fixes
+    try:
+        assert not install(gpu, ds4, SimpleNamespace(context_parallel_size=1))
+        assert not install(gpu, other, SimpleNamespace(context_parallel_size=2))
+        assert not install(cpu, ds4, SimpleNamespace(context_parallel_size=2))
+        assert getattr(mtp, "process_mtp_loss", None) is original
+        assert install(gpu, ds4, SimpleNamespace(context_parallel_size=2)) is applies
+        if applies:
+            assert mtp.process_mtp_loss is not original and mtp.process_mtp_loss.__wrapped__ is original
+            assert not install(gpu, ds4, SimpleNamespace(context_parallel_size=4))  # once per process
+    finally:
+        if engines._GPU_FIXES is not None:
+            engines._GPU_FIXES.undo()
+            engines._GPU_FIXES = None
+    assert getattr(mtp, "process_mtp_loss", None) is original

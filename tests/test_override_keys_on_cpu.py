@@ -102,6 +102,11 @@ def test_free_form_fields_and_groups_are_not_keys():
     assert status == 0, lines
     status, lines = precheck("sft_trainer_engine", ["engine=megatron", "optim=megatron", "+engine.cp_partition_mode=x"])
     assert status == 2 and "engine (McoreEngineConfig) has no setting 'cp_partition_mode'" in "\n".join(lines)
+    # environment variables for Ray's workers (the production engine's launcher adds them): names of the user's choosing
+    status, lines = precheck("ppo_trainer", ["+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=production"])
+    assert status == 0, lines
+    status, lines = precheck("ppo_trainer", ["+ray_kwargs.ray_init.runtime_envv.env_vars.X=1"])  # the control: a typo above
+    assert status == 2 and "runtime_envv" in "\n".join(lines), lines
     keys = [a.key for a in added_keys(["+recipe=deepseek_v4_sft", "+ds4_mesh=h200_64gpu_pp4_ep8", "+a.b=1",
                                        "++c=2", "hydra.run.dir=x", "+hydra.job.name=y", "d.e=3"])]
     assert keys == ["a.b", "c"]

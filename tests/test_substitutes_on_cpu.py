@@ -17,7 +17,7 @@ import torch
 from verl_ds4.substitutes import megatron_dev
 from verl_ds4.substitutes.hadamard import hadamard_matrix, rotate_activation
 from verl_ds4.substitutes.patching import Patches
-from verl_ds4.substitutes.precision import PromoteFloat32ToFloat64, float_keeps_float64
+from verl_ds4.substitutes.precision import PromoteFloat32ToFloat64, float_keeps_float64, install_stable_topk, stable_topk
 from verl_ds4.substitutes.registry import SUBSTITUTES
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -125,6 +125,42 @@ def test_float64_rules():
     finally:
         patches.undo()
     assert x.float().dtype == torch.float32
+
+
+def test_stable_topk_is_torch_topk_with_ties_in_index_order():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 50, generator=gen, dtype=torch.float64)  # no ties: exactly torch.topk
+    for dim, largest in ((-1, True), (-1, False), (0, True)):
+        ours, theirs = stable_topk(x, 4, dim=dim, largest=largest), torch.topk(x, 4, dim=dim, largest=largest)
+        assert torch.equal(ours.values, theirs.values) and torch.equal(ours.indices, theirs.indices)
+    # ties (a ReLU indexer's zeros): the lowest indices first, whatever the shape
+    tied = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0] + [0.0] * 120])
+    picked = stable_topk(tied, 5)
+    assert picked.values.tolist() == [[2.0, 1.0, 0.0, 0.0, 0.0]]
+    assert picked.indices.tolist() == [[1, 4, 0, 2, 3]]
+    # process-wide, and undone
+    patches = Patches()
+    install_stable_topk(patches)
+    try:
+        assert torch.topk(tied, 5).indices.tolist() == [[1, 4, 0, 2, 3]] == tied.topk(5).indices.tolist()
+    finally:
+        patches.undo()
+    assert torch.topk is not stable_topk and torch.Tensor.topk is not None
+
+
+def test_the_mtp_fix_applies_only_while_dev_normalises_per_rank():
+    from verl_ds4.substitutes.upstream_fixes import mtp_loss_is_rank_mean
+
+    def dev_like(loss_mask, mtp_loss, mtp_loss_scale):
+        num_tokens = loss_mask.sum()
+        safe_num_tokens = num_tokens.clamp(min=1)
+        return mtp_loss_scale * mtp_loss / safe_num_tokens
+
+    def fixed_upstream(loss_mask, mtp_loss, mtp_loss_scale, total):  # the control: another normalisation
+        return mtp_loss_scale * mtp_loss / total
+
+    assert mtp_loss_is_rank_mean(dev_like) and not mtp_loss_is_rank_mean(fixed_upstream)
+    assert not mtp_loss_is_rank_mean(len)  # no Python source: treated as fixed (nothing installed)
 
 
 def test_an_fp8_folder_in_blocks_bridge_misreads_is_refused(tmp_path):

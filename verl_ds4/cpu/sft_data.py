@@ -379,10 +379,12 @@ def model_hf_config(model: str):
     raise ValueError(f"model={model!r}; expected one of {MODELS}.")
 
 
-def write_cpu_model_folder(model_dir: str | Path, model: str, max_positions: int | None = None) -> Path:
+def write_cpu_model_folder(model_dir: str | Path, model: str, max_positions: int | None = None,
+                           family: str = "transformers") -> Path:
     """The CPU jobs' model folder for ``model`` (one of :data:`MODELS`): the tokenizer, the config and, for
     ``ds4`` and ``ds41``, the seeded weights. ``max_positions``: the config's ``max_position_embeddings`` instead
-    of the tiny model's own (a size of our choosing; no weight or RoPE value reads it)."""
+    of the tiny model's own (a size of our choosing; no weight or RoPE value reads it). ``family``: the ``ds4``
+    weights' tensor names (``"native"``: DeepSeek's, which Megatron-Bridge reads)."""
     hf_config = model_hf_config(model)
     if max_positions is not None:
         if isinstance(hf_config, dict):
@@ -401,7 +403,7 @@ def write_cpu_model_folder(model_dir: str | Path, model: str, max_positions: int
     if model == "ds4":
         from verl_ds4.cpu.ds4_model_dir import write_ds4_weights
 
-        write_ds4_weights(model_dir, hf_config)
+        write_ds4_weights(model_dir, hf_config, family=family)
     return model_dir
 
 

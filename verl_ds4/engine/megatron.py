@@ -77,6 +77,8 @@ _OWNED_OVERRIDES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars
     "verl_ds4_owned_overrides", default=None
 )
 _ABSENT = object()
+#: verl-ds4's fixes to Megatron-LM dev that a GPU engine installs at start-up (kept for the process's life).
+_GPU_FIXES = None
 
 
 @contextlib.contextmanager
@@ -445,6 +447,7 @@ class _ResolvedLayoutEngine:
             )
         cp_balance_of(engine_config)  # a bad value fails here, not at the first micro-batch
         self._prepare_sparse_attention(engine_config)
+        self._install_upstream_fixes(model_config, engine_config)
         bucket = _pad_to_length_bucket(engine_config)
         if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
             raise CPLayoutError(f"engine pad_to_length_bucket must be a positive int, got {bucket!r}")
@@ -460,6 +463,30 @@ class _ResolvedLayoutEngine:
     def _prepare_sparse_attention(self, engine_config) -> None:
         """``sparse_attention=linear`` before the model is built (:func:`verl_ds4.engine.sparse_attention.prepare`)."""
         sparse_attention.prepare(engine_config, self.sparse_attention_in_megatron)
+
+    def _install_upstream_fixes(self, model_config, engine_config) -> bool:
+        """GPU engines on DS4 at CP > 1: fix 3 of :mod:`verl_ds4.substitutes.upstream_fixes` (dev's MTP loss is a
+        mean over each CP rank's own tokens; made the rank's share of the CP-global mean, as verl's main loss is).
+        Returns True if this call installed it (False where it is installed already, not needed, or dev is fixed)."""
+        global _GPU_FIXES
+        if not self.sparse_attention_in_megatron or int(engine_config.context_parallel_size or 1) <= 1:
+            return False
+        if not resolver.is_ds4_hf_config(model_config.hf_config):
+            return False
+        try:
+            import megatron.core.transformer.multi_token_prediction  # noqa: F401
+        except ImportError:
+            return False
+        from verl_ds4.substitutes import upstream_fixes
+        from verl_ds4.substitutes.patching import Patches
+
+        if _GPU_FIXES is None:
+            _GPU_FIXES = Patches()
+        installed = upstream_fixes.install_mtp_cp_token_share(_GPU_FIXES)
+        if installed:
+            logger.info("verl-ds4: Megatron-LM dev's process_mtp_loss normalised by the CP-global token count "
+                        "(verl_ds4.substitutes.upstream_fixes, fix 3)")
+        return installed
 
     def _use_sparse_core(self, module) -> None:
         """CPU engines: the built model's attention takes the core (:func:`verl_ds4.engine.sparse_attention.use_in_model`)."""

@@ -146,6 +146,9 @@ def _unknown_at(base: DictConfig, key: str) -> tuple[str, str, list[str], str] |
     """Where ``key`` leaves the known settings: (parent path, name, known names there, parent's kind); None if known."""
     if key == ALLOW_KEY or key.startswith(ALLOW_KEY + "."):
         return None  # the escape hatch itself, with or without a recipe's ds4 block
+    if ".env_vars." in f".{key}":  # below an env_vars mapping (Ray's runtime_env): names of the user's choosing
+        head = f".{key}".split(".env_vars.", 1)[0][1:]
+        return _unknown_at(base, head) if head else None  # the path down to it must still be known
     node: Any = base
     cls: type | None = None
     parts = key.split(".")

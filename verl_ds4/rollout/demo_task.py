@@ -95,24 +95,31 @@ PPO_MODELS = ("ds4", "ds4_proxy", "ds41")
 
 def write_ppo_assets(
     out_dir: str | Path, *, n_train: int = 256, n_val: int = 16, seed: int = 0, model: str = "ds4",
-    prompt_len: int | None = None, max_positions: int | None = None,
+    prompt_len: int | None = None, max_positions: int | None = None, family: str = "transformers",
 ) -> dict[str, str]:
     """Write ``model/`` and ``data/{train,val}.parquet`` under ``out_dir``; returns their paths. A folder
-    that an earlier call with the same arguments completed (its ``assets.json``) is reused as it is."""
+    that an earlier call with the same arguments completed (its ``assets.json``) is reused as it is.
+    ``family``: the model's tensor names, transformers' or DeepSeek's ``native`` ones (what Megatron-Bridge reads:
+    the production CPU engine); ``ds4`` only."""
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}.")
     if model not in PPO_MODELS:
         raise ValueError(f"model={model!r}; the CPU PPO run trains one of {PPO_MODELS}.")
+    if family not in ("transformers", "native") or (family == "native" and model != "ds4"):
+        raise ValueError(f"family={family!r} with model={model!r}: expected transformers, or native with model ds4 "
+                         "(the tiny DS4 in DeepSeek's names, which Megatron-Bridge reads)")
     out_dir = Path(out_dir)
     from verl_ds4.cpu.sft_data import record_assets, reuse_assets, write_cpu_model_folder
 
     recorded = {"model": model, "n_train": n_train, "n_val": n_val, "seed": seed}
     recorded |= {k: int(v) for k, v in (("prompt_len", prompt_len), ("max_positions", max_positions)) if v}
+    if family != "transformers":
+        recorded["family"] = family
     paths = {"model": str(out_dir / "model"), "train": str(out_dir / "data" / "train.parquet"),
              "val": str(out_dir / "data" / "val.parquet")}
     if reuse_assets(out_dir, recorded, paths.values()):
         return paths
-    write_cpu_model_folder(out_dir / "model", model, max_positions)
+    write_cpu_model_folder(out_dir / "model", model, max_positions, family=family)
     rows = digit_prompts(n_train + n_val, seed=seed, prompt_len=prompt_len)
     _write_parquet(Path(paths["train"]), rows[:n_train])
     _write_parquet(Path(paths["val"]), rows[n_train:] or rows[:1])
@@ -131,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="fill each prompt to about this many tokens with arithmetic text before the instruction")
     parser.add_argument("--max-positions", type=int, default=None,
                         help="the model config's max_position_embeddings (default: the tiny model's own)")
+    parser.add_argument("--family", choices=("transformers", "native"), default="transformers",
+                        help="the model's tensor names: transformers' (default) or DeepSeek's native ones, which "
+                             "Megatron-Bridge reads (the production CPU engine; --model ds4 only)")
     args = parser.parse_args(argv)
     paths = write_ppo_assets(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, model=args.model,
-                             prompt_len=args.prompt_len, max_positions=args.max_positions)
+                             prompt_len=args.prompt_len, max_positions=args.max_positions, family=args.family)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

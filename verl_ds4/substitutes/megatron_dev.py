@@ -182,3 +182,26 @@ def use(tree: MegatronDevTree) -> None:
         return
     if str(tree.root) not in sys.path:
         sys.path.insert(0, str(tree.root))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m verl_ds4.substitutes.megatron_dev --print-root [--commit C]``: the tree's folder (unpacked from
+    the export now if needed), or the error with the command that makes one (exit 2)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Find (unpack if needed) a Megatron-LM dev export the production path "
+                                                 "was proven on and print its folder.")
+    parser.add_argument("--print-root", action="store_true", help="print the tree's folder (MEGATRON_DEV_DIR's value)")
+    parser.add_argument("--commit", default=DEFAULT_COMMIT, help=f"a proven commit (default {DEFAULT_COMMIT[:12]})")
+    args = parser.parse_args(argv)
+    try:
+        tree = find(args.commit)
+    except MegatronDevError as e:
+        print(f"[verl-ds4] {e}", file=sys.stderr)  # error-catalogue: a MegatronDevError, catalogued where raised
+        return 2
+    print(tree.root if args.print_root else f"{tree.root} (Megatron-LM dev {tree.commit[:12]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PromoteFloat32ToFloat64", "StableTopK", "float_keeps_float64", "fp64_reference"]
+__all__ = ["PromoteFloat32ToFloat64", "StableTopK", "float_keeps_float64", "fp64_reference", "install_stable_topk", "stable_topk"]
 
 
 class PromoteFloat32ToFloat64(TorchFunctionMode):
@@ -54,6 +54,24 @@ class StableTopK(TorchFunctionMode):
             values, indices = order.values.index_select(dim, index), order.indices.index_select(dim, index)
             return torch.return_types.topk((values, indices))
         return func(*args, **kwargs)
+
+
+def stable_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+    """``torch.topk`` with equal values taken in index order (``torch.sort(..., stable=True)``); same values and,
+    where the scores differ, the same indices as ``torch.topk``."""
+    if out is not None:
+        raise TypeError("stable_topk does not take out=")  # error-catalogue: internal (no caller in Megatron passes out=)
+    order = torch.sort(input, dim=dim, descending=largest, stable=True)
+    index = torch.arange(k, device=order.indices.device)
+    return torch.return_types.topk((order.values.index_select(dim, index), order.indices.index_select(dim, index)))
+
+
+def install_stable_topk(patches) -> None:
+    """Process-wide :func:`stable_topk` as ``torch.topk`` and ``Tensor.topk`` (through ``patches``): the CPU tie rule of
+    the production engine and its rollout, so that CP ranks, CP sizes and the rollout pick the same of equally
+    scored keys or experts (a CPU ``torch.topk`` orders ties by its algorithm, which depends on the tensor's shape)."""
+    patches.set(torch, "topk", stable_topk)
+    patches.set(torch.Tensor, "topk", lambda self, k, dim=-1, largest=True, sorted=True: stable_topk(self, k, dim, largest, sorted))
 
 
 @contextlib.contextmanager

@@ -63,6 +63,12 @@ SUBSTITUTES: tuple[Substitute, ...] = (
     Substitute("CUDA literals in optimizer / DDP / schedule", "device='cuda' tensors, .cuda(), synchronize, current_stream",
                "substitutes.cuda_literals.cuda_literals_on_cpu (block-scoped redirect)",
                "a CPU-only torch has no CUDA device", "the CPU engine tests"),
+    Substitute("top-k tie order", "torch.topk / Tensor.topk in dev's indexer and routers (ties in an unspecified order)",
+               "substitutes.precision.stable_topk (equal scores in index order, via a stable sort; values and "
+               "untied indices as torch.topk)",
+               "a CPU torch.topk orders ties by its algorithm, which follows the tensor's shape: a tiny model's ReLU "
+               "indexer scores tie (zeros), and CP ranks, CP 1 and the rollout would pick different keys",
+               "test_substitutes_on_cpu (against torch.topk); the production RL runs' mismatch gate at 1e-5"),
     Substitute("fused kernels", "rope / permute / bias-dropout / softmax / layer-norm / cross-entropy fusion, "
                "gradient-accumulation fusion, shared-expert overlap, grouped GEMM (the DS4 provider turns them on)",
                "unfused Megatron paths (substitutes.provider_settings.CPU_OVERRIDES)",
@@ -89,6 +95,13 @@ UPSTREAM_FIXES: tuple[UpstreamFix, ...] = (
                 "x = 1e-3 * ones(16): factor 1/(1e-3+1e-6) vs the reference rsqrt(1e-6+1e-6), 2.9e-1 apart",
                 "substitutes.upstream_fixes.install_reference_mhc_rms (only when dev differs)",
                 "float64 proofs only (GPU runs keep Megatron's form)"),
+    UpstreamFix("MTP loss under CP", "Megatron-LM dev multi_token_prediction.process_mtp_loss: scale * sum(local loss) / "
+                "local tokens on each CP rank (calculate_per_token_loss off, verl's static-CP setting)",
+                "tiny DS4, MTP depth 1, indexer loss off, 6 ragged sequences, float64: MTP gradients summed over CP 2 ranks "
+                "1.0 relative off CP 1, 3e-15 with the fix (tests/production_cp_parity.py, cases mtp_unfixed / mtp)",
+                "substitutes.upstream_fixes.install_mtp_cp_token_share (each rank's share of the CP-global token mean; "
+                "only while dev normalises per rank, CP > 1)",
+                "the CPU path, and verl-ds4's GPU DS4 engines at CP > 1"),
 )
 
 
@@ -138,6 +151,10 @@ def install_all(*, reference_mhc_rms: bool = False) -> Installed:
     patches.set(csa, "rotate_activation", rotate_activation)  # csa binds it by name
     kernels = cp_layout_kernels.install(importlib.import_module(csa.__name__.rsplit(".", 1)[0] + ".csa_utils.cp_layout_kernels"))
     upstream_fixes.install_mtp_local_experts_mapping(patches)
+    from .precision import install_stable_topk
+
+    install_stable_topk(patches)
+    upstream_fixes.install_mtp_cp_token_share(patches)
     mhc = upstream_fixes.install_reference_mhc_rms(patches) if reference_mhc_rms else False
     _INSTALLED = Installed(patches, kernels, mhc)
     return _INSTALLED

@@ -14,6 +14,15 @@ changes), and each is listed in :data:`verl_ds4.substitutes.registry.UPSTREAM_FI
    (eps outside the square root). Relative difference about ``eps / rms`` (5e-7 at rms 1, 1.8e-5 in the tiny model's
    logits, where activations are small). :func:`install_reference_mhc_rms` replaces it by the reference form for the
    float64 proofs only; a GPU run keeps Megatron's (the difference is far below bf16 resolution).
+3. **MTP loss under CP: a mean over each rank's own tokens.** dev's ``process_mtp_loss`` (without
+   ``calculate_per_token_loss``, verl's setting for static CP) hands each rank ``scale * sum(local loss) /
+   local_tokens`` to the backward. verl's main loss on a CP rank is that rank's share of the global mean (its tokens'
+   sum over the global count; Megatron's DDP then divides every gradient by the CP size alike), so the MTP term is
+   weighted CP times more than at CP 1 against the main loss, and ragged ranks weight their tokens unequally: the
+   MTP gradients summed over CP 2 ranks are 1.0 relative off CP 1 on a ragged batch (3e-15 with this fix). :func:`install_mtp_cp_token_share`
+   makes it the rank's share of the CP-global mean (``sum(local loss) / global_tokens``, the rolled loss mask's count
+   all-reduced over the CP group) at CP > 1, which is the CP 1 value summed over ranks; CP 1 and the per-token
+   regime are untouched.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import torch
 
 from .patching import Patches
 
-__all__ = ["install_mtp_local_experts_mapping", "install_reference_mhc_rms", "megatron_mhc_rms_differs"]
+__all__ = ["install_mtp_cp_token_share", "install_mtp_local_experts_mapping", "install_reference_mhc_rms",
+           "megatron_mhc_rms_differs", "mtp_loss_is_rank_mean"]
 
 
 def install_mtp_local_experts_mapping(patches: Patches) -> bool:
@@ -78,4 +88,82 @@ def install_reference_mhc_rms(patches: Patches) -> bool:
         return False
     assert math.isfinite(megatron_mhc_rms_differs())
     patches.set(hyper_connection, "native_proj_rms", reference_proj_rms)
+    return True
+
+
+#: The lines of dev's ``process_mtp_loss`` that make its MTP loss a mean over the rank's own tokens (both proven commits).
+_RANK_MEAN_LINES = ("num_tokens = loss_mask.sum()", "safe_num_tokens = num_tokens.clamp(min=1)",
+                    "mtp_loss_scale * mtp_loss / safe_num_tokens")
+
+
+def mtp_loss_is_rank_mean(function) -> bool:
+    """Whether ``process_mtp_loss`` still normalises by the rank's own token count (the difference fix 3 corrects)."""
+    import inspect
+
+    try:
+        source = " ".join(inspect.getsource(function).split())
+    except (OSError, TypeError):
+        return False
+    return all(line in source for line in _RANK_MEAN_LINES)
+
+
+def install_mtp_cp_token_share(patches: Patches) -> bool:
+    """Fix 3 (module docstring): wrap dev's ``process_mtp_loss`` so that at CP > 1 (and without
+    ``calculate_per_token_loss``) each rank's MTP loss is its share of the CP-global token mean. Returns False (and
+    changes nothing) where dev has no ``process_mtp_loss`` or no longer normalises per rank.
+
+    How, without a copy of dev's function: while the wrapped call runs, its module's ``roll_tensor`` records each
+    rolled loss mask and its ``MTPLossAutoScaler`` rescales the per-token loss it is handed (dev's ``scale * loss /
+    local_tokens``) by ``local_tokens / global_tokens``; both names are restored when the call returns (the autograd
+    function's backward, which runs later, is dev's own)."""
+    import importlib
+    import inspect
+
+    import torch.distributed as dist
+
+    mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+    original = getattr(mtp, "process_mtp_loss", None)
+    if original is None or getattr(original, "_verl_ds4_cp_token_share", False):
+        return False
+    if not mtp_loss_is_rank_mean(original):
+        return False
+    signature = inspect.signature(original)
+
+    class _Scaler:
+        def __init__(self, scaler, masks, group):
+            self.scaler, self.masks, self.group = scaler, masks, group
+
+        def apply(self, output, per_token_loss):
+            local = self.masks[-1].sum().to(per_token_loss.dtype)
+            total = local.detach().clone()
+            dist.all_reduce(total, group=self.group)
+            return self.scaler.apply(output, per_token_loss * (local.clamp(min=1) / total.clamp(min=1)))
+
+    def process_mtp_loss(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        config, group = bound.arguments.get("config"), bound.arguments.get("cp_group")
+        if config is None or config.calculate_per_token_loss or group is None or dist.get_world_size(group) == 1:
+            return original(*args, **kwargs)
+        roll, scaler, masks = mtp.roll_tensor, mtp.MTPLossAutoScaler, []
+
+        def recording_roll(tensors, *a, **k):
+            rolled = roll(tensors, *a, **k)
+            masks.append(rolled[1])  # [labels or input_ids, loss_mask]: the loss mask of this depth
+            return rolled
+
+        mtp.roll_tensor, mtp.MTPLossAutoScaler = recording_roll, _Scaler(scaler, masks, group)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mtp.roll_tensor, mtp.MTPLossAutoScaler = roll, scaler
+
+    process_mtp_loss._verl_ds4_cp_token_share = True
+    process_mtp_loss.__wrapped__ = original
+    import sys
+
+    # every module that imported the function by name (gpt_model, hybrid_model, verl's mtp_patch) calls the wrapper
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is original:
+                patches.set(module, name, process_mtp_loss)
     return True

@@ -418,8 +418,8 @@ def _worker(rank: int, world: int, model_name: str, cfg, dtypes, batches, seed: 
                 with torch.no_grad():
                     per_token, _ = _actor_step(actor, input_ids, "contiguous", cp_rank, min_rows, world, group, hash_ids_shift=1)
                 result.checks["hash_shifted_log_probs"] = _np(per_token[:, 0])
-            if getattr(actor, "mtp_block", None) is not None:
-                from verl_ds4.models.ds4 import mtp
+            if getattr(actor, "mtp_block", None) is not None and model_name != "production":
+                from verl_ds4.models.ds4 import mtp  # the control flips this project model's roll (not dev's)
 
                 # Many short sequences: each sequence end is a row the bad roll gives the next one's token.
                 mtp_ids, _ = _batch(MTP_CONTROL, models.vocab, seed + 3, device)

@@ -115,6 +115,12 @@ class ProductionLM(torch.nn.Module):
     #: A negative control only: rows packed with another layout handed over as contiguous (dev's guard reads the label).
     relabel_contiguous = False
 
+    @property
+    def mtp_block(self):
+        """dev's MTP block (None without MTP): the harness passes the real-token loss mask to a model that has one
+        (without it dev's MTP loss counts the layout's padding rows at CP > 1)."""
+        return getattr(self.gpt, "mtp", None)
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, *, packed_seq_params=None, hash_token_ids=None, **kw):
         if self.relabel_contiguous and packed_seq_params is not None:
             import dataclasses
