@@ -154,8 +154,13 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # cred_expire: how long a step credential lives, and so how long Slurm holds a requeued job (default 120 s;
-# a requeued job started sooner is killed as "Job credential revoked"). 15 s: rehearse requeues quickly.
-AuthInfo=socket=$munge_socket,cred_expire=15
+# a requeued job started sooner is killed as "Job credential revoked"). 10 s: rehearse requeues quickly (a step's
+# credential is checked by the slurmd on this same host within milliseconds of its creation).
+AuthInfo=socket=$munge_socket,cred_expire=10
+# Scheduling without the waits of a busy production cluster: a submitted job starts within a second (backfill every
+# second, not 30 s; no batch_sched_delay), and a requeued job as soon as its hold ends (the main loop every second:
+# by default 60 s, and nothing else wakes the scheduler when a hold ends, so a requeued job waited up to a minute).
+SchedulerParameters=batch_sched_delay=0,bf_interval=1,sched_interval=1
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

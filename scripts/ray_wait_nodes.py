@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, required=True, help="number of alive nodes to wait for")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
-    parser.add_argument("--poll", type=float, default=5.0, help="seconds between checks (default 5)")
+    parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks (default 1)")
     parser.add_argument("--address", default="auto", help="Ray GCS address host:port (default auto)")
     args = parser.parse_args(argv)
     if args.nodes < 1:

@@ -33,7 +33,8 @@
 #   REQUEUE_BEFORE_S  sft: Slurm signals the job this many seconds before its time limit (--signal=B:USR1@N); it
 #                     stops the run and requeues the job, which resumes from the newest intact checkpoint (default 300)
 #   CLUSTER_LOG_DIR   where the job's output goes (default runs/slurm): <job name>-<job id>.out (the
-#                     plan and the outcome) and <job name>-<job id>/node<N>.log (each node's task)
+#                     plan and the outcome; a requeued job's runs one after the other) and
+#                     <job name>-<job id>/node<N>.log (each node's task)
 #   sbatch's own input variables apply as usual: SBATCH_PARTITION, SBATCH_ACCOUNT,
 #   SBATCH_TIMELIMIT, SBATCH_QOS, ...
 set -euo pipefail
@@ -99,9 +100,11 @@ else
     sbatch_args+=(--gpus-per-node=0)
 fi
 # --requeue: a job Slurm requeues (preemption, node failure, `scontrol requeue`) runs the batch script
-# again, and the launchers resume from the last checkpoint in CKPT_DIR / WORK_DIR.
+# again, and the launchers resume from the last checkpoint in CKPT_DIR / WORK_DIR. --open-mode=append: the
+# requeued run adds to the job's output file instead of truncating it (what each run printed, and why it ended).
 sbatch_args+=(
     --requeue
+    --open-mode=append
     --exclusive
     --chdir="$REPO_ROOT"
     --output="$CLUSTER_LOG_DIR/%x-%j.out"

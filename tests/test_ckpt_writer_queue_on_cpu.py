@@ -4,6 +4,10 @@ A stand-in rank (a Python process that makes the queue as a save would, through 
 Megatron-Core's own getter, and uses it) is SIGKILLed; the manager process serving the queue must be gone
 within seconds, and the resource tracker beside it too. Negative control: the same with Megatron's own
 queue (no install) leaves both alive, orphaned (what a CI run found after ``scancel`` under local Slurm).
+
+The manager does not import the rank's main module (a trainer run as ``python -m verl.trainer.sft_trainer``: ~10 s
+of imports at the first save): a stand-in rank run as a module logs each import of itself; ours is imported once,
+Megatron's own spawned manager imports it again (the control).
 """
 
 from __future__ import annotations
@@ -115,3 +119,34 @@ def test_install_leaves_a_queue_megatron_already_made_alone(monkeypatch, cached)
         monkeypatch.delattr(filesystem_async, "_results_queue")
         assert writer_queue.install() is None
         assert not hasattr(filesystem_async, "_results_queue")
+
+
+def test_the_writer_queue_process_does_not_import_the_ranks_main_module(tmp_path):
+    """The stand-in rank as ``python -m ds4_standin_rank``: every import of the module appends ``__name__ pid`` to a
+    log. With our queue only the rank itself (``__main__``) is there once the queue works; with Megatron's own
+    (spawn) manager, the manager process imported it too (``__mp_main__``): what the fix saves."""
+    (tmp_path / "ds4_standin_rank.py").write_text(
+        'import os\nwith open(os.environ["DS4_IMPORTS_LOG"], "a") as f:\n    f.write(f"{__name__} {os.getpid()}\\n")\n'
+        'if __name__ == "__main__":\n' + "".join(f"    {line}\n" for line in RANK.strip().splitlines()))
+    seen = {}
+    for kind in ("ours", "megatron"):
+        log = tmp_path / f"imports-{kind}.log"
+        env = dict(os.environ, DS4_IMPORTS_LOG=str(log),
+                   PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+        rank = subprocess.Popen([sys.executable, "-m", "ds4_standin_rank", kind], stdout=subprocess.PIPE, text=True,
+                                env=env)
+        children = {}
+        try:
+            assert rank.stdout.readline().strip() == "ready", f"the stand-in rank ({kind}) failed (exit {rank.poll()})"
+            children = _children(rank.pid)
+            seen[kind] = sorted(line.split()[0] for line in log.read_text().splitlines())
+        finally:
+            rank.kill()
+            rank.wait()
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert seen["ours"] == ["__main__"], seen
+    assert seen["megatron"] == ["__main__", "__mp_main__"], seen  # the control: spawn runs the main module again

@@ -6,10 +6,12 @@ verl's own trainers. The launchers are the ones a user submits on GPUs, with the
 ``DS4_DEVICE=cpu`` (device, local launcher and process counts; nothing else):
 
 * ``slurm_submit.sh sft``: the tiny DS4 SFT job (the CPU main job's settings, CP=2 contiguous) on 2
-  nodes x 1 process, torchrun's rendezvous from the job's node list; an uninterrupted run, then a run whose
-  ranks are SIGKILLed inside its step-4 save and that is ``scontrol requeue``d (it resumes from step 2, the
-  last intact step), ``scancel``-ed after a checkpoint and submitted again with the same command: the steps
-  after each checkpoint equal the uninterrupted run's, and nothing of the cancelled job survives.
+  nodes x 1 process, torchrun's rendezvous from the job's node list; an uninterrupted run, then the chaos run
+  (``verl_ds4.testing.slurm_chaos``): one run hit, in an order and at moments a seed draws, by a SIGKILL of
+  every rank inside a save, a rank SIGKILLed during a step, the pre-timeout USR1 and a ``scancel`` followed by
+  the same submission. The launcher restarts the run (or the job requeues itself) after each; at the end every
+  step's loss equals the uninterrupted run's bit for bit, every intact checkpoint is still there, and nothing of
+  any job survives.
 * ``ray_cluster.sh``: a head and a worker node on this host (own ports, temp dir, logical resources),
   ``wait-nodes 2``, ``submit ppo``: actor and rollout workers ran on both nodes (by node id, from Ray's
   state API); a third node that never joins makes ``wait-nodes`` time out naming the count and the
@@ -28,10 +30,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -41,78 +41,28 @@ from pathlib import Path
 
 import pytest
 
+from verl_ds4.ckpt_manifest import MANIFEST_NAME, verify_folder
 from verl_ds4.cpu.sft_run import parse_losses
 from verl_ds4.rollout.cpu_ppo_run import parse_step_metrics
+from verl_ds4.testing.slurm_chaos import (SIGKILL_REASON, ChaosJob, LocalSlurm, base_env, expect, free_port,
+                                          marked_processes, plan)
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = int(os.environ.get("VERL_DS4_CLUSTER_TEST_TIMEOUT_S", "600"))
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-                "DEADLINE"}
 # 128 conversations, batch 16: the 6 steps stay in the first epoch. (Resuming from a checkpoint written at the end
 # of an epoch does not continue exactly in verl 0.9.1's SFT trainer: with 64 conversations, a resume from step 4
 # gave step 5 a loss of 3.3643 against 3.3984 uninterrupted, the same on one node without Slurm.)
 SFT = {"STEPS": "6", "SAVE_FREQ": "2", "N_TRAIN": "128"}
 PPO = {"STEPS": "2", "N_TRAIN": "32"}
+# The chaos test's faults: their order and moments come from the seed (VERL_DS4_CHAOS_SEED picks another schedule).
+CHAOS_SEED = int(os.environ.get("VERL_DS4_CHAOS_SEED", "1"))
+CHAOS_KINDS = ("kill_in_save", "kill_rank", "usr1", "scancel")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Slurm and the /proc checks need Linux")
 
-
-_PICKED: set[int] = set()
-
-
-def _free_port() -> int:
-    """A port free now, from 20000 up to the kernel's ephemeral range (as ray_cluster.sh's RAY_NODE_PORTS=auto
-    picks them, clear of Ray's default ports 10001-19999): one the OS hands out for port 0 can be taken by an
-    outgoing connection before Ray binds it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.SystemRandom()
-    while True:
-        port = rng.randrange(20000, max(low, 21000))
-        if port in _PICKED:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("", port))
-            except OSError:
-                continue
-        _PICKED.add(port)
-        return port
-
-
-def _base_env(marker: str, **extra: str) -> dict[str, str]:
-    """This environment minus any cluster or recipe knob, this venv's tools first on PATH, this checkout first on
-    PYTHONPATH, and the marker every process of the run inherits."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "RAY_", "PET_", "DS4_"))
-           and k not in {"MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "NNODES", "GPUS_PER_NODE", "NPROC_PER_NODE", "CP",
-                         "WORK_DIR", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "STEPS", "NPROC"}}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHON"] = sys.executable
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env["DS4_TEST_MARKER"] = marker
-    env.update(extra)
-    return env
-
-
-def _marked_processes(marker: str) -> list[str]:
-    """``pid cmdline`` of every live process whose environment carries ``DS4_TEST_MARKER=marker``."""
-    needle = f"DS4_TEST_MARKER={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-            if needle not in environ.split(b"\0"):
-                continue
-            status = Path(f"/proc/{entry}/stat").read_text().split(")")[-1].split()[0]
-            if status == "Z":
-                continue
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found.append(f"{entry} {cmd[:200]}")
-    return found
+_free_port = free_port
+_base_env = base_env
+_marked_processes = marked_processes
 
 
 def _assert_nothing_left(marker: str, what: str, wait_s: float = 30.0) -> None:
@@ -129,64 +79,24 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 120) -> subproces
 # ------------------------------------------------------------------------------------------------ Slurm
 
 
-class LocalSlurm:
-    def __init__(self, directory: Path):
-        self.dir = directory
-        self.conf = directory / "slurm.conf"
-
-    def env(self, marker: str, **extra: str) -> dict[str, str]:
-        return _base_env(marker, SLURM_CONF=str(self.conf), **extra)
-
-    def job(self, job_id: str) -> dict[str, str]:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                             env={**os.environ, "SLURM_CONF": str(self.conf)})
-        return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
-
-    def wait(self, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.job(job_id)
-            if info.get("JobState") in FINAL_STATES:
-                return info
-            if time.monotonic() > deadline:
-                subprocess.run(["scancel", job_id], env={**os.environ, "SLURM_CONF": str(self.conf)})
-                raise AssertionError(f"job {job_id} did not end in {timeout} s: {info}")
-            time.sleep(0.5)
-
-    def submit(self, args: list[str], env: dict[str, str]) -> tuple[str, str]:
-        """``bash scripts/slurm_submit.sh ARGS`` -> (job id, what the submitter printed)."""
-        out = _run(["bash", "scripts/slurm_submit.sh", *args], env)
-        assert out.returncode == 0, f"slurm_submit.sh failed ({out.returncode}):\n{out.stdout}{out.stderr}"
-        job_id = re.search(r"Submitted batch job (\d+)", out.stdout).group(1)
-        return job_id, out.stdout
-
-    def queued(self) -> list[str]:
-        out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
-                             env={**os.environ, "SLURM_CONF": str(self.conf)})
-        return out.stdout.split()
-
-
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """``scripts/local_slurm.sh up`` with 2 logical nodes (installing Slurm and munge with apt when missing);
     ``down`` afterwards, and the daemons it started must then be gone."""
     if os.geteuid() != 0:
         pytest.skip("the local Slurm runs its daemons as root (scripts/local_slurm.sh up needs root, as CI has)")
-    directory = tmp_path_factory.mktemp("slurm")
-    env = {**os.environ, "LOCAL_SLURM_DIR": str(directory), "LOCAL_SLURM_NODES": "2"}
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=2, timeout=JOB_TIMEOUT_S)
     start = time.monotonic()
-    up = subprocess.run(["bash", "scripts/local_slurm.sh", "up"], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=600)
+    up = cluster.up()
     print(f"\nlocal Slurm up in {time.monotonic() - start:.1f} s:\n{up.stdout}{up.stderr}")
     pids = {}
     try:
         assert up.returncode == 0, f"local_slurm.sh up failed:\n{up.stdout}{up.stderr}"
-        pids = {f.name: int(f.read_text()) for f in (directory / "run").glob("*.pid")}
+        pids = cluster.daemon_pids()
         assert set(pids) == {"munged.pid", "slurmctld.pid", "slurmd.ds4n1.pid", "slurmd.ds4n2.pid"}, pids
-        yield LocalSlurm(directory)
+        yield cluster
     finally:
-        down = subprocess.run(["bash", "scripts/local_slurm.sh", "down"], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=120)
+        down = cluster.down()
         print(f"\nlocal Slurm down:\n{down.stdout}{down.stderr}")
         alive = [name for name, pid in pids.items() if Path(f"/proc/{pid}").exists()]
         assert not alive, f"daemons still running after down: {alive}"
@@ -259,173 +169,129 @@ def test_slurm_sft_runs_on_two_nodes_and_leaves_its_checkpoint(sft_reference):
     _assert_nothing_left(ref["marker"], "the finished SFT job")
 
 
-def _wait_for_checkpoint(slurm, job_id: str, tracker: Path, step: int) -> None:
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (tracker.exists() and tracker.read_text().strip() == str(step)):
-        state = slurm.job(job_id).get("JobState")
-        assert state not in FINAL_STATES, f"job {job_id} ended ({state}) before its step-{step} checkpoint"
-        assert time.monotonic() < deadline, f"no step-{step} checkpoint in time"
-        time.sleep(0.2)
+def _final_budget(wants) -> tuple[int, int]:
+    """(restarts used, Slurm requeues) of the job that finishes: the last fault's job, or a fresh one after a
+    scancel and the submission again."""
+    last = wants[-1]
+    return (0, 0) if last.action == "resubmit" else (last.used, last.requeues)
 
 
-def _kill_ranks_inside_the_save(slurm, job_id: str, marker: str, step_dir: Path, tracker: Path) -> list[str]:
-    """Poll until ``step_dir`` holds files (the save of that step began), freeze every trainer rank of the job
-    (SIGSTOP), check the step's manifest is not there yet (so the point is inside the save), SIGKILL them."""
-    from verl_ds4.ckpt_manifest import MANIFEST_NAME
-
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (step_dir.is_dir() and any(p.is_file() for p in step_dir.rglob("*"))):
-        state = slurm.job(job_id).get("JobState")
-        assert state not in FINAL_STATES, f"job {job_id} ended ({state}) before the save of {step_dir.name}"
-        assert time.monotonic() < deadline, f"no save of {step_dir.name} in time"
-        time.sleep(0.01)
-    # torchrun's workers, `python -u -m verl.trainer.sft_trainer ...` (not torchrun, not the console above it), and
-    # any process a worker forked for the save (the same command line)
-    ranks = [line for line in _marked_processes(marker)
-             if line.split()[2:5] == ["-u", "-m", "verl.trainer.sft_trainer"]]
-    pids = [int(line.split()[0]) for line in ranks]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        nodes = {node for line in ranks for node in ("node0", "node1") if f"/assets/{node}/" in line}
-        assert nodes == {"node0", "node1"}, "expected a trainer rank on each node:\n" + "\n".join(ranks)
-        assert not (step_dir / MANIFEST_NAME).exists(), "the ranks were stopped after the manifest, not in the save"
-        assert tracker.read_text().strip() == "2", "the tracker moved before the step was complete"
-        return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-
-
-def test_requeue_after_a_kill_inside_a_save_then_scancel_then_the_same_submission_resume_exactly(
+def test_chaos_seeded_faults_each_restarted_by_the_launcher_and_the_run_ends_as_if_uninterrupted(
         slurm, sft_reference, tmp_path):
-    """Two interruptions of one 6-step run (checkpoints every 2 steps). First, both ranks are SIGKILLed inside
-    the step-4 save (frozen by the test where ``global_step_4`` holds files and no manifest, then killed: a node
-    or a rank lost during a save) and the job is ``scontrol requeue``d: Slurm runs its batch script again, and
-    the launcher's start-up check names the unfinished step 4, renames it aside and resumes from step 2, the
-    last intact step. Then ``scancel`` after the requeued run's step-4 checkpoint and the same
-    ``slurm_submit.sh`` command again. Each continuation starts at the step after the last intact checkpoint,
-    and every step equals the uninterrupted run's bit for bit."""
+    """Issue 44 on the local Slurm: one 6-step SFT job (checkpoints every 2, MAX_RESTARTS=3) hit by four faults in an
+    order and at moments drawn from a seed (``verl_ds4.testing.slurm_chaos``; the CI seed is 1):
+
+    * ``kill_in_save``: every trainer rank frozen where ``global_step_N`` holds files and no manifest (the tracker
+      still on the step before), then SIGKILLed: the batch script's supervisor restarts the step on both nodes and the
+      launcher's start-up check names the unfinished step, renames it aside and resumes from the one before;
+    * ``kill_rank``: one node's rank SIGKILLed during a step: the supervisor restarts from the newest intact
+      checkpoint, naming the SIGKILL (torchrun's ``exitcode -9``, not srun's SIGTERM of the other node);
+    * ``usr1``: USR1 to the batch shell (``scancel --batch --signal=USR1``, what ``--signal=B:USR1@N`` sends before the
+      time limit): the run stops, the job requeues itself (Slurm's Restarts goes up) and resumes;
+    * ``scancel`` during a step, then the same ``slurm_submit.sh`` command again: the new job resumes.
+
+    After each: the launcher's action and its message, where the next attempt starts (the first step it prints), and
+    every process of the stopped attempt gone. At the end: every step trained, each attempt's loss of each step equal
+    to the uninterrupted run's (``sft_reference``) bit for bit, every checkpoint seen intact still there and unchanged
+    (the damaged ones renamed, not deleted), and no process of either job left."""
     ref = sft_reference["losses"]
+    steps, freq, budget = int(SFT["STEPS"]), int(SFT["SAVE_FREQ"]), 3
+    faults = plan(CHAOS_SEED, steps=steps, save_freq=freq, max_restarts=budget, kinds=CHAOS_KINDS)
+    wants = expect(faults, steps=steps, save_freq=freq, max_restarts=budget)
+    print(f"\nchaos seed {CHAOS_SEED}: " + "; ".join(map(str, faults)))
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
-    # MAX_RESTARTS=0: Slurm's requeue is what this test exercises, not the batch script's own restart of the step.
-    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-cut", MAX_RESTARTS="0")
-    ckpt = work / "checkpoints"
-    tracker = ckpt / "latest_checkpointed_iteration.txt"
-    seen: dict[str, dict[int, float]] = {}
-
-    job_id, _ = slurm.submit(["sft"], env)
+    run = ChaosJob(slurm, _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-chaos"), timeout=JOB_TIMEOUT_S)
+    ckpt = run.ckpt
+    start = time.monotonic()
     try:
-        written = _kill_ranks_inside_the_save(slurm, job_id, marker, ckpt / "global_step_4", tracker)
-        print(f"\nranks killed inside the step-4 save, {len(written)} file(s) written: {written[:6]}")
-        requeue = _run(["scontrol", "requeue", job_id], env)
-        assert requeue.returncode == 0, requeue.stderr
-        # Slurm holds a requeued job for its credential lifetime (local_slurm.sh: cred_expire=15 s), then runs it.
-        deadline = time.monotonic() + 60
-        while slurm.job(job_id).get("JobState") != "PENDING":
-            assert time.monotonic() < deadline, slurm.job(job_id)
-            time.sleep(0.2)
-        seen["first run"] = _node0_losses(work)
-        _wait_for_checkpoint(slurm, job_id, tracker, 4)
-        info = slurm.job(job_id)
-        assert info.get("Restarts") == "1", info
-        node0 = (work / "slurm" / f"ds4-sft-cut-{job_id}" / "node0.log").read_text(errors="replace")
-        assert f"checkpoint {ckpt / 'global_step_4'} is damaged or unfinished" in node0, node0[-3000:]
-        assert (f"resume_mode=auto: resuming from {ckpt / 'global_step_2'} (step 2), the newest intact checkpoint"
-                in node0), node0[-3000:]
-        assert [p.name.startswith("damaged_global_step_4_") for p in ckpt.iterdir()].count(True) == 1
-        cancel = _run(["scancel", job_id], env)
-        assert cancel.returncode == 0, cancel.stderr
-        info = slurm.wait(job_id, timeout=120)
+        run.submit()
+        assert "[verl-ds4] restarts    MAX_RESTARTS=3: the job restarts a run that dies" in run.submitted[0]
+        for fault, want in zip(faults, wants):
+            run.hit(fault, want)
+        info = run.finish()
     finally:
-        subprocess.run(["scancel", job_id], env=env, capture_output=True)
-    assert info["JobState"] == "CANCELLED", info
-    _assert_nothing_left(marker, f"the cancelled job {job_id}")
-    last = int(tracker.read_text().strip())
-    assert last in (4, 6), f"checkpoint {last}"
-    out = (work / "slurm" / f"ds4-sft-cut-{job_id}.out").read_text(errors="replace")
-    assert "[verl-ds4] restart     1 of this job (requeued)" in out, out
-    seen["requeued"] = _node0_losses(work)
+        for job in run.jobs:
+            slurm.cancel(job)
+    wall = time.monotonic() - start
+    print(f"chaos run: {len(faults)} faults, {len(run.jobs)} job(s), {wall:.0f} s")
+    for r in run.records:
+        print(f"  {r['fault']:40s} -> {r['action']:8s} acted after {r['action_s']:5.1f} s, step {r['first_step_after']} "
+              f"trained {r['first_step_s']:5.1f} s after the fault")
 
-    # The same command again: the launcher's resume_mode=auto continues from the last checkpoint.
-    job2, _ = slurm.submit(["sft"], env)
-    try:
-        info2 = slurm.wait(job2)
-    finally:
-        subprocess.run(["scancel", job2], env=env, capture_output=True)
-    out2 = (work / "slurm" / f"ds4-sft-cut-{job2}.out").read_text(errors="replace")
-    assert info2["JobState"] == "COMPLETED", (info2, out2)
-    seen["resubmitted"] = _node0_losses(work)
+    # The job that finished: completed, with the restarts and requeues the faults in it asked for.
+    used, requeues = _final_budget(wants)
+    out = run.out()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out[-4000:])
+    assert info.get("Restarts") == str(requeues), info
+    assert "all 2 node(s) finished" in out, out[-4000:]
+    assert (f"[verl-ds4] finished after {used} restart(s)" in out) == (used > 0), out[-4000:]
+    assert len(run.jobs) == 1 + sum(w.action == "resubmit" for w in wants)
 
-    print("\n" + "\n".join(f"  {name}: " + ", ".join(f"step {s} {v!r}" for s, v in sorted(losses.items()))
-                            for name, losses in seen.items()))
+    for fault, want, rec in zip(faults, wants, run.records):
+        where = f"{fault} (seed {CHAOS_SEED})"
+        # The fault landed where the schedule put it, and the next attempt began after the newest intact checkpoint.
+        assert rec["landed_after_step"] == want.failed_at - 1, (where, rec["landed_after_step"])
+        assert rec["first_step_after"] == (want.newest or 0) + 1, (where, rec["first_step_after"], want)
+        # Nothing of the stopped attempt is left (the scan saw its processes: the control of an empty list).
+        assert rec["processes_then"] > 0 and rec["left_behind"] == [], (where, rec["left_behind"])
+        attempts = run.restarts(rec["job"])["attempts"]
+        mine = attempts[want.attempt - 1]
+        assert mine["resumed_from"] == want.resumed_from and mine["returncode"] != 0, (where, attempts)
+        assert mine["last_step"] == want.failed_at - 1, (where, attempts)
+        job_out = run.out(rec["job"])
+        if fault.kind in ("kill_rank", "kill_in_save"):
+            assert mine["reason"] == SIGKILL_REASON, (where, attempts)
+            start = (f"step {want.newest} (the newest intact checkpoint in {ckpt}), resume_mode=auto"
+                     if want.newest is not None else "the start (no checkpoint yet)")
+            assert (f"[verl-ds4] restart     {want.used} of {budget}: attempt {want.attempt} failed at step "
+                    f"{want.failed_at} ({SIGKILL_REASON}); starting again from {start}; {budget - want.used} tries "
+                    "left") in job_out, (where, job_out[-4000:])
+        if fault.kind == "kill_in_save":
+            assert rec["ranks_on_nodes"] == [0, 1], (where, rec)  # a rank frozen on each node
+            assert not rec["manifest_then"] and rec["files_then"], (where, rec)  # inside the save: files, no manifest
+            assert rec["tracker_then"] == (None if want.newest is None else str(want.newest)), (where, rec)
+            damaged = ckpt / f"global_step_{fault.step}"
+            assert f"checkpoint {damaged} is damaged or unfinished" in rec["node0_log"], (where, rec["node0_log"])
+            if want.newest is not None:
+                assert (f"resume_mode=auto: resuming from {ckpt / f'global_step_{want.newest}'} (step {want.newest}), "
+                        "the newest intact checkpoint") in rec["node0_log"], (where, rec["node0_log"])
+        if fault.kind == "usr1":
+            assert (f"[verl-ds4] restart     {want.used} of {budget}: Slurm's pre-timeout signal (USR1) at step "
+                    f"{want.failed_at}; the job is requeued") in job_out, (where, job_out[-4000:])
+            assert (f"[verl-ds4] requeue     Slurm job {rec['job']} (the pre-timeout signal): it resumes from the newest "
+                    "intact checkpoint") in job_out, (where, job_out[-4000:])
+            assert f"[verl-ds4] restart     {want.requeues} of this job (requeued)" in job_out, (where, job_out[-4000:])
+        if fault.kind == "scancel":
+            assert rec["cancelled"] == "CANCELLED", (where, rec)
+
+    # Every step trained; each attempt's loss of each step it trained is the uninterrupted run's, bit for bit.
+    runs = [parse_losses(log.read_text(errors="replace")) for log in run.attempt_logs()]
+    assert len(runs) == len(faults) + 1, [sorted(r) for r in runs]
+    print("\n".join(f"  attempt {i + 1}: " + ", ".join(f"step {s} {v!r}" for s, v in sorted(r.items()))
+                    for i, r in enumerate(runs)))
     print("  uninterrupted: " + ", ".join(f"step {s} {v!r}" for s, v in sorted(ref.items())))
-    assert sorted(seen["first run"])[:2] == [1, 2]
-    assert sorted(seen["requeued"])[0] == 3, "the requeued job should start at step 3 (step 4 was unfinished)"
-    assert sorted(seen["resubmitted"]) == list(range(last + 1, 7)), seen["resubmitted"]
-    for losses in seen.values():
-        assert {s: ref[s] for s in losses} == losses
+    for i, losses in enumerate(runs):
+        assert losses and {s: ref[s] for s in losses} == losses, (i + 1, losses, ref)
+    assert min(runs[0]) == 1 and max(runs[-1]) == steps
+    assert set().union(*runs) == set(range(1, steps + 1))
     # Negative control: the compared losses are not constants (each step's differs from the others').
-    assert len({ref[s] for s in range(1, 7)}) == 6
-    _assert_nothing_left(marker, f"the resumed job {job2}")
+    assert len({ref[s] for s in range(1, steps + 1)}) == steps
 
-
-def _all_node0_losses(work: Path) -> list[dict[int, float]]:
-    return [parse_losses(log.read_text(errors="replace")) for log in sorted((work / "logs").glob("*-node0.log"))]
-
-
-def test_the_job_restarts_a_run_whose_rank_died_and_requeues_itself_on_the_pre_timeout_signal(slurm, tmp_path):
-    """Issue 44 on Slurm, one 6-step job (checkpoints every 2, MAX_RESTARTS=3 by default). After the step-2
-    checkpoint the trainer rank on the second node is SIGKILLed: the batch script's supervisor runs the srun step
-    again on both nodes, from step 2. After the restarted run's step-4 checkpoint the batch shell gets USR1 as
-    ``--signal=B:USR1@N`` would send it before the time limit (``scancel --batch --signal=USR1``): the run is
-    stopped, the job requeues itself and resumes from step 4 to the end. Every step seen twice has the same
-    loss both times, bit for bit."""
-    work = tmp_path / "work"
-    marker = uuid.uuid4().hex
-    env = _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-restart")
-    ckpt = work / "checkpoints"
-    tracker = ckpt / "latest_checkpointed_iteration.txt"
-    job_id, submitted = slurm.submit(["sft"], env)
-    assert "[verl-ds4] restarts    MAX_RESTARTS=3: the job restarts a run that dies" in submitted, submitted
-    try:
-        _wait_for_checkpoint(slurm, job_id, tracker, 2)
-        ranks = [line for line in _marked_processes(marker)
-                 if line.split()[2:5] == ["-u", "-m", "verl.trainer.sft_trainer"] and "/assets/node1/" in line]
-        assert ranks, _marked_processes(marker)
-        killed_at = time.monotonic()
-        os.kill(int(ranks[0].split()[0]), signal.SIGKILL)
-        state = work / "slurm" / f"ds4-sft-restart-{job_id}" / "restarts.json"
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while not (state.exists() and json.loads(state.read_text())["used"] == 1):
-            assert time.monotonic() < deadline and slurm.job(job_id).get("JobState") not in FINAL_STATES, \
-                (slurm.job(job_id), state.read_text() if state.exists() else None)
-            time.sleep(0.2)
-        restart_s = time.monotonic() - killed_at
-        _wait_for_checkpoint(slurm, job_id, tracker, 4)
-        usr1 = _run(["scancel", "--batch", "--signal=USR1", job_id], env)
-        assert usr1.returncode == 0, usr1.stderr
-        info = slurm.wait(job_id)
-    finally:
-        subprocess.run(["scancel", job_id], env=env, capture_output=True)
-    out = (work / "slurm" / f"ds4-sft-restart-{job_id}.out").read_text(errors="replace")
-    print(f"\nrestart decided {restart_s:.1f} s after the rank's SIGKILL\n{out[-3000:]}")
-    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, out[-4000:])
-    attempts = json.loads(state.read_text())["attempts"]
-    assert [a["returncode"] != 0 for a in attempts] == [True, True, False], attempts
-    assert attempts[0]["reason"] == "a rank was killed by SIGKILL (torchrun: exitcode -9)", attempts
-    assert [a["resumed_from"] for a in attempts] == [None, 2, 4], attempts
-    assert "[verl-ds4] finished after 2 restart(s)" in out and "all 2 node(s) finished" in out
-    assert tracker.read_text().strip() == "6"
-    runs = _all_node0_losses(work)
-    assert len(runs) == 3 and sorted(runs[-1]) == [5, 6] and min(runs[1]) == 3, runs
-    merged: dict[int, float] = {}
-    for losses in runs:
-        for step, loss in losses.items():
-            assert merged.setdefault(step, loss) == loss, (step, runs)  # a step trained again: the same loss
-    assert sorted(merged) == [1, 2, 3, 4, 5, 6] and len(set(merged.values())) == 6
-    _assert_nothing_left(marker, f"the restarted job {job_id}")
+    # Nothing intact deleted or changed: every step folder seen intact (at each fault and at the end) is there with the
+    # same manifest and passes the full check; each unfinished save was renamed aside, and the check finds its damage
+    # (the control).
+    assert {f"global_step_{s}" for s in range(freq, steps + 1, freq)} <= set(run.intact), sorted(run.intact)
+    for name, manifest in run.intact.items():
+        assert (ckpt / name / MANIFEST_NAME).read_bytes() == manifest, name
+        assert verify_folder(ckpt / name, full=True, require_manifest=True) == [], name
+    for fault in faults:
+        if fault.kind == "kill_in_save":
+            aside = sorted(ckpt.glob(f"damaged_global_step_{fault.step}_*"))
+            assert len(aside) == sum(f == fault for f in faults), sorted(p.name for p in ckpt.iterdir())
+            assert all(verify_folder(p, require_manifest=True) for p in aside), aside
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(steps)
+    _assert_nothing_left(marker, f"the chaos run's jobs {run.jobs}")
 
 
 def test_a_failing_sft_job_prints_each_failed_nodes_log_tail(slurm, tmp_path):

@@ -15,11 +15,18 @@ seconds of its rank's death (its parent process id changes when it is orphaned).
 tracker then exits by itself (its last writer is gone). The queue is Megatron's own kind (a
 ``SyncManager().Queue()``), so Megatron's save path is unchanged. A Megatron without that cache
 (a renamed global) is left alone.
+
+The manager is started with ``spawn`` (as Megatron's is) but without running the rank's main module again in it
+(:func:`_main_module_not_run`): ``spawn`` imports the parent's ``__main__`` in the child, for a rank
+``verl.trainer.sft_trainer`` with verl, Megatron and the engines, about 10 s of imports on a CPU (and their memory)
+at every run's first save, for a process that serves one queue from the standard library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import multiprocessing.spawn
 import os
 import threading
 import time
@@ -44,6 +51,26 @@ def _exit_with_parent(parent: int, poll_s: float = POLL_S) -> None:
     threading.Thread(target=watch, name="verl-ds4-exit-with-rank", daemon=True).start()
 
 
+@contextlib.contextmanager
+def _main_module_not_run():
+    """While it lasts, processes started with ``spawn`` do not import the parent's main module (the preparation
+    data a spawned child receives loses ``init_main_from_name`` / ``init_main_from_path``); everything else they
+    get as usual (``sys.path``, the working folder, the authkey). Only for a child that needs nothing of it."""
+    prepare = multiprocessing.spawn.get_preparation_data
+
+    def without_main(name):
+        data = prepare(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    multiprocessing.spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        multiprocessing.spawn.get_preparation_data = prepare
+
+
 def install() -> SyncManager | None:
     """Give Megatron's writer a results queue whose manager process ends with this process.
 
@@ -59,7 +86,8 @@ def install() -> SyncManager | None:
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return None
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+    with _main_module_not_run():  # it serves a queue: the rank's main module (verl's trainer) is not imported there
+        manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _MANAGER = manager
     return manager
