@@ -178,7 +178,7 @@ if [ "$ENGINE" = production ]; then
     # verl's own engine build (Megatron-Bridge -> Megatron-LM dev's DS4) for actor, reference and critic; the weight sync is
     # verl's Bridge export (HF names), which the rollout loads into the same model (verl_ds4/rollout/production_policy.py).
     # Bridge's HF save imports NVIDIA ModelOpt: no model checkpoint here (SAVE_FREQ=-1 unless set).
-    if ! MEGATRON_DEV_DIR=$(VERL_USE_EXTERNAL_MODULES= "$PYTHON" -W ignore -m verl_ds4.substitutes.megatron_dev --print-root); then
+    if ! MEGATRON_DEV_DIR=$(VERL_USE_EXTERNAL_MODULES="" "$PYTHON" -W ignore -m verl_ds4.substitutes.megatron_dev --print-root); then
         exit 2
     fi
     export MEGATRON_DEV_DIR
@@ -252,8 +252,8 @@ ASSET_ARGS=(--out "$ASSETS" --n-train "$N_TRAIN" --model "$MODEL" --family "$ASS
 [ -n "$PROMPT_LENGTH" ] && ASSET_ARGS+=(--prompt-len "$PROMPT_LENGTH")
 [ -n "$MAX_POSITIONS" ] && ASSET_ARGS+=(--max-positions "$MAX_POSITIONS")
 if [ "$VERBOSE" = 1 ]; then
-    VERL_USE_EXTERNAL_MODULES= "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" >/dev/null  # verl-ds4's own model writes them
-elif ! assets_out=$(VERL_USE_EXTERNAL_MODULES= "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" 2>&1); then
+    VERL_USE_EXTERNAL_MODULES="" "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" >/dev/null  # verl-ds4's own model writes them
+elif ! assets_out=$(VERL_USE_EXTERNAL_MODULES="" "$PYTHON" "$REWARD_FILE" "${ASSET_ARGS[@]}" 2>&1); then
     printf '%s\n' "$assets_out" >&2   # quiet unless it fails
     echo "[verl-ds4] FAILED: writing the assets to $ASSETS" >&2
     exit 1

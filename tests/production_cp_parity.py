@@ -10,6 +10,8 @@ layers, hash and learned routing; seeded weights written as a native folder):
 * ``exact``: MTP off and the indexer loss off (coefficient 0): every quantity against CP = 1, and the zigzag
   refusal and its control;
 * ``indexer``: MTP off, the indexer loss on (1e-2);
+* ``indexer_padded``: ``indexer`` with verl's padded lengths in ``cu_seqlens_q`` (what verl 0.9.1 hands every model;
+  verl-ds4's DS4 engines hand dev's DS4 the real ones), at the smallest CP: the negative control of that choice;
 * ``mtp``: MTP on (depth 1), the indexer loss off;
 * ``mtp_unfixed``: ``mtp`` without verl-ds4's MTP fix (:func:`verl_ds4.substitutes.upstream_fixes.
   install_mtp_cp_token_share`), at the smallest CP: the fix's negative control;
@@ -69,7 +71,18 @@ def main(commit: str, cps: list[int]) -> dict:
                     upstream_fixes.install_mtp_cp_token_share = fix
                 out["cases"]["mtp_unfixed"] = {str(cps[0]): rows(unfixed, runs[1])}
                 out["cases"]["mtp_unfixed_seconds"] = round(time.time() - t, 1)
-            if name == "indexer":
+            if name == "indexer":  # the padded lengths (the ranks are forked: the parent's class attribute holds)
+                from verl_ds4.verify.production import ProductionLM
+
+                t = time.time()
+                ProductionLM.real_cu_seqlens = False
+                try:
+                    padded = run_parity(cps[0], dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
+                                        layout_checks=False, options=opts)
+                finally:
+                    ProductionLM.real_cu_seqlens = True
+                out["cases"]["indexer_padded"] = {str(cps[0]): rows(padded, runs[1])}
+                out["cases"]["indexer_padded_seconds"] = round(time.time() - t, 1)
                 t = time.time()
                 linear = dataclasses.replace(opts, sparse_core="linear")
                 out["cases"]["linear"] = {str(cp): rows(run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg,

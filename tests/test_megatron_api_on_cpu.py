@@ -149,7 +149,11 @@ def test_gpu_ds4_engines_install_the_mtp_cp_fix_only_where_it_applies():
     from verl_ds4 import ds4_facts
     from verl_ds4.substitutes.upstream_fixes import mtp_loss_is_rank_mean
 
+    if engines._GPU_FIXES is not None:  # a GPU DS4 engine built earlier in this process installed it: start clean
+        engines._GPU_FIXES.undo()
+        engines._GPU_FIXES = None
     original = getattr(mtp, "process_mtp_loss", None)
+    assert not getattr(original, "_verl_ds4_cp_token_share", False)
     applies = original is not None and mtp_loss_is_rank_mean(original)
     ds4 = SimpleNamespace(hf_config=SimpleNamespace(model_type=ds4_facts.HF_MODEL_TYPE))
     other = SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3"))

@@ -37,8 +37,8 @@ FLOORS = {
     "cpu": 5,
     "memory": 5,
     "recipes": 6,
-    "rollout": 6,
     "verify": 6,
+    "rollout": 7,
     "cli": 7,
     "testing": 8,
 }

@@ -7,14 +7,14 @@ imports Megatron-LM dev from an export, at float64 on ragged sequences that stra
 * MTP and indexer loss off: loss, log-probs, entropy, every actor and critic gradient equal CP = 1 within 1e-10
   (measured ~1.7e-15); DS4 attention refuses zigzag rows, and zigzag rows labelled contiguous change the log-probs
   (the control that the comparison can fail);
-* the indexer loss on: dev's CP path gives another indexer-loss value (2.5e-3 relative) and other gradients of the
-  indexer's parameters (~1e-4 relative) than its CP = 1 path; everything else stays exact. Recorded here as the
-  upstream difference it is (docs/verify-cp.md), bounded so that a worse one, or a fix, is noticed;
+* the indexer loss on: with the real lengths in ``cu_seqlens_q`` (verl-ds4's DS4 engines hand dev's DS4 those;
+  :func:`verl_ds4.mcore.thd.packed_seq_params_for`) every quantity equals CP = 1 within 1e-10; with verl 0.9.1's
+  padded lengths (the negative control) dev counts the layout's padding rows as indexer-loss queries, and the
+  indexer-loss value (2.5e-3 relative) and the indexer's gradients (~1e-4) differ;
 * MTP on (indexer loss off): dev's MTP loss is a mean over each rank's own tokens while verl's main loss is each
   rank's share of the global mean; with verl-ds4's fix (:func:`verl_ds4.substitutes.upstream_fixes.
   install_mtp_cp_token_share`) every quantity equals CP = 1 within 1e-10 (measured 3e-15), and without it (the
-  negative control) the MTP gradients are ~1.0 relative off; MTP and the indexer loss on: only the indexer's
-  quantities differ;
+  negative control) the MTP gradients are ~1.0 relative off; MTP and the indexer loss on: every quantity exact;
 * verl-ds4's linear sparse attention installed into dev's layers (``ds4.sparse_attention=linear``) gives the same
   numbers as dev's own functions in the whole model, at CP 1 and CP 2.
 
@@ -78,10 +78,20 @@ def test_zigzag_is_refused_and_zigzag_rows_labelled_contiguous_differ(result):
         assert control["passed"] and control["max_rel"] > 1e-3, (cp, control)  # the negative control: it can fail
 
 
-def test_indexer_loss_under_cp_differs_as_documented(result):
-    """dev's CP path of the indexer loss: its value and the indexer's gradients differ from dev's CP = 1 path
-    (docs/verify-cp.md); the forward, the other gradients and the critic stay exact."""
+def test_indexer_loss_under_cp_equals_cp1_with_the_real_lengths(result):
+    """The indexer loss on (MTP off): with the real lengths in ``cu_seqlens_q`` (what verl-ds4's DS4 engines hand
+    dev's DS4) every quantity equals CP = 1, the indexer-loss value and the indexer's gradients included."""
     for cp, rows in _rows(result, "indexer").items():
+        matched = [r for r in rows.values() if r["expect"] == "match"]
+        assert "fp64 ragged indexer_loss" in rows and len(matched) >= 12, rows
+        assert all(r["passed"] and r["max_rel"] <= 1e-10 for r in matched), (cp, [r for r in matched if not r["passed"]])
+
+
+def test_with_verls_padded_lengths_dev_s_indexer_loss_moves_with_the_padding(result):
+    """The negative control: verl 0.9.1's padded lengths in ``cu_seqlens_q`` make dev count the layout's padding
+    rows as indexer-loss queries (and in its divisor), so CP 2 (5 padding rows) gives another indexer-loss value and
+    other gradients of the indexer's parameters than CP 1 (no padding); the forward and the rest stay exact."""
+    for cp, rows in _rows(result, "indexer_padded").items():
         exact = {q: r for q, r in rows.items() if "indexer_loss" not in q and "grads attention" not in q}
         assert all(r["passed"] for r in exact.values()), (cp, [r for r in exact.values() if not r["passed"]])
         value = rows["fp64 ragged indexer_loss"]["max_rel"]
@@ -108,13 +118,12 @@ def test_without_the_mtp_fix_the_mtp_gradients_differ(result):
         assert mtp["max_rel"] > 0.1, (cp, mtp)
 
 
-def test_full_defaults_differ_only_where_dev_s_indexer_loss_does(result):
-    """MTP and the indexer loss on (the harness's defaults): only the indexer-loss value and the attention group's
-    gradients differ (dev's CP indexer loss, as in the indexer case); the MTP gradients are exact."""
+def test_full_defaults_every_quantity_equals_cp1(result):
+    """MTP and the indexer loss on (the harness's defaults), both fixes in place: every quantity equals CP = 1."""
     for cp, rows in _rows(result, "full").items():
-        other = {q: r for q, r in rows.items() if "indexer_loss" not in q and "grads attention" not in q}
-        assert all(r["passed"] for r in other.values()), (cp, [r for r in other.values() if not r["passed"]])
-        assert any(q.startswith("fp64 ragged grads mtp") for q in other), rows
+        matched = [r for r in rows.values() if r["expect"] == "match"]
+        assert any(q.startswith("fp64 ragged grads mtp") for q in rows) and "fp64 ragged indexer_loss" in rows, rows
+        assert all(r["passed"] and r["max_rel"] <= 1e-10 for r in matched), (cp, [r for r in matched if not r["passed"]])
 
 
 def test_the_linear_sparse_attention_runs_inside_dev_s_whole_model(result):

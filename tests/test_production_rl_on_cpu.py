@@ -11,7 +11,7 @@ attention-only proxy, with checkpoints and an unknown ENGINE before starting any
 
 Lane 2 only (Python 3.12, megatron-bridge); skipped where no Megatron-LM dev export can be found, with the command
 that makes one. GRPO on this engine (actor and reference only) is the same run with ``DS4_RL_RECIPE=grpo``; its
-figures are in docs/production-path.md.
+figures are in docs/rl-on-a-laptop.md ("The production engine").
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ checks it, imports inside functions included; ``docs/architecture.md`` says what
 4. ``verl_ds4.models``     DS4 model pieces (CPU attention, proxy, chat encoding, provider facts)
 5. ``verl_ds4.cpu``, ``verl_ds4.memory``  the CPU jobs; the memory model (each GPU's peak per role, pass and
    stage, and the meshes that fit: a function of typed inputs, no config reading)
-6. ``verl_ds4.recipes``, ``verl_ds4.rollout``, ``verl_ds4.verify``  recipe compose / validate / plan (reads the
-   memory model's inputs); the CPU rollout for verl's RL trainers, the rollout/actor mismatch gate;
-   ``verl-ds4 verify`` (CP parity on CPU or GPU, HF / NeMo comparisons)
-7. ``verl_ds4.cli``        the ``verl-ds4`` command
+6. ``verl_ds4.recipes``, ``verl_ds4.verify``  recipe compose / validate / plan (reads the memory model's inputs);
+   ``verl-ds4 verify`` (CP parity on CPU or GPU, HF / NeMo comparisons, the production model's builder)
+7. ``verl_ds4.rollout``, ``verl_ds4.cli``  the CPU rollout for verl's RL trainers, the rollout/actor mismatch gate (the
+   production rollout builds verify's production model); the ``verl-ds4`` command
 8. ``verl_ds4.testing``    helpers for tests and benchmarks only (the product never imports it)
 """
 

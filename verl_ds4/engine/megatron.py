@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import contextvars
 import functools
 import logging
@@ -539,6 +540,9 @@ class _ResolvedLayoutEngine:
             # cp_balance=ds4 is balanced with this model's own DS4 shape (Pro's layers for Pro)
             balance=cp_balance_cost_model(cp_balance_of(engine_config), _hf_config_of(self)),
         )
+        if self.sparse_attention_in_megatron and resolver.is_ds4_hf_config(_hf_config_of(self)):
+            # Megatron-LM dev's DS4 reads the real lengths from cu_seqlens_q (its indexer loss); see thd.packed_seq_params_for
+            resolved = dataclasses.replace(resolved, real_cu_seqlens=True)
         resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved
         self._use_sparse_core(module)

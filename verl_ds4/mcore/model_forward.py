@@ -64,6 +64,7 @@ class PackedBatch:
             extra,
             layout_consumer_checked=True,
             mtp_loss_normalization_factor=mtp_loss_normalization_factor,
+            real_cu_seqlens=resolved.real_cu_seqlens,
         )
 
     def _check_same_batch(self, tensor: torch.Tensor, name: str) -> None:

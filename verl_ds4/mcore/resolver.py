@@ -118,6 +118,10 @@ class ResolvedCPLayout:
         sources: who decided the layout, for logs and ``verl-ds4 doctor``.
         balance: contiguous layout only: the cost model whose straggler the order of sequences in
             the packed buffer minimises (``None``: batch order); see ``PlanOptions.balance``.
+        real_cu_seqlens: the micro-batches' ``cu_seqlens_q`` / ``cu_seqlens_kv`` are the real lengths (the padded
+            ones stay in ``*_padded``), where verl fills every field with the padded ones. Set by verl-ds4's DS4
+            engines for Megatron-LM dev's DS4, which counts a row inside ``cu_seqlens_q`` as a real query in its
+            indexer loss (see :func:`verl_ds4.mcore.thd.packed_seq_params_for`).
     """
 
     layout: str
@@ -129,6 +133,7 @@ class ResolvedCPLayout:
     dynamic_cp: bool = False
     sources: tuple[str, ...] = ()
     balance: "str | TokenCostModel | None" = None
+    real_cu_seqlens: bool = False
 
     @property
     def balance_name(self) -> str | None:

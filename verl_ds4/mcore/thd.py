@@ -144,18 +144,25 @@ def packed_seq_params_for(
     extra: dict | None = None,
     layout_consumer_checked: bool = False,
     mtp_loss_normalization_factor: float | None = None,
+    real_cu_seqlens: bool = False,
 ) -> PlannedPackedSeqParams:
     """The THD ``PackedSeqParams`` of a plan, with the layout recorded and the plan carried.
 
-    Field values match verl 0.9.1: every ``cu_seqlens*`` field is the global padded one.
+    Field values match verl 0.9.1: every ``cu_seqlens*`` field is the global padded one. ``real_cu_seqlens``:
+    ``cu_seqlens_q`` / ``cu_seqlens_kv`` are the real lengths instead (Megatron's convention for padded THD; the
+    ``*_padded`` fields and ``max_seqlen_*`` stay the padded ones). Megatron-LM dev's DS4 needs it: its CSA indexer
+    loss takes every row inside ``cu_seqlens_q`` as a real query (a padding row sees the real keys before it) and,
+    unfused, divides by ``cu_seqlens_q[-1]``; with the padded lengths the loss moves with the layout's padding, so
+    CP 2 gave another indexer loss than CP 1 (2.5e-3 relative on the parity batch; 0 with the real lengths).
     """
     check_layout_consumable(plan.layout, plan.cp_size, layout_consumer_checked)
     cu = plan.cu_seqlens_padded
+    cu_real = plan.cu_seqlens if real_cu_seqlens else cu
     return PlannedPackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=cu,
+        cu_seqlens_q=cu_real,
         max_seqlen_q=plan.max_seqlen_padded,
-        cu_seqlens_kv=cu,
+        cu_seqlens_kv=cu_real,
         max_seqlen_kv=plan.max_seqlen_padded,
         cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu,

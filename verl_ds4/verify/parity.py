@@ -144,7 +144,9 @@ def _forward(model, input_ids, layout: str, cp_rank: int, min_local_rows: int, c
 
     plan = make_plan(input_ids, PlanOptions(layout=layout, cp_size=cp_size, min_local_rows=min_local_rows))
     # megatron-core 0.16.1 lacks PackedSeqParams.cp_partition_mode; DS4 attention reads the attribute.
-    params = packed_seq_params_for(plan, layout_consumer_checked=True)
+    # real_cu_seqlens: what verl-ds4's engines hand Megatron-LM dev's DS4 (ResolvedCPLayout.real_cu_seqlens)
+    params = packed_seq_params_for(plan, layout_consumer_checked=True,
+                                   real_cu_seqlens=getattr(model, "real_cu_seqlens", False))
     ids, positions = pack_input(input_ids, plan, cp_rank)
     kwargs = {}
     if hash_ids_shift:

@@ -114,6 +114,9 @@ class ProductionLM(torch.nn.Module):
 
     #: A negative control only: rows packed with another layout handed over as contiguous (dev's guard reads the label).
     relabel_contiguous = False
+    #: The harness hands this model the real lengths in cu_seqlens_q, as verl-ds4's DS4 engines do for dev's DS4
+    #: (``ResolvedCPLayout.real_cu_seqlens``); a test sets it False for the negative control (verl's padded lengths).
+    real_cu_seqlens = True
 
     @property
     def mtp_block(self):
