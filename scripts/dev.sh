@@ -4,11 +4,10 @@
 #   bash scripts/dev.sh demo [args]   set up .venv, then run the main job: tiny DS4 SFT on CPU (verl's SFT trainer, CP=2)
 #                                     (scripts/run_ds4_proxy_sft_cpu.sh; args are Hydra overrides)
 #   bash scripts/dev.sh test [args]   run the test suite in two lanes (args go to pytest in both):
-#                                     lane 1: .venv (PYTHON, megatron-core 0.16.1), every test but
-#                                     tests/conftest.py's LANE2_ONLY_FILES (with lane 2 beside it);
+#                                     lane 1: .venv (PYTHON, megatron-core 0.16.1), every test;
 #                                     lane 2: .venv312 (Python 3.12, megatron-core 0.19.2), the layout,
 #                                     mcore, engine, resolver and DS4 model tests (tests/conftest.py
-#                                     LANE2_FILES) and LANE2_ONLY_FILES; among the tests that args select
+#                                     LANE2_FILES; among the tests that args select)
 #
 # How `test` runs: lane 2 (its set-up, network-bound: torch for Python 3.12 comes from PyPI, then its
 # tests) runs in the background at low priority (nice 19) while lane 1 sets up and runs its tests in
@@ -191,8 +190,7 @@ run_tests() {
         status1=0
         # pytest exits 5 when it collects no test: that fails here as any non-zero exit does. The 20
         # slowest tests are listed at the end (CI's time budget: the whole suite under 40 minutes).
-        # With lane 2 beside it, lane 1 leaves out tests/conftest.py's LANE2_ONLY_FILES (lane 2 runs them in its slack).
-        VERL_DS4_TEST_LANE=$([ "$lane2" = 1 ] && echo 1) "$VENV/bin/python" -m pytest --durations=20 \
+        "$VENV/bin/python" -m pytest --durations=20 \
             --deselect tests/test_image_pins_resolve_on_cpu.py::test_image_pins_resolve_on_python_312 "$@" \
             2>&1 | tee "$logs/lane1.log" || status1=${PIPESTATUS[0]}
         tests1_s=$((SECONDS - t))

@@ -15,11 +15,6 @@ lanes, and our engine's data paths on megatron-core 0.19.2 are ``test_engine_dat
 attention-only fidelity test (the full model's fidelity test runs in both) and the proxy.
 The production-path tests (``test_production_*``: Megatron-LM dev's DS4 built by Megatron-Bridge, which needs
 Python 3.12) are lane-2 files that skip in lane 1.
-
-``LANE2_ONLY_FILES``: test files that run once, in lane 2, when ``scripts/dev.sh test`` runs both lanes (it runs lane 1
-with ``VERL_DS4_TEST_LANE=1``, which leaves them out): verl's trainers on the project's CPU engine that take minutes
-and need nothing of lane 1 (the GRPO run, the DeepSeek-V4.1 RL runs). Lane 1 spends its two cores fully; lane 2 runs
-in its slack. A plain ``pytest`` (no ``VERL_DS4_TEST_LANE``) and ``LANES=1`` run them as any other file.
 """
 
 from __future__ import annotations
@@ -51,44 +46,27 @@ LANE2_FILES = frozenset({
 })  # fmt: skip
 
 
-LANE2_ONLY_FILES = frozenset({
-    "test_cpu_grpo_on_cpu.py",
-    "test_cpu_rl_ds41_on_cpu.py",
-})  # fmt: skip
-
-
 def _lane2_only() -> bool:
     return os.environ.get("VERL_DS4_TEST_LANE") == "2"
 
 
 def pytest_ignore_collect(collection_path, config):
-    """Lane 2 does not import the other test files (their imports may need what lane 1 has); lane 1 of a two-lane
-    run does not collect the lane-2-only files."""
-    if not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
-        return None
-    if _lane2_only():
-        return collection_path.name not in LANE2_FILES | LANE2_ONLY_FILES or None
-    if os.environ.get("VERL_DS4_TEST_LANE") == "1" and collection_path.name in LANE2_ONLY_FILES:
-        return True
+    """Lane 2 does not import the other test files (their imports may need what lane 1 has)."""
+    if _lane2_only() and collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return collection_path.name not in LANE2_FILES or None
     return None
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark the lane-2 tests; with ``VERL_DS4_TEST_LANE=2`` (lane 2 of ``scripts/dev.sh test``) keep only them."""
     for item in items:
-        if Path(str(item.fspath)).name in LANE2_FILES | LANE2_ONLY_FILES:
+        if Path(str(item.fspath)).name in LANE2_FILES:
             item.add_marker(pytest.mark.lane2)
-    if os.environ.get("VERL_DS4_TEST_LANE") == "1":  # also when such a file was named on the command line
-        other = [item for item in items if Path(str(item.fspath)).name in LANE2_ONLY_FILES]
-        if other:
-            config.hook.pytest_deselected(items=other)
-            dropped = set(map(id, other))
-            items[:] = [item for item in items if id(item) not in dropped]
     if _lane2_only():
         # Lane 2 also leaves out the ``slow`` tests (CP = 8 parity, the 8-rank THD differential): lane 1 runs them,
         # and CI's time is shared.
         other = [item for item in items
-                 if Path(str(item.fspath)).name not in LANE2_FILES | LANE2_ONLY_FILES or item.get_closest_marker("slow")]
+                 if Path(str(item.fspath)).name not in LANE2_FILES or item.get_closest_marker("slow")]
         if other:
             config.hook.pytest_deselected(items=other)
             dropped = set(map(id, other))

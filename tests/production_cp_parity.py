@@ -15,7 +15,7 @@ layers, hash and learned routing; seeded weights written as a native folder):
 * ``mtp``: MTP on (depth 1), the indexer loss off;
 * ``mtp_unfixed``: ``mtp`` without verl-ds4's MTP fix (:func:`verl_ds4.substitutes.upstream_fixes.
   install_mtp_cp_token_share`), at the smallest CP: the fix's negative control;
-* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2), at the smallest CP;
+* ``full``: the harness's defaults (MTP depth 1, indexer loss 1e-2), at every CP size given;
 * ``linear``: the ``indexer`` case with verl-ds4's linear sparse attention installed into dev's layers
   (``ds4.sparse_attention=linear``), against the same case with dev's own functions, at CP 1 and at the smallest CP.
 """
@@ -54,7 +54,7 @@ def main(commit: str, cps: list[int]) -> dict:
                 written.append(folder)
             opts = RunOptions(indexer_loss_coeff=coeff, production_folder=folder)
             t = time.time()
-            sizes = cps if name == "exact" else cps[:1]  # the differences of dev's CP path: at the smallest CP > 1
+            sizes = cps if name in ("exact", "full") else cps[:1]  # the single-fix cases and controls: the smallest CP > 1
             runs = {cp: run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
                                    layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
             out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}

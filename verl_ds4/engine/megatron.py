@@ -37,8 +37,8 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import contextvars
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
