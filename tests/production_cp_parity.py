@@ -59,30 +59,15 @@ def main(commit: str, cps: list[int]) -> dict:
                                    layout_checks=cp > 1 and name == "exact", options=opts) for cp in [1, *sizes]}
             out["cases"][name] = {str(cp): rows(runs[cp], runs[1]) for cp in sizes}
             out["cases"][name + "_seconds"] = round(time.time() - t, 1)
-            if name == "mtp":  # the same case without the MTP fix (the ranks are forked: the parent's patch holds)
+            control = dict(out=out, cp=cps[0], reference=runs[1], cfg=cfg, batches=batches, options=opts)
+            if name == "mtp":  # the same case without the MTP fix
                 from verl_ds4.substitutes import upstream_fixes
 
-                t, fix = time.time(), upstream_fixes.install_mtp_cp_token_share
-                upstream_fixes.install_mtp_cp_token_share = lambda patches: False
-                try:
-                    unfixed = run_parity(cps[0], dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
-                                         layout_checks=False, options=opts)
-                finally:
-                    upstream_fixes.install_mtp_cp_token_share = fix
-                out["cases"]["mtp_unfixed"] = {str(cps[0]): rows(unfixed, runs[1])}
-                out["cases"]["mtp_unfixed_seconds"] = round(time.time() - t, 1)
-            if name == "indexer":  # the padded lengths (the ranks are forked: the parent's class attribute holds)
+                _control("mtp_unfixed", upstream_fixes, "install_mtp_cp_token_share", lambda patches: False, **control)
+            if name == "indexer":  # verl's padded lengths in cu_seqlens_q
                 from verl_ds4.verify.production import ProductionLM
 
-                t = time.time()
-                ProductionLM.real_cu_seqlens = False
-                try:
-                    padded = run_parity(cps[0], dtypes=("fp64",), model="production", cfg=cfg, batches=batches,
-                                        layout_checks=False, options=opts)
-                finally:
-                    ProductionLM.real_cu_seqlens = True
-                out["cases"]["indexer_padded"] = {str(cps[0]): rows(padded, runs[1])}
-                out["cases"]["indexer_padded_seconds"] = round(time.time() - t, 1)
+                _control("indexer_padded", ProductionLM, "real_cu_seqlens", False, **control)
                 t = time.time()
                 linear = dataclasses.replace(opts, sparse_core="linear")
                 out["cases"]["linear"] = {str(cp): rows(run_parity(cp, dtypes=("fp64",), model="production", cfg=cfg,
@@ -93,6 +78,22 @@ def main(commit: str, cps: list[int]) -> dict:
         for folder in written:
             shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def _control(name, owner, attribute, value, *, out, cp, reference, **run_args) -> None:
+    """A negative control: the case at ``cp`` with ``owner.attribute = value`` in this process while it runs (the
+    ranks are forked: they inherit it), compared with the corrected CP = 1 run, as ``out["cases"][name]``."""
+    from verl_ds4.substitutes.patching import Patches
+    from verl_ds4.verify.parity import run_parity
+
+    t, patches = time.time(), Patches()
+    patches.set(owner, attribute, value)
+    try:
+        result = run_parity(cp, dtypes=("fp64",), model="production", layout_checks=False, **run_args)
+    finally:
+        patches.undo()
+    out["cases"][name] = {str(cp): rows(result, reference)}
+    out["cases"][name + "_seconds"] = round(time.time() - t, 1)
 
 
 def _default_cfg() -> dict:

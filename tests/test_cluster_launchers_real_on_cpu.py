@@ -60,14 +60,10 @@ CHAOS_KINDS = ("kill_in_save", "kill_rank", "usr1", "scancel")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Slurm and the /proc checks need Linux")
 
-_free_port = free_port
-_base_env = base_env
-_marked_processes = marked_processes
-
 
 def _assert_nothing_left(marker: str, what: str, wait_s: float = 30.0) -> None:
     deadline = time.monotonic() + wait_s
-    while (left := _marked_processes(marker)) and time.monotonic() < deadline:
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"processes of {what} still running:\n" + "\n".join(left)
 
@@ -130,7 +126,7 @@ def sft_reference(slurm, tmp_path_factory):
     """``slurm_submit.sh sft``, uninterrupted, 6 steps, a checkpoint every 2."""
     work = tmp_path_factory.mktemp("sft_ref")
     marker = uuid.uuid4().hex
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     job_id, submitted = slurm.submit(["sft"], _sft_env(slurm, work, marker, port, JOB_NAME="ds4-sft-ref"))
     info = slurm.wait(job_id)
@@ -201,7 +197,7 @@ def test_chaos_seeded_faults_each_restarted_by_the_launcher_and_the_run_ends_as_
     print(f"\nchaos seed {CHAOS_SEED}: " + "; ".join(map(str, faults)))
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
-    run = ChaosJob(slurm, _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-chaos"), timeout=JOB_TIMEOUT_S)
+    run = ChaosJob(slurm, _sft_env(slurm, work, marker, free_port(), JOB_NAME="ds4-sft-chaos"), timeout=JOB_TIMEOUT_S)
     ckpt = run.ckpt
     start = time.monotonic()
     try:
@@ -301,7 +297,7 @@ def test_a_failing_sft_job_prints_each_failed_nodes_log_tail(slurm, tmp_path):
     work = tmp_path / "work"
     marker = uuid.uuid4().hex
     job_id, _ = slurm.submit(["sft", "trainer.no_such_knob=1"],
-                             _sft_env(slurm, work, marker, _free_port(), JOB_NAME="ds4-sft-bad", STEPS="2"))
+                             _sft_env(slurm, work, marker, free_port(), JOB_NAME="ds4-sft-bad", STEPS="2"))
     info = slurm.wait(job_id)
     out = (work / "slurm" / f"ds4-sft-bad-{job_id}.out").read_text(errors="replace")
     print(f"\nfailing SFT job {job_id}: {info['JobState']} {info['ExitCode']}\n{out[-2500:]}")
@@ -349,8 +345,8 @@ def _actors_by_class(dashboard: str, env: dict[str, str]) -> dict[str, set[str]]
 def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
     marker = uuid.uuid4().hex
     temp = Path(f"/tmp/ds4ray-{marker[:8]}")  # short: Ray's socket paths live under it
-    gcs, dashboard = _free_port(), _free_port()
-    env = _base_env(marker, DS4_DEVICE="cpu", RAY_NODE_PORTS="auto", RAY_HEAD_IP="127.0.0.1", RAY_PORT=str(gcs),
+    gcs, dashboard = free_port(), free_port()
+    env = base_env(marker, DS4_DEVICE="cpu", RAY_NODE_PORTS="auto", RAY_HEAD_IP="127.0.0.1", RAY_PORT=str(gcs),
                     RAY_DASHBOARD_PORT=str(dashboard), RAY_TEMP_DIR=str(temp), NNODES="2")
     head = dict(env, RAY_NODE_DIR=str(tmp_path / "head"))
     worker = dict(env, RAY_NODE_DIR=str(tmp_path / "worker"))
@@ -410,8 +406,8 @@ def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
 
 def _ppo_env(slurm, work: Path, marker: str, **extra: str) -> dict[str, str]:
     return slurm.env(marker, DS4_DEVICE="cpu", NNODES="2", WORK_DIR=str(work), CLUSTER_LOG_DIR=str(work / "slurm"),
-                     RAY_NODE_PORTS="auto", RAY_TEMP_DIR=f"/tmp/ds4ray-{marker[:8]}", RAY_PORT=str(_free_port()),
-                     RAY_DASHBOARD_PORT=str(_free_port()), **{**PPO, **extra})
+                     RAY_NODE_PORTS="auto", RAY_TEMP_DIR=f"/tmp/ds4ray-{marker[:8]}", RAY_PORT=str(free_port()),
+                     RAY_DASHBOARD_PORT=str(free_port()), **{**PPO, **extra})
 
 
 def test_slurm_ppo_runs_ray_on_two_nodes_and_tears_it_down(slurm, tmp_path):
@@ -541,7 +537,7 @@ def test_bad_input_is_refused_before_any_node_starts(slurm, tmp_path):
         out = _run(["bash", "scripts/slurm_sft.sbatch"], inside)
     assert out.returncode == 2 and f"MASTER_PORT={port} is in use on ds4n1" in out.stderr, out.stderr
     # Negative control: the same script with a free port gets past the checks (and then needs a real job).
-    inside.update(MASTER_PORT=str(_free_port()))
+    inside.update(MASTER_PORT=str(free_port()))
     out = _run(["bash", "scripts/slurm_sft.sbatch", "--dry-run"], inside)
     assert out.returncode == 0 and "[verl-ds4] nodes       node1 node2 (2)" in out.stdout, out.stderr
     _assert_nothing_left(marker, "the refused jobs")

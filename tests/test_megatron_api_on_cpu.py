@@ -140,36 +140,39 @@ def test_dynamic_cp_group_getter_of_either_release(monkeypatch):
 
 def test_gpu_ds4_engines_install_the_mtp_cp_fix_only_where_it_applies():
     """verl-ds4's GPU DS4 engines install fix 3 of verl_ds4.substitutes.upstream_fixes (the MTP loss as each CP rank's
-    share of the CP-global mean) at start-up: for DS4 at CP > 1 on a Megatron whose process_mtp_loss still normalises
-    per rank (megatron-core 0.19.2 and both proven dev commits; 0.16.1 has no process_mtp_loss). Controls: CP 1, a
-    non-DS4 model and the CPU engines (their own model, no Megatron MTP) install nothing."""
+    share of the CP-global mean) at start-up (verl_ds4.engine.dev_corrections), and hand dev's DS4 the real lengths in
+    cu_seqlens_q: the fix for DS4 at CP > 1 on a Megatron whose process_mtp_loss still normalises per rank
+    (megatron-core 0.19.2 and both proven dev commits; 0.16.1 has no process_mtp_loss). Controls: CP 1, a non-DS4
+    model and the CPU engines (their own model, no Megatron MTP) install nothing and keep verl's padded lengths."""
     import megatron.core.transformer.multi_token_prediction as mtp
 
-    from verl_ds4.engine import megatron as engines
     from verl_ds4 import ds4_facts
+    from verl_ds4.cpu.engine import CPUMegatronEngineWithLMHead
+    from verl_ds4.engine import dev_corrections
+    from verl_ds4.engine import megatron as engines
+    from verl_ds4.substitutes import upstream_fixes
     from verl_ds4.substitutes.upstream_fixes import mtp_loss_is_rank_mean
 
-    if engines._GPU_FIXES is not None:  # a GPU DS4 engine built earlier in this process installed it: start clean
-        engines._GPU_FIXES.undo()
-        engines._GPU_FIXES = None
+    upstream_fixes.PROCESS_PATCHES.undo()  # a GPU DS4 engine built earlier in this process may have installed it
     original = getattr(mtp, "process_mtp_loss", None)
     assert not getattr(original, "_verl_ds4_cp_token_share", False)
     applies = original is not None and mtp_loss_is_rank_mean(original)
-    ds4 = SimpleNamespace(hf_config=SimpleNamespace(model_type=ds4_facts.HF_MODEL_TYPE))
-    other = SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3"))
-    gpu, cpu = SimpleNamespace(sparse_attention_in_megatron=True), SimpleNamespace(sparse_attention_in_megatron=False)
-    install = engines.DS4MegatronEngineWithLMHead._install_upstream_fixes
+    ds4 = SimpleNamespace(model_type=ds4_facts.HF_MODEL_TYPE)
+    other = SimpleNamespace(model_type="qwen3")
+    gpu = engines.DS4MegatronEngineWithLMHead.sparse_attention_in_megatron
+    cpu = CPUMegatronEngineWithLMHead.sparse_attention_in_megatron
+    assert gpu and not cpu
+    assert dev_corrections.real_cu_seqlens(ds4, gpu)
+    assert not dev_corrections.real_cu_seqlens(ds4, cpu) and not dev_corrections.real_cu_seqlens(other, gpu)
     try:
-        assert not install(gpu, ds4, SimpleNamespace(context_parallel_size=1))
-        assert not install(gpu, other, SimpleNamespace(context_parallel_size=2))
-        assert not install(cpu, ds4, SimpleNamespace(context_parallel_size=2))
+        assert not dev_corrections.install(ds4, 1, gpu)
+        assert not dev_corrections.install(other, 2, gpu)
+        assert not dev_corrections.install(ds4, 2, cpu)
         assert getattr(mtp, "process_mtp_loss", None) is original
-        assert install(gpu, ds4, SimpleNamespace(context_parallel_size=2)) is applies
+        assert dev_corrections.install(ds4, 2, gpu) is applies
         if applies:
             assert mtp.process_mtp_loss is not original and mtp.process_mtp_loss.__wrapped__ is original
-            assert not install(gpu, ds4, SimpleNamespace(context_parallel_size=4))  # once per process
+            assert not dev_corrections.install(ds4, 4, gpu)  # once per process
     finally:
-        if engines._GPU_FIXES is not None:
-            engines._GPU_FIXES.undo()
-            engines._GPU_FIXES = None
+        upstream_fixes.PROCESS_PATCHES.undo()
     assert getattr(mtp, "process_mtp_loss", None) is original

@@ -119,15 +119,15 @@ def _start_sft(assets: dict, ckpt_dir: Path, env: dict, engine: str = "productio
     from the same weights in transformers' names (the released megatron-core of this interpreter)."""
     from verl_ds4.cpu.sft_run import cpu_env, sft_command
 
-    extra = ["engine.use_dist_checkpointing=False", "checkpoint.save_contents=[extra]"]
+    save = "checkpoint.save_contents=[extra]"
     if engine == "project":  # its engine starts from the folder's weights with Megatron's dist checkpointing
         cmd = sft_command({**assets, "model": assets["transformers_model"]}, ckpt_dir=ckpt_dir, steps=SFT_STEPS, cp=2,
-                          nproc=2, batch=8, micro_batch=4, lr=3e-3, extra=extra[1:])
+                          nproc=2, batch=8, micro_batch=4, lr=3e-3, extra=[save])
         sft_env = cpu_env({k: v for k, v in env.items() if k not in ("VERL_ENGINE_VENDOR", "MEGATRON_DEV_DIR")})
         return subprocess.Popen(cmd, env=sft_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     engine_assets = {**assets, "external_lib": "verl_ds4.cpu.production_engine"}
     cmd = sft_command(engine_assets, ckpt_dir=ckpt_dir, steps=SFT_STEPS, cp=2, nproc=2, batch=8, micro_batch=4, lr=3e-3,
-                      extra=extra)
+                      extra=["engine.use_dist_checkpointing=False", save])
     sft_env = cpu_env(env)
     sft_env.update(VERL_USE_EXTERNAL_MODULES="verl_ds4.cpu.platform,verl_ds4.cpu.production_engine",
                    VERL_ENGINE_VENDOR="production", MEGATRON_DEV_DIR=str(megatron_dev.find(COMMIT).root))

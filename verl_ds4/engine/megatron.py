@@ -51,7 +51,7 @@ import verl.workers.engine.megatron.transformer_impl as _transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_ds4.engine.checkpoint import ManifestCheckpointEngine, handler_save_checkpoint
-from verl_ds4.engine import sparse_attention, straggler
+from verl_ds4.engine import dev_corrections, sparse_attention, straggler
 from verl_ds4.engine.verl_hook import Installed as _Installed
 from verl_ds4.engine.verl_hook import VerlHook
 from verl_ds4.engine.micro_batches import SeedingIterator as _SeedingIterator
@@ -78,8 +78,6 @@ _OWNED_OVERRIDES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars
     "verl_ds4_owned_overrides", default=None
 )
 _ABSENT = object()
-#: verl-ds4's fixes to Megatron-LM dev that a GPU engine installs at start-up (kept for the process's life).
-_GPU_FIXES = None
 
 
 @contextlib.contextmanager
@@ -448,7 +446,7 @@ class _ResolvedLayoutEngine:
             )
         cp_balance_of(engine_config)  # a bad value fails here, not at the first micro-batch
         self._prepare_sparse_attention(engine_config)
-        self._install_upstream_fixes(model_config, engine_config)
+        dev_corrections.install(model_config.hf_config, engine_config.context_parallel_size, self.sparse_attention_in_megatron)
         bucket = _pad_to_length_bucket(engine_config)
         if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
             raise CPLayoutError(f"engine pad_to_length_bucket must be a positive int, got {bucket!r}")
@@ -464,30 +462,6 @@ class _ResolvedLayoutEngine:
     def _prepare_sparse_attention(self, engine_config) -> None:
         """``sparse_attention=linear`` before the model is built (:func:`verl_ds4.engine.sparse_attention.prepare`)."""
         sparse_attention.prepare(engine_config, self.sparse_attention_in_megatron)
-
-    def _install_upstream_fixes(self, model_config, engine_config) -> bool:
-        """GPU engines on DS4 at CP > 1: fix 3 of :mod:`verl_ds4.substitutes.upstream_fixes` (dev's MTP loss is a
-        mean over each CP rank's own tokens; made the rank's share of the CP-global mean, as verl's main loss is).
-        Returns True if this call installed it (False where it is installed already, not needed, or dev is fixed)."""
-        global _GPU_FIXES
-        if not self.sparse_attention_in_megatron or int(engine_config.context_parallel_size or 1) <= 1:
-            return False
-        if not resolver.is_ds4_hf_config(model_config.hf_config):
-            return False
-        try:
-            import megatron.core.transformer.multi_token_prediction  # noqa: F401
-        except ImportError:
-            return False
-        from verl_ds4.substitutes import upstream_fixes
-        from verl_ds4.substitutes.patching import Patches
-
-        if _GPU_FIXES is None:
-            _GPU_FIXES = Patches()
-        installed = upstream_fixes.install_mtp_cp_token_share(_GPU_FIXES)
-        if installed:
-            logger.info("verl-ds4: Megatron-LM dev's process_mtp_loss normalised by the CP-global token count "
-                        "(verl_ds4.substitutes.upstream_fixes, fix 3)")
-        return installed
 
     def _use_sparse_core(self, module) -> None:
         """CPU engines: the built model's attention takes the core (:func:`verl_ds4.engine.sparse_attention.use_in_model`)."""
@@ -540,8 +514,7 @@ class _ResolvedLayoutEngine:
             # cp_balance=ds4 is balanced with this model's own DS4 shape (Pro's layers for Pro)
             balance=cp_balance_cost_model(cp_balance_of(engine_config), _hf_config_of(self)),
         )
-        if self.sparse_attention_in_megatron and resolver.is_ds4_hf_config(_hf_config_of(self)):
-            # Megatron-LM dev's DS4 reads the real lengths from cu_seqlens_q (its indexer loss); see thd.packed_seq_params_for
+        if dev_corrections.real_cu_seqlens(_hf_config_of(self), self.sparse_attention_in_megatron):
             resolved = dataclasses.replace(resolved, real_cu_seqlens=True)
         resolver.register_layout(module, resolved, self.tf_config)
         self.resolved_cp_layout = resolved

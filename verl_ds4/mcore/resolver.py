@@ -118,10 +118,8 @@ class ResolvedCPLayout:
         sources: who decided the layout, for logs and ``verl-ds4 doctor``.
         balance: contiguous layout only: the cost model whose straggler the order of sequences in
             the packed buffer minimises (``None``: batch order); see ``PlanOptions.balance``.
-        real_cu_seqlens: the micro-batches' ``cu_seqlens_q`` / ``cu_seqlens_kv`` are the real lengths (the padded
-            ones stay in ``*_padded``), where verl fills every field with the padded ones. Set by verl-ds4's DS4
-            engines for Megatron-LM dev's DS4, which counts a row inside ``cu_seqlens_q`` as a real query in its
-            indexer loss (see :func:`verl_ds4.mcore.thd.packed_seq_params_for`).
+        real_cu_seqlens: ``cu_seqlens_q`` / ``_kv`` hold the real lengths (verl: the padded ones); set by the DS4
+            engines for Megatron-LM dev's DS4 (:func:`verl_ds4.mcore.thd.packed_seq_params_for`).
     """
 
     layout: str

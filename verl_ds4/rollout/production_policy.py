@@ -49,7 +49,13 @@ class ProductionCPUPolicy(MegatronCPUPolicy):
         self.dtype = dtype
         self.vocab_size = int(hf_config.vocab_size)
         self.weight_version = 0
-        self._bridge = None
+        # the tensors every sync must bring (name -> shape), read once from the folder's safetensors headers
+        from safetensors import safe_open
+
+        self._expected: dict[str, tuple[int, ...]] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                self._expected.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
 
     def parameter_names(self) -> list[str]:
         return [name for name, _ in self.model.named_parameters()]
@@ -59,17 +65,13 @@ class ProductionCPUPolicy(MegatronCPUPolicy):
 
         Every tensor the folder has must arrive with its shape and nothing else: a missing, unexpected or mis-shaped
         tensor is an error that names it (the actor and the rollout were built from different folders)."""
-        from safetensors import safe_open
         from safetensors.torch import save_file
 
         from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
         from verl_ds4.substitutes.environment import no_torch_function_mode, quiet_progress
 
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights}
-        expected = {}
-        for path in sorted(self.folder.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                expected.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        expected = self._expected
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
         wrong = sorted(k for k in set(expected) & set(tensors) if tuple(tensors[k].shape) != expected[k])

@@ -33,8 +33,11 @@ import torch
 
 from .patching import Patches
 
-__all__ = ["install_mtp_cp_token_share", "install_mtp_local_experts_mapping", "install_reference_mhc_rms",
-           "megatron_mhc_rms_differs", "mtp_loss_is_rank_mean"]
+__all__ = ["install_mtp_cp_token_share", "install_mtp_cp_token_share_for_process", "install_mtp_local_experts_mapping",
+           "install_reference_mhc_rms", "megatron_mhc_rms_differs", "mtp_loss_is_rank_mean"]
+
+#: What :func:`install_mtp_cp_token_share_for_process` patched (kept for the process's life; ``undo()`` restores).
+PROCESS_PATCHES = Patches()
 
 
 def install_mtp_local_experts_mapping(patches: Patches) -> bool:
@@ -167,3 +170,14 @@ def install_mtp_cp_token_share(patches: Patches) -> bool:
             if value is original:
                 patches.set(module, name, process_mtp_loss)
     return True
+
+
+def install_mtp_cp_token_share_for_process() -> bool:
+    """Fix 3 for the rest of the process (verl-ds4's GPU DS4 engines at CP > 1, at start-up), recorded in
+    :data:`PROCESS_PATCHES`; False where no Megatron with ``multi_token_prediction`` is importable, the fix is in
+    place already, or dev no longer normalises per rank."""
+    try:
+        import megatron.core.transformer.multi_token_prediction  # noqa: F401
+    except ImportError:
+        return False
+    return install_mtp_cp_token_share(PROCESS_PATCHES)
