@@ -54,7 +54,9 @@ def _own_reference(cfg, seed: int, folder: str, timeout: float) -> dict:
 def _own_name(name: str) -> str:
     """A production parameter name as verl-ds4's own model names it (where the two name the same tensor)."""
     name = name.removeprefix("gpt.")
-    return name.replace("self_attention_hyper_connection", "attn_hc").replace("mlp_hyper_connection", "mlp_hc")
+    name = name.replace("self_attention_hyper_connection", "attn_hc").replace("mlp_hyper_connection", "mlp_hc")
+    return name.replace("hc_head_fn", "hc_head.head_fn").replace("hc_head_base", "hc_head.base").replace(
+        "hc_head_scale", "hc_head.scale")
 
 
 def compare_with_own(production: dict, own: dict, tol: float) -> list:
