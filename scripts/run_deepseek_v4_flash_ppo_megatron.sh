@@ -171,5 +171,10 @@ DS4_DERIVED_OVERRIDES=()
 LAUNCH_ENV=$("$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --shell-env -- "${ALL[@]}")
 eval "$LAUNCH_ENV"
 ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${ROLLOUT[@]}" "${DATA[@]}" "${TRAINER[@]}" "${DS4_DERIVED_OVERRIDES[@]}" "${PASSTHROUGH[@]}")
+# On a Ray cluster of several nodes: the checkpoint folder must be one folder that every node sees (a node-local
+# disk is refused here with the reason; one task on each node; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
+if [ -n "${RAY_ADDRESS:-}" ] && [ "$NNODES" -gt 1 ]; then
+    "$PYTHON" -W ignore -m verl_ds4.recipes.shared_folder --ray --dir "$CKPT_DIR" --nodes "$NNODES" || exit 2
+fi
 
 exec "$PYTHON" -m verl.trainer.main_ppo "${ALL[@]}"

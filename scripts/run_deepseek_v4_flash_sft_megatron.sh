@@ -154,6 +154,12 @@ DS4_DERIVED_OVERRIDES=()
 LAUNCH_ENV=$("$PYTHON" -m verl_ds4.cli recipe sft --shell-env -- "${ALL[@]}")
 eval "$LAUNCH_ENV"
 ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${DATA[@]}" "${TRAINER[@]}" "${DS4_DERIVED_OVERRIDES[@]}" "${PASSTHROUGH[@]}")
+# Multi-node: the checkpoint folder must be one folder that every node sees (a node-local disk is refused here,
+# on every node, with the reason; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
+if [ "$NNODES" -gt 1 ]; then
+    MASTER_ADDR="$MASTER_ADDR" MASTER_PORT="$MASTER_PORT" "$PYTHON" -W ignore -m verl_ds4.recipes.shared_folder \
+        --dir "$CKPT_DIR" --nodes "$NNODES" --node-rank "$NODE_RANK" || exit 2
+fi
 
 exec torchrun \
     --nnodes="$NNODES" \

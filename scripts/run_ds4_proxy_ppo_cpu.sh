@@ -239,6 +239,11 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
     TRAINER+=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null ray_kwargs.ray_init.include_dashboard=null)
     export RAY_OVERRIDE_JOB_RUNTIME_ENV=1
     CLUSTER_FACT="; Ray cluster $RAY_ADDRESS"
+    # Several nodes: the checkpoint folder must be one folder that every node sees (a node-local disk is refused
+    # here with the reason; one task on each node; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
+    if [ "$NNODES" -gt 1 ]; then
+        "$PYTHON" -W ignore -m verl_ds4.recipes.shared_folder --ray --dir "$WORK_DIR/checkpoints" --nodes "$NNODES" || exit 2
+    fi
 fi
 
 # The overrides compose with the recipe on verl's PPO config and add no key that nothing reads (a typo),

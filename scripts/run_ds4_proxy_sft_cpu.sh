@@ -121,6 +121,13 @@ elif [ -z "${DS4_CKPT_CHECKED:-}" ] && ! "$PYTHON" -W ignore -m verl_ds4.recipes
         --max-restarts "$MAX_RESTARTS" --ckpt-dir "$WORK_DIR/checkpoints"; then
     exit 2
 fi
+# Multi-node: the checkpoint folder must be one folder that every node sees (a node-local disk is refused here,
+# on every node, with the reason; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
+if [ "$NNODES" -gt 1 ] && ! MASTER_ADDR="$MASTER_ADDR" MASTER_PORT="$MASTER_PORT" "$PYTHON" -W ignore \
+        -m verl_ds4.recipes.shared_folder --dir "$WORK_DIR/checkpoints" \
+        --nodes "$NNODES" --node-rank "$NODE_RANK"; then
+    exit 2
+fi
 
 ASSETS="$WORK_DIR/assets"
 NODE_SUFFIX=""

@@ -155,6 +155,10 @@ def test_slurm_sft_runs_on_two_nodes_and_leaves_its_checkpoint(sft_reference):
         assert (node_logs / f"node{rank}.status").read_text().strip() == "0"
     node1 = (node_logs / "node1.log").read_text()
     assert f"node        1 of 2 (1 processes), rendezvous 127.0.0.1:{ref['port']}" in node1
+    # Each node checked that the checkpoint folder is one folder both see (verl_ds4.recipes.shared_folder).
+    shared = f"[verl-ds4] checkpoint folder {ref['work'] / 'checkpoints'} (shared: every one of the 2 nodes saw"
+    assert shared in node1 and shared in (node_logs / "node0.log").read_text()
+    assert not (ref["work"] / "checkpoints" / ".verl_ds4_nodes").exists()
     node0_full = sorted((ref["work"] / "logs").glob("*-node0.log"))[-1].read_text(errors="replace")
     assert "contiguous CP layout (cp=2" in node0_full or "contiguous (cp=2" in node0_full
     assert sorted(ref["losses"]) == [1, 2, 3, 4, 5, 6], ref["losses"]
@@ -378,6 +382,9 @@ def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
         print(f"ray_cluster.sh submit ppo on 2 nodes: exit {job.returncode} in {wall:.0f} s\n{job.stdout[-3000:]}")
         assert job.returncode == 0, job.stdout[-6000:] + job.stderr[-3000:]
         assert "[verl-ds4] processes   2 node(s) x 1 per node" in job.stdout
+        # One task on each Ray node checked that the checkpoint folder is one folder both see.
+        assert (f"[verl-ds4] checkpoint folder {work / 'checkpoints'} (shared: every one of the 2 nodes saw every "
+                "node's marker)") in job.stdout, job.stdout[-4000:]
         log = (work / "logs" / "latest.log").read_text(errors="replace")
         metrics = parse_step_metrics(log)
         assert sorted(metrics) == [1, 2] and all(m["critic/vf_loss"] > 0 for m in metrics.values())

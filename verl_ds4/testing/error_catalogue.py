@@ -70,6 +70,7 @@ SCOPE = (
     "verl_ds4/recipes/resume_check.py",
     "verl_ds4/recipes/ckpt_resume.py",
     "verl_ds4/recipes/supervise.py",
+    "verl_ds4/recipes/shared_folder.py",
     "verl_ds4/engine/checkpoint.py",
     "verl_ds4/recipes/command.py",
     "verl_ds4/recipes/override_keys.py",
