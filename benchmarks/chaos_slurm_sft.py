@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         return 2
     marker = uuid.uuid4().hex
     run = ChaosJob(slurm, _env(slurm, root / "chaos", marker, args, "ds4-sft-chaos", budget), timeout=args.timeout,
-                   say=lambda line: print(line, flush=True))
+                   say=lambda line: print(line, flush=True), faults=faults)
     failures: list[str] = []
     try:
         ref, ref_wall = _reference(slurm, root, args, budget)

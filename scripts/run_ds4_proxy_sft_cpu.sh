@@ -149,7 +149,8 @@ case "$DTYPE" in
 esac
 
 export VERL_PLATFORM=cpu
-export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine
+# VERL_DS4_TEST_MODULES: test-only modules the trainer imports too (the chaos runs' holds, verl_ds4/testing).
+export VERL_USE_EXTERNAL_MODULES=verl_ds4.cpu.platform,verl_ds4.cpu.engine${VERL_DS4_TEST_MODULES:+,$VERL_DS4_TEST_MODULES}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 DATA=(

@@ -20,7 +20,7 @@ import pytest
 from verl_ds4.testing.cpu_rl import REPO, run_cpu_rl_launcher
 
 # The guard against a hang; a loaded shared machine may need more (VERL_DS4_CPU_RL_TIMEOUT_S).
-TIMEOUT_S = float(os.environ.get("VERL_DS4_CPU_RL_TIMEOUT_S", "600"))
+TIMEOUT_S = float(os.environ.get("VERL_DS4_CPU_RL_TIMEOUT_S", "1200"))  # a hang guard: about 100-200 s a launch
 RSS_LIMIT_GB = 12.0
 ROLLOUT_N = 2
 BATCH = 4

@@ -24,7 +24,7 @@ import pytest
 
 from verl_ds4.testing.cpu_rl import run_cpu_rl_launcher
 
-TIMEOUT_S = float(os.environ.get("VERL_DS4_CPU_RL_TIMEOUT_S", "600"))
+TIMEOUT_S = float(os.environ.get("VERL_DS4_CPU_RL_TIMEOUT_S", "1200"))  # a hang guard: about 100-200 s a launch
 RSS_LIMIT_GB = 12.0
 GATE_MAX = 1e-5
 BATCH = 8  # PPO: verl needs a multiple of its minimal batch (8 here)

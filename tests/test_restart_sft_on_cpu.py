@@ -1,7 +1,9 @@
 """Automatic restart end to end (issue 44): the CPU main job's launcher restarts a run whose rank was SIGKILLed.
 
 ``scripts/run_ds4_proxy_sft_cpu.sh`` (the tiny DS4, verl's SFT trainer, torchrun with CP=2) runs 6 steps with a
-checkpoint every 2 and ``MAX_RESTARTS=2``; once step 5 is printed, the test SIGKILLs one rank. torchrun ends the
+checkpoint every 2 and ``MAX_RESTARTS=2``; after step 5 the run waits before step 6 (a test hold,
+:mod:`verl_ds4.testing.hold_steps`, so the fault lands there however loaded the machine is) and the test SIGKILLs
+one rank, then lets the other go on. torchrun ends the
 run, the launcher's supervisor restarts it by itself with ``resume_mode=auto`` from step 4, and the resumed steps 5
 and 6 give the losses of an uninterrupted run (``MAX_RESTARTS=0``, the demo's default) bit for bit.
 
@@ -25,10 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 400
 
 
-def _launch(work: Path, max_restarts: int) -> subprocess.Popen:
+def _launch(work: Path, max_restarts: int, holds: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHON=sys.executable, WORK_DIR=str(work), N_TRAIN="128", STEPS="6", SAVE_FREQ="2",
                MAX_RESTARTS=str(max_restarts), MASTER_PORT=str(free_port()),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if holds is not None:
+        env.update(VERL_DS4_TEST_MODULES="verl_ds4.testing.hold_steps", VERL_DS4_TEST_HOLD_DIR=str(holds))
     for name in ("RESUME_MODE", "RESUME_FROM", "DS4_SUPERVISED", "DS4_CKPT_CHECKED", "DS4_RESTART"):
         env.pop(name, None)
     return subprocess.Popen(["bash", "scripts/run_ds4_proxy_sft_cpu.sh"], cwd=REPO, env=env, text=True,
@@ -57,16 +61,23 @@ def test_a_rank_sigkilled_mid_run_is_restarted_by_the_launcher_and_resumes_bit_f
     assert sorted(ref) == [1, 2, 3, 4, 5, 6] and len(set(ref.values())) == 6, ref
     reference_s = time.monotonic() - start
 
-    work = tmp_path / "killed"
-    proc = _launch(work, 2)
+    work, holds = tmp_path / "killed", tmp_path / "holds"
+    holds.mkdir()
+    (holds / "hold_6").touch()  # both ranks wait before step 6 until the fault is in
+    proc = _launch(work, 2, holds)
     lines, killed_at, restart_at, killed = [], None, None, []
     try:
         for line in proc.stdout:
             lines.append(line)
             if killed_at is None and line.startswith("[verl-ds4] step 5/6"):
+                deadline = time.monotonic() + TIMEOUT_S
+                while len(list(holds.glob("held_6.*"))) < 2:
+                    assert time.monotonic() < deadline and proc.poll() is None, "the ranks never waited before step 6"
+                    time.sleep(0.05)
                 killed = _ranks(proc.pid)
                 os.kill(killed[-1].pid, signal.SIGKILL)  # one rank, as a lost GPU or node would take it
                 killed_at = time.monotonic()
+                (holds / "hold_6").unlink()  # the other rank goes on into step 6 and meets the dead one
             if restart_at is None and line.startswith("[verl-ds4] restart     1 of 2"):
                 restart_at = time.monotonic()
         proc.wait(timeout=TIMEOUT_S)

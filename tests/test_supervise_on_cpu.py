@@ -225,11 +225,12 @@ def _requeue_cmd(ckpt: Path, state: Path) -> list[str]:
     return [sys.executable, "-m", "verl_ds4.recipes.supervise", "--max-restarts", "2", "--ckpt-dir", str(ckpt),
             "--state", str(state), "--requeue-signal", "USR1", "--", sys.executable, "-m",
             "verl_ds4.testing.standin_trainer", "--ckpt-dir", str(ckpt), "--steps", "6", "--save-freq", "2",
-            "--step-s", "0.3"]
+            "--step-s", "0.3", "--hold-after", "3"]
 
 
 def _signalled(cmd: list[str], sig: int) -> tuple[int, str]:
-    """Run ``cmd``, send ``sig`` to it once the trainer printed step 3; (exit status, output)."""
+    """Run ``cmd``, send ``sig`` to it once the trainer printed step 3 (where its first attempt waits:
+    ``--hold-after 3``, so the signal lands there however loaded the machine is); (exit status, output)."""
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     lines = []
     for line in proc.stdout:
@@ -244,9 +245,9 @@ def test_the_pre_timeout_signal_stops_the_attempt_and_asks_for_a_requeue(tmp_pat
     cmd = _requeue_cmd(ckpt, state)
     rc, out = _signalled(cmd, signal.SIGUSR1)
     assert rc == sv.EXIT_REQUEUE, out
-    # Stopped at once (0.3 s a step; a loaded machine may let one more step through), well before the end.
-    assert re.search(r"restart     1 of 2: Slurm's pre-timeout signal \(USR1\) at step [45]; the job is requeued", out), out
-    assert "step:6" not in out and json.loads(state.read_text())["used"] == 1
+    # Stopped where the attempt waited, after step 3 (a step 4 printed would mean the stop went unheeded).
+    assert "restart     1 of 2: Slurm's pre-timeout signal (USR1) at step 4; the job is requeued" in out, out
+    assert "step:4" not in out and json.loads(state.read_text())["used"] == 1
     # The requeued job: the same command and state resume from the newest checkpoint (step 2, or 4) and finish.
     saved = (ckpt / "latest_checkpointed_iteration.txt").read_text()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO, timeout=60)
@@ -254,7 +255,7 @@ def test_the_pre_timeout_signal_stops_the_attempt_and_asks_for_a_requeue(tmp_pat
     # Negative control: SIGTERM (scancel, a person) stops the run for good, no requeue.
     rc, out = _signalled(_requeue_cmd(tmp_path / "ckpt2", tmp_path / "state2.json"), signal.SIGTERM)
     assert rc not in (0, sv.EXIT_REQUEUE) and "not restarted: stopped by SIGTERM" in out, out
-    assert "step:6" not in out and _attempts(out) == 1
+    assert "step:4" not in out and _attempts(out) == 1
 
 
 def test_the_trainer_output_in_a_log_file_is_read_for_its_step_and_error(tmp_path):

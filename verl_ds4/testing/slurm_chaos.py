@@ -358,12 +358,24 @@ class ChaosJob:
 
     ``env``: the submission's environment (WORK_DIR, CLUSTER_LOG_DIR, JOB_NAME, the step knobs, the marker).
     Every wait polls an event and fails after ``timeout`` seconds naming what it waited for.
+
+    ``faults``: the schedule, in order. The run is then held at each fault's moment until the fault is in
+    (:mod:`verl_ds4.testing.hold_steps`: before step N's training for a fault during step N, before the manifest of
+    step N for a kill in its save), so a loaded machine cannot let the run pass the moment while the test is still
+    busy with the fault before: the next fault's hold is set while the current one is injected (the first one's
+    before the first submission), and each hold is released once its fault is in.
     """
 
     def __init__(self, slurm: LocalSlurm, env: dict[str, str], *, timeout: float = 600,
-                 say: Callable[[str], None] = print):
-        self.slurm, self.env, self.timeout, self.say = slurm, env, timeout, say
+                 say: Callable[[str], None] = print, faults: Sequence[Fault] = ()):
+        self.slurm, self.timeout, self.say = slurm, timeout, say
+        self.faults = list(faults)
         self.work = Path(env["WORK_DIR"])
+        self.holds = self.work / "holds"
+        if self.faults:
+            self.holds.mkdir(parents=True, exist_ok=True)
+            env = {**env, "VERL_DS4_TEST_MODULES": "verl_ds4.testing.hold_steps", "VERL_DS4_TEST_HOLD_DIR": str(self.holds)}
+        self.env = env
         self.ckpt = self.work / "checkpoints"
         self.tracker = self.ckpt / TRACKER_NAME
         self.name = env["JOB_NAME"]
@@ -434,6 +446,8 @@ class ChaosJob:
 
     # -- the run
     def submit(self) -> str:
+        if not self.jobs and self.faults:
+            self._arm(0)
         job_id, printed = self.slurm.submit(["sft"], self.env)
         self.jobs.append(job_id)
         self.submitted.append(printed)
@@ -447,9 +461,36 @@ class ChaosJob:
         logs = self.attempt_logs()
         return logs[-1] if len(logs) == attempts else None
 
+    @staticmethod
+    def _hold_name(fault: Fault) -> str:
+        return f"hold_save_{fault.step}" if fault.kind == "kill_in_save" else f"hold_{fault.step}"
+
+    def _arm(self, index: int) -> None:
+        """Set the hold of the ``index``-th fault (none past the last)."""
+        if index < len(self.faults):
+            (self.holds / self._hold_name(self.faults[index])).touch()
+
+    def _release(self, fault: Fault) -> None:
+        name = self._hold_name(fault)
+        (self.holds / name).unlink(missing_ok=True)
+        for marker in self.holds.glob(name.replace("hold", "held", 1) + "*"):
+            marker.unlink(missing_ok=True)
+
+    def _held(self, fault: Fault) -> bool:
+        """Every trainer rank waits at the fault's hold (a kill in a save: rank 0, before the manifest)."""
+        held = list(self.holds.glob(self._hold_name(fault).replace("hold", "held", 1) + "*"))
+        if fault.kind == "kill_in_save":
+            return bool(held)
+        ranks = [cmd for cmd in _scan(self.marker).values() if _is_rank(cmd)]
+        return bool(held) and len(held) >= len(ranks)
+
     def _wait_for_the_moment(self, fault: Fault, attempts: int) -> None:
         """Until the fault's moment: step N-1 printed by the current attempt (``attempts``-th node-0 log) and, when
-        N-1 saved, that save ended (the tracker on N-1); for a kill in a save, the step-N folder holding files."""
+        N-1 saved, that save ended (the tracker on N-1); for a kill in a save, the step-N folder holding files.
+        With the schedule given, the run waits there at the fault's hold (first awaited here)."""
+        if self.faults:
+            self.wait_for(f"the run held at {fault}'s moment ({self.holds / self._hold_name(fault)})",
+                          lambda: self._held(fault), poll=0.02)
         if fault.kind == "kill_in_save":
             folder = self.ckpt / f"global_step_{fault.step}"
             self.wait_for(f"the save of step {fault.step} to begin ({folder} holding files)",
@@ -505,6 +546,9 @@ class ChaosJob:
         finally:
             for pid in victims:
                 _signal(pid, signal.SIGKILL)
+            if self.faults:  # the next fault's hold is set before this attempt's ranks can move again
+                self._arm(len(self.records) + 1)
+                self._release(fault)
             for pid in ranks:
                 _signal(pid, signal.SIGCONT)
         record["killed"] = victims
@@ -544,7 +588,7 @@ class ChaosJob:
         # job goes on): waited for a while, as a manager process ends within 0.5 s of its rank.
         keep = ("slurm_script", "scripts/supervise.py") if want.action == "restart" else ()
         stale = {k: cmd for k, cmd in before.items() if not any(s in cmd for s in keep)}
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # an event poll: a generous bound costs nothing when all is gone
         while (left := [f"{k[0]} {c}" for k, c in stale.items() if _alive(k)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         record["processes_then"] = len(before)

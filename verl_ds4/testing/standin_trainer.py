@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-every", type=int)
     p.add_argument("--refuse", action="store_true")
     p.add_argument("--once", help="a marker file: the --kill-at / --kill-rank-at fault happens once")
+    p.add_argument("--hold-after", type=int, help="the first attempt (DS4_RESTART unset or 0) waits after this "
+                   "step (up to 120 s) for a signal to stop it: a test's signal then lands at a known step")
     args = p.parse_args(argv)
     if args.refuse:
         print("error: trainer.total_training_steps=-1: expected a positive integer (a stand-in refusal)", file=sys.stderr)
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step:{step} - train/loss:{loss_at(step)!r} - train/lr:0.001", flush=True)
         if step % args.save_freq == 0 or step == args.steps:
             _save(ckpt, step)
+        if step == args.hold_after and os.environ.get("DS4_RESTART", "0") == "0":
+            time.sleep(120)
     return 0
 
 
