@@ -60,6 +60,8 @@ BATCH=${BATCH:-16}                      # global batch size (conversations per s
 MICRO_BATCH=${MICRO_BATCH:-8}           # conversations per micro-batch per data-parallel rank
 LR=${LR:-3e-3}
 SAVE_FREQ=${SAVE_FREQ:-40}              # checkpoint every N steps (and at the last step)
+ASYNC_SAVE=${ASYNC_SAVE:-0}             # 1: Megatron's async saves (training goes on while the shards are written; the
+                                        # manifest and the tracker follow once every rank's write is finalised)
 SEED=${SEED:-42}
 DTYPE=${DTYPE:-float32}                 # float32 (CPU engine config) | bfloat16 (verl's default)
 RESUME_MODE=${RESUME_MODE:-auto}        # auto | disable | resume_path
@@ -84,6 +86,9 @@ for knob in NPROC NNODES CP; do
         echo "$knob=${!knob}: expected a positive integer" >&2; exit 2
     fi
 done
+if [ "$ASYNC_SAVE" != 0 ] && [ "$ASYNC_SAVE" != 1 ]; then
+    echo "ASYNC_SAVE=$ASYNC_SAVE: expected 0 (synchronous saves) or 1 (Megatron's async saves)" >&2; exit 2
+fi
 for knob in MAX_SEQ_LEN MAX_POSITIONS; do
     if [ -n "${!knob}" ] && ! [[ ${!knob} =~ ^[1-9][0-9]*$ ]]; then
         echo "$knob=${!knob}: expected a positive integer (tokens), e.g. $knob=16384" >&2; exit 2
@@ -196,6 +201,8 @@ TRAINER=(
     trainer.resume_mode="$RESUME_MODE"
     trainer.seed="$SEED"
 )
+SAVE_KIND=sync
+if [ "$ASYNC_SAVE" = 1 ]; then TRAINER+=(+checkpoint.async_save=True); SAVE_KIND=async; fi
 
 CONSOLE=(
     --work-dir "$WORK_DIR" --steps "$STEPS" --every "$PRINT_EVERY"
@@ -203,7 +210,7 @@ CONSOLE=(
     --fact "model=$MODEL ($ASSETS/model)"
     --fact "parallel=CP $CP x DP $(( WORLD / CP )), TP 1, PP 1"
     --fact "data=$ASSETS/data/train.parquet ($N_TRAIN $TASK conversations, <= $SEQ_LEN tokens each), batch $BATCH, $STEPS steps, lr $LR"
-    --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, resume_mode=$RESUME_MODE)"
+    --fact "checkpoints=$WORK_DIR/checkpoints (every $SAVE_FREQ steps, $SAVE_KIND saves, resume_mode=$RESUME_MODE)"
     --fact "restarts=MAX_RESTARTS=$MAX_RESTARTS$([ "${DS4_RESTART:-0}" = 0 ] || echo "; this is restart $DS4_RESTART")"
 )
 [ "$VERBOSE" = 1 ] && CONSOLE+=(--verbose)

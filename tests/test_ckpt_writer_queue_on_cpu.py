@@ -32,7 +32,10 @@ if sys.argv[1] == "ours":
     assert manager is not None and writer_queue.install() is manager
 getter = getattr(fa, "get_write_results_queue", None) or fa._get_write_results_queue  # Megatron-Core 0.19 / 0.16
 queue = getter()
-assert getter() is queue
+if sys.argv[1] == "ours":
+    assert getter() is not queue  # one queue per writer (concurrent async writers), all from the manager above
+else:
+    assert getter() is queue  # Megatron's: one cached queue for every writer
 queue.put({"rank": 0})
 assert queue.get() == {"rank": 0}
 print("ready", flush=True)

@@ -13,6 +13,10 @@ checkpoint folder, DS4 chat encoding of the data.
   other fault (a shard cut short, a folder missing, a tracker naming a missing step, a write failing for
   lack of space, a save stopped before its manifest, a lying manifest) is injected into a copy of the
   uninterrupted run's checkpoints and checked by the start-up check (no trainer run).
+* Async saves (issue 44): the same run with ``checkpoint.async_save=True`` trains on while its saves are written;
+  SIGKILLed while the step-4 save is in flight (its shard writes held), the start-up check falls back to step 2
+  (the step-4 folder has no manifest, the tracker is on 2), and a resumed run with async saves gives the
+  uninterrupted run's losses and finalises its last save before it exits.
 * Value head: verl's ``TrainingWorker(model_type="value_model")`` (the PPO critic) on the CPU engine
   gives the same per-token values at CP=2 as at CP=1 (a batch padded up to the DS4's
   128 rows per CP rank).
@@ -143,6 +147,83 @@ def test_sigkill_of_the_ranks_inside_a_save_then_resume_matches_uninterrupted_ru
     assert resumed == {3: reference[3], 4: reference[4]}, (resumed, reference)  # bit for bit
     assert len(set(reference.values())) == 4  # negative control: the compared losses are not one constant
     assert any(p.name.startswith("damaged_global_step_4_") for p in ckpt.iterdir())  # nothing deleted
+
+
+def test_async_save_killed_in_flight_falls_back_to_the_previous_step_and_resumes_exactly(
+        assets, reference_run, tmp_path):
+    """Issue 44, item 2: with ``checkpoint.async_save=True`` the manifest and the tracker follow a save only once
+    every rank's write is finalised. A 5-step run (async saves at steps 2 and 4, its step-4 shard writes held for
+    10 minutes by :mod:`verl_ds4.testing.slow_async_writer`) trains step 5 while the step-4 save is in flight and
+    then waits for it (the step-5 save first finalises the previous one); the test SIGKILLs every process there.
+    Step 2 was finalised (manifest, ``.metadata``, tracker on 2), step 4 has its dataloader state and no manifest:
+    the start-up check renames it aside and resumes from step 2. A run resumed from there with async saves gives
+    the uninterrupted (synchronous) run's losses for steps 3 and 4 bit for bit and finalises its step-4 save
+    before it exits (tracker on 4, manifest, intact). Negative control: a manifest written into the killed step 4
+    before its finalisation (the order before issue 44: verl-ds4 wrote it when the save returned) makes the
+    start-up check accept the unfinished step."""
+    import psutil
+
+    from verl_ds4 import ckpt_manifest as cm
+    from verl_ds4.recipes.ckpt_resume import choose_resume
+
+    reference = reference_run["losses"]
+    ckpt = tmp_path / "ckpt"
+    tracker = ckpt / cm.TRACKER_NAME
+    step2, step4 = ckpt / "global_step_2", ckpt / "global_step_4"
+    env = cpu_env()
+    env["VERL_USE_EXTERNAL_MODULES"] += ",verl_ds4.testing.slow_async_writer"
+    env["VERL_DS4_TEST_SLOW_SAVE"] = "global_step_4/:600"
+    log = tmp_path / "killed.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(sft_command(assets, ckpt_dir=ckpt, steps=5, cp=2, save_freq=2,
+                                            extra=["+checkpoint.async_save=True"]),
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while 5 not in parse_losses(log.read_text()):
+                assert proc.poll() is None, f"run ended before step 5:\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, "no step 5 in time"
+                time.sleep(0.05)
+            time.sleep(1.0)  # the step-5 save begins: it waits for the step-4 save (held)
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+            for rank in ranks:
+                rank.suspend()
+            in_flight = {"tracker": tracker.read_text(), "manifest_4": (step4 / cm.MANIFEST_NAME).exists(),
+                         "data_4": (step4 / "data_0.pt").is_file(), "manifest_2": (step2 / cm.MANIFEST_NAME).exists()}
+        finally:
+            kill_run(proc)
+    text = log.read_text()
+    print(f"\nkilled with the step-4 async save in flight: {in_flight}")
+    assert "[verl-ds4] async save of step 2 finalised on every rank" in text, text[-4000:]
+    assert "[verl-ds4] save of step 4 returned to training after" in text and \
+        "async save of step 4 finalised" not in text, text[-4000:]
+    assert in_flight == {"tracker": "2", "manifest_4": False, "data_4": True, "manifest_2": True}, in_flight
+    assert all((step2 / part / "dist_ckpt" / ".metadata").is_file() for part in ("model", "optimizer", "extra"))
+    assert not (step4 / "model" / "dist_ckpt" / ".metadata").exists()  # Megatron never finalised step 4
+    killed = parse_losses(text)
+    assert killed[3] == reference[3] and killed[4] == reference[4], (killed, reference)  # async: the same training
+
+    control = tmp_path / "control"  # negative control: the manifest written before the save was finalised
+    shutil.copytree(ckpt, control)
+    cm.write_manifest(control / "global_step_4", global_step=4)
+    assert choose_resume(control, "auto", apply=False).step == 4  # the unfinished step would be loaded
+
+    checked = choose_resume(ckpt, "auto")  # what the launcher runs before torchrun
+    messages = "\n".join(checked.messages)
+    print(f"start-up check: step {checked.step} in {checked.seconds * 1e3:.1f} ms\n{messages}")
+    assert checked.step == 2 and f"{step4} is damaged or unfinished" in messages, messages
+    assert not step4.exists() and cm.verify_step(ckpt, 2, full=True) == []
+
+    start = time.monotonic()
+    resumed_log = tmp_path / "resumed.txt"
+    resumed = _run(sft_command(assets, ckpt_dir=ckpt, steps=4, cp=2, save_freq=2, resume_mode="auto",
+                               extra=["+checkpoint.async_save=True"]), resumed_log)
+    print(f"resumed run (async saves): {resumed} in {time.monotonic() - start:.1f} s; uninterrupted: {reference}")
+    assert resumed == {3: reference[3], 4: reference[4]}, (resumed, reference)  # bit for bit
+    assert "[verl-ds4] async save of step 4 finalised on every rank" in resumed_log.read_text()
+    assert tracker.read_text() == "4" and cm.verify_step(ckpt, 4, full=True) == []
+    assert (step4 / "model" / "dist_ckpt" / ".metadata").is_file()
+    assert not (ckpt.parent / cm.TRACKER_NAME).exists()  # verl's own tracker write (two folders up) went nowhere
 
 
 def test_value_head_cp2_matches_cp1(assets, tmp_path):

@@ -314,9 +314,16 @@ def test_sft_launcher_validates_then_execs_torchrun(assets, tmp_path):
         VAL_FILES=str(data / "test.parquet"),
         MESH="h200_64gpu_pp4_ep8_cp4",
         CKPT_DIR=str(tmp_path / "ckpt"),
+        SHARED_CKPT_TIMEOUT="2",
     )
+    # One machine standing in for node 0 of the mesh's 8: the shared-folder check waits for the other 7 and refuses.
+    out = subprocess.run(["bash", str(script), "optim.lr=2e-6"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and not record.exists(), out.stderr[-3000:]
+    assert f"the checkpoint folder {tmp_path / 'ckpt'} is not shared by the run's 8 nodes: node 0" in out.stderr
+    env["SHARED_CKPT_CHECK"] = "0"  # a one-machine rehearsal of the launch: the check is skipped, and says so
     out = subprocess.run(["bash", str(script), "optim.lr=2e-6"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "not checked for being shared by every node (SHARED_CKPT_CHECK=0)" in out.stdout + out.stderr
     args = record.read_text().splitlines()
     assert args[:2] == ["--nnodes=8", "--nproc_per_node=8"] and "verl.trainer.sft_trainer" in args
     assert "+recipe=deepseek_v4_sft" in args and "ds4_mesh=h200_64gpu_pp4_ep8_cp4" in args

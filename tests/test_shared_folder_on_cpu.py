@@ -123,3 +123,21 @@ def test_the_command_refuses_missing_ranks_and_a_start_it_cannot_name(tmp_path, 
                            "--nodes", "2", "--node-rank", "0"], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "give --token, the same on every node" in done.stderr
+
+
+def test_the_launchers_knobs_skip_the_check_saying_so_and_bad_values_are_refused(tmp_path):
+    """``SHARED_CKPT_CHECK=0`` (a one-machine rehearsal of a multi-node launch) skips the check and says so; control:
+    the same lone node with the check on and a 1-second ``SHARED_CKPT_TIMEOUT`` is refused."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SHARED_CKPT_")}
+    base["PYTHONPATH"] = str(REPO)
+    cmd = _cmd(tmp_path, 0)[:-2]  # no --timeout: the knob's
+    done = subprocess.run(cmd, cwd=REPO, env={**base, "SHARED_CKPT_CHECK": "0"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "not checked for being shared by every node (SHARED_CKPT_CHECK=0)" in done.stdout
+    done = subprocess.run(cmd, cwd=REPO, env={**base, "SHARED_CKPT_TIMEOUT": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "is not shared by the run's 2 nodes" in done.stderr, done.stderr
+    for knob, value, words in (("SHARED_CKPT_CHECK", "yes", "expected 1 (check that every node sees"),
+                               ("SHARED_CKPT_TIMEOUT", "soon", "expected a positive number of seconds")):
+        done = subprocess.run(cmd, cwd=REPO, env={**base, knob: value}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and f"{knob}={value}: {words}" in done.stderr, done.stderr

@@ -293,6 +293,9 @@ class _CPUMegatronEngineMixin:
         if device not in ("cpu",):
             raise ValueError(f"The CPU engine can only be moved to 'cpu', got {device!r}.")
 
+    #: Megatron's async-save finalisation (verl_ds4.engine.checkpoint) makes CUDA tensors and syncs: on the CPU here.
+    checkpoint_device_context = staticmethod(cuda_literals_on_cpu)
+
     def save_checkpoint(self, *args, **kwargs):
         with cuda_literals_on_cpu():
             return super().save_checkpoint(*args, **kwargs)

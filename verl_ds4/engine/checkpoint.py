@@ -26,8 +26,21 @@ verl 0.9.1's order, and what verl-ds4 changes (:mod:`verl_ds4.ckpt_manifest` say
 Every save first gives Megatron's checkpoint writer a results queue whose server process ends with the rank
 (:mod:`verl_ds4.engine.writer_queue`): Megatron's own outlives a killed rank.
 
-Async saves (``checkpoint.async_save``) get no manifest (the files are still being written when the save
-returns); the start-up check then treats them as checkpoints without one.
+Async saves (``checkpoint.async_save=True``, Megatron's async dist-checkpointing): the save returns while
+forked writers still write the shards, and Megatron finalises it later (``.metadata``, then the finalize
+callbacks verl attached: ``ckpt_contents.json`` and the rotation) on every rank, whenever someone calls
+``async_calls.maybe_finalize_async_calls`` - which nothing in verl 0.9.1 does. :class:`ManifestCheckpointEngine`
+does: without blocking before every training step (:meth:`~ManifestCheckpointEngine.finish_async_saves`),
+blocking before the next save and when verl's SFT trainer's ``fit`` returns (:func:`install_sft_fit_hook`).
+It queues one more finalize request behind verl's, so that, once every rank's write is finalised, a barrier,
+then the manifest (rank 0), then the tracker (SFT: written by verl under the pending name, put in place
+now), then the rotation run, in that order. A run killed while a save is in flight leaves that step without
+a manifest and the tracker on the previous step (the start-up check falls back to it). verl's own finalize
+writes the tracker of the folder two levels up (``dirname(dirname(local_path))``: for an SFT step the folder
+*above* the run's) with a plain ``open``: that write goes to ``os.devnull``. Async saves are finalised in
+verl's torchrun SFT trainer only: an engine built anywhere else (verl's RL workers, the Ray SFT trainer) with
+``async_save=True`` is refused at construction (:func:`check_async_save_supported`): there no one would ever
+finalise the saves, and the last one of a run would be lost.
 """
 
 from __future__ import annotations
@@ -42,15 +55,27 @@ from verl_ds4.ckpt_manifest import TRACKER_NAME, CheckpointDamagedError, mark_ma
 from verl_ds4.engine import writer_queue
 
 __all__ = [
+    "AsyncSaveUnsupportedError",
     "ManifestCheckpointEngine",
+    "check_async_save_supported",
     "handler_save_checkpoint",
+    "install_sft_fit_hook",
     "install_trainer_hook",
+    "sft_fit",
     "trainer_save_checkpoint",
+    "uninstall_sft_fit_hook",
     "uninstall_trainer_hook",
 ]
 
 PENDING_SUFFIX = ".verl_ds4_pending"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+SFT_TRAINER_MODULE = "verl.trainer.sft_trainer"
+_MISSING = object()
+VERL_MANAGER_MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
+
+
+class AsyncSaveUnsupportedError(ValueError):
+    """``async_save=True`` where no one would finalise the saves (the message names the fix)."""
 
 
 def _rank() -> int:
@@ -79,6 +104,98 @@ def rotate(engine, max_ckpt_to_keep) -> None:
     _barrier()
 
 
+def _async_save_on(engine) -> bool:
+    return bool(getattr(getattr(engine, "checkpoint_config", None), "async_save", False))
+
+
+def _async_calls():
+    """Megatron's process-wide queue of async save requests (the one verl schedules its saves on)."""
+    from megatron.core.dist_checkpointing.strategies.base import async_calls
+
+    return async_calls
+
+
+@contextlib.contextmanager
+def _module_open(module_name: str, open_):
+    """Within the block, module ``module_name``'s global ``open`` is ``open_`` (a no-op if it is not imported)."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        yield
+        return
+    namespace = vars(module)
+    saved = namespace.get("open", _MISSING)
+    namespace["open"] = open_
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            namespace.pop("open", None)
+        else:
+            namespace["open"] = saved
+
+
+def _open_redirected(redirects: dict[str, str]):
+    """``open`` that writes each path of ``redirects`` (absolute) to its target; every other call is the builtin's."""
+
+    def open_(file, mode="r", *args, **kwargs):
+        if "w" in mode and isinstance(file, (str, os.PathLike)):
+            file = redirects.get(os.path.abspath(os.fspath(file)), file)
+        return builtins.open(file, mode, *args, **kwargs)
+
+    return open_
+
+
+def _write_tracker(tracker: str, step: int) -> None:
+    """verl's tracker ``tracker`` -> ``step``, atomically (a pending file verl wrote for it is dropped)."""
+    tmp = tracker + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, tracker)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tracker + PENDING_SUFFIX)
+
+
+class _AsyncSaveDone:
+    """The finalize callback verl-ds4 queues behind verl's for one async save (runs on every rank, in order)."""
+
+    def __init__(self, engine, local_path: str, global_step: int, max_ckpt_to_keep, in_handler: bool):
+        self.engine, self.local_path, self.global_step = engine, str(local_path), global_step
+        self.max_ckpt_to_keep, self.in_handler = max_ckpt_to_keep, in_handler
+        self.scheduled = time.perf_counter()
+
+    def __call__(self) -> None:
+        _barrier()  # every rank ran Megatron's and verl's finalize functions of this save
+        if _rank() == 0:
+            t0 = time.perf_counter()
+            manifest = write_manifest(self.local_path, global_step=self.global_step)
+            self.engine._verl_ds4_manifest_seconds = time.perf_counter() - t0
+            what = f"manifest {manifest}"
+            if self.in_handler:  # an SFT step folder: its tracker is the run folder's, advanced after the manifest
+                _write_tracker(os.path.join(os.path.dirname(os.path.abspath(self.local_path)), TRACKER_NAME),
+                               self.global_step)
+                what += f"; tracker -> step {self.global_step}"
+            print(f"[verl-ds4] async save of step {self.global_step} finalised on every rank "
+                  f"{time.perf_counter() - self.scheduled:.2f} s after it was scheduled: {what}", flush=True)
+        _barrier()
+        rotate(self.engine, self.max_ckpt_to_keep)
+
+
+def check_async_save_supported() -> None:
+    """Raise :class:`AsyncSaveUnsupportedError` unless verl's torchrun SFT trainer drives this process.
+
+    Installs the trainer's end-of-run finalisation (:func:`install_sft_fit_hook`) when it does.
+    """
+    if install_sft_fit_hook():
+        return
+    raise AsyncSaveUnsupportedError(
+        "verl-ds4: checkpoint async_save=True is supported in verl's torchrun SFT trainer (verl.trainer.sft_trainer) "
+        "only: verl 0.9.1's PPO trainer and its Ray workers never finalise Megatron's async saves (nothing calls "
+        "maybe_finalize_async_calls), so no step would get its metadata, manifest or tracker and the last save of "
+        "the run would be lost. Fix: set async_save=false for this role (RL: actor_rollout_ref.actor.checkpoint."
+        "async_save=false and critic.checkpoint.async_save=false; the SFT recipes: ds4.async_save=false; the CPU job: ASYNC_SAVE=0)."
+    )
+
+
 class ManifestCheckpointEngine:
     """Mixin over verl's Megatron engine: a manifest ends every save; loads are verified first."""
 
@@ -87,10 +204,59 @@ class ManifestCheckpointEngine:
     _verl_ds4_pending_rotation = None
     _verl_ds4_manifest_seconds = 0.0
 
+    def __init__(self, *args, **kwargs):
+        # verl's engines take (model_config, engine_config, optimizer_config, checkpoint_config)
+        checkpoint_config = kwargs.get("checkpoint_config", args[3] if len(args) > 3 else None)
+        if getattr(checkpoint_config, "async_save", False):
+            check_async_save_supported()  # before anything is built
+        super().__init__(*args, **kwargs)
+
+    def _device_context(self):
+        """The context Megatron's finalisation runs in (the CPU engines': CUDA literals on the CPU)."""
+        context = getattr(self, "checkpoint_device_context", None)
+        return context() if context is not None else contextlib.nullcontext()
+
+    def finish_async_saves(self, blocking: bool) -> list[int]:
+        """Finalise this process's async saves whose writes are done on every rank (``blocking``: wait for all).
+
+        A collective: every rank calls it at the same point (each training step, each save, the end of ``fit``).
+        Returns the indices Megatron finalised (empty when none was in flight).
+        """
+        queue = _async_calls()
+        if not queue.get_num_unfinalized_calls():
+            return []
+        drop = {t: os.devnull for t in getattr(self, "_verl_ds4_verl_trackers", ())}
+        with self._device_context(), _module_open(VERL_MANAGER_MODULE, _open_redirected(drop)):
+            return queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def train_batch(self, *args, **kwargs):
+        if _async_save_on(self):
+            self.finish_async_saves(blocking=False)  # a save whose writes are done gets its manifest and tracker now
+        return super().train_batch(*args, **kwargs)
+
+    def _save_async(self, local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs):
+        self.finish_async_saves(blocking=True)  # one save in flight at a time: the previous one is complete first
+        result = super().save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)  # verl rotates nothing
+        trackers = getattr(self, "_verl_ds4_verl_trackers", None)
+        if trackers is None:
+            trackers = self._verl_ds4_verl_trackers = set()
+        # verl's finalize writes this tracker (two levels up) with a plain open: dropped, see the module docstring
+        trackers.add(os.path.abspath(os.path.join(os.path.dirname(os.path.dirname(str(local_path))), TRACKER_NAME)))
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+        done = _AsyncSaveDone(self, local_path, global_step, max_ckpt_to_keep, self._verl_ds4_in_handler)
+        # Megatron finalises requests in order, on every rank once every rank's write is done: this one after verl's.
+        with self._device_context():
+            _async_calls().schedule_async_request(AsyncRequest(None, (), [done]))
+        if _rank() == 0:
+            print(f"[verl-ds4] async save of step {global_step} scheduled ({local_path}): its manifest and the "
+                  "tracker follow once every rank's write is finalised", flush=True)
+        return result
+
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         writer_queue.install()  # Megatron's writer-results process then ends with this rank (see the module)
-        if getattr(getattr(self, "checkpoint_config", None), "async_save", False):
-            return super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
+        if _async_save_on(self):
+            return self._save_async(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
         result = super().save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)
         _barrier()  # verl's engine has one too; every rank's files are written
         # Inside verl's SFT handler the engine writes into the step folder itself, and the dataloader files
@@ -142,18 +308,26 @@ def handler_save_checkpoint(verl_save):
         if _rank() == 0:
             mark_manifests_since(self.default_local_dir, step)
         engine._verl_ds4_in_handler = True
+        started = time.perf_counter()
         try:
             with _tracker_pending(handler_module) as tracker_of:
                 verl_save(self, step)  # shards, data_<dp>.pt, the pending tracker, verl's final barrier
         finally:
             engine._verl_ds4_in_handler = False
+        saved_in = time.perf_counter() - started
+        if _async_save_on(engine):
+            # the shards are still being written: the engine's finalize writes the manifest, tracker, rotation
+            if _rank() == 0:
+                print(f"[verl-ds4] save of step {step} returned to training after {saved_in:.2f} s (async)", flush=True)
+            return
         if _rank() == 0:
             t0 = time.perf_counter()
             manifest = write_manifest(os.path.join(self.default_local_dir, f"global_step_{step}"), global_step=step)
             tracker = tracker_of(self.default_local_dir)
             os.replace(tracker + PENDING_SUFFIX, tracker)
             print(f"[verl-ds4] checkpoint manifest {manifest} written in {time.perf_counter() - t0:.3f} s; "
-                  f"tracker -> step {step}", flush=True)
+                  f"tracker -> step {step}; save of step {step} returned to training after {saved_in:.2f} s (sync)",
+                  flush=True)
         _barrier()
         rotate(engine, engine._verl_ds4_pending_rotation)
 
@@ -164,13 +338,7 @@ def handler_save_checkpoint(verl_save):
 
 def _open_with_pending_tracker(tracker: str):
     """``open`` that writes ``tracker`` under its pending name; every other call is the builtin's."""
-
-    def open_(file, mode="r", *args, **kwargs):
-        if "w" in mode and isinstance(file, (str, os.PathLike)) and os.path.abspath(os.fspath(file)) == tracker:
-            file = tracker + PENDING_SUFFIX
-        return builtins.open(file, mode, *args, **kwargs)
-
-    return open_
+    return _open_redirected({tracker: tracker + PENDING_SUFFIX})
 
 
 def trainer_save_checkpoint(verl_save):
@@ -205,8 +373,6 @@ def trainer_save_checkpoint(verl_save):
     return _save_checkpoint
 
 
-_MISSING = object()
-
 
 def install_trainer_hook() -> bool:
     """Wrap verl's v1 ``PPOTrainer._save_checkpoint`` (idempotent); False when verl's trainer is not imported.
@@ -224,6 +390,58 @@ def install_trainer_hook() -> bool:
     if not getattr(current, "__verl_ds4_hook__", False):
         trainer._save_checkpoint = trainer_save_checkpoint(current)
     return True
+
+
+def sft_fit(verl_fit):
+    """verl's ``SFTTrainer.fit`` -> one that finalises the run's async saves (blocking) when it returns.
+
+    The last save of a run is still being written when verl's loop returns; without this, the process group is
+    destroyed and the process exits with that save never finalised (no ``.metadata``, manifest or tracker).
+    """
+
+    def fit(self, *args, **kwargs):
+        result = verl_fit(self, *args, **kwargs)
+        finish = getattr(getattr(self, "engine", None), "finish_async_saves", None)
+        if finish is not None:
+            finish(blocking=True)
+        return result
+
+    fit.__verl_ds4_hook__ = True
+    fit.__wrapped__ = verl_fit
+    return fit
+
+
+def _sft_trainer_class():
+    """verl's ``SFTTrainer`` class of this process: its module, or ``__main__`` under ``python -m`` (None: neither)."""
+    for name in (SFT_TRAINER_MODULE, "__main__"):
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if module is not None and (name == SFT_TRAINER_MODULE or getattr(spec, "name", None) == SFT_TRAINER_MODULE):
+            trainer = getattr(module, "SFTTrainer", None)
+            if isinstance(trainer, type) and "fit" in trainer.__dict__:
+                return trainer
+    return None
+
+
+def install_sft_fit_hook() -> bool:
+    """Wrap verl's ``SFTTrainer.fit`` with :func:`sft_fit` (idempotent); False when no SFT trainer drives this process.
+
+    Called by the engine's constructor (which verl's SFT trainer runs in its own ``__init__``, before ``fit``).
+    """
+    trainer = _sft_trainer_class()
+    if trainer is None:
+        return False
+    if not getattr(trainer.__dict__["fit"], "__verl_ds4_hook__", False):
+        trainer.fit = sft_fit(trainer.__dict__["fit"])
+    return True
+
+
+def uninstall_sft_fit_hook() -> None:
+    """Put verl's ``SFTTrainer.fit`` back (idempotent; for tests)."""
+    trainer = _sft_trainer_class()
+    current = trainer.__dict__.get("fit") if trainer is not None else None
+    if getattr(current, "__verl_ds4_hook__", False):
+        trainer.fit = current.__wrapped__
 
 
 def uninstall_trainer_hook() -> None:

@@ -20,6 +20,15 @@ The manager is started with ``spawn`` (as Megatron's is) but without running the
 (:func:`_main_module_not_run`): ``spawn`` imports the parent's ``__main__`` in the child, for a rank
 ``verl.trainer.sft_trainer`` with verl, Megatron and the engines, about 10 s of imports on a CPU (and their memory)
 at every run's first save, for a process that serves one queue from the standard library.
+
+Each writer gets a queue of its own from that manager (:func:`_queue_per_writer` in place of
+``filesystem_async.get_write_results_queue``, ``_get_write_results_queue`` before Megatron-Core 0.19, which hands
+every writer the one cached queue). verl saves a
+checkpoint as three dist-checkpoint saves (``model/``, ``optimizer/``, ``extra/``); with ``async_save`` their
+forked writers run at the same time and put their results into that queue in the order they finish, while
+Megatron's finalisation takes them in the order the saves were scheduled (``results_queue.get_nowait()``):
+the model save's finalisation then takes the ``extra`` writer's results and fails with "Incomplete worker
+results (expected 2, got 1)" (seen on the CPU job). Synchronous saves write one at a time and are unchanged.
 """
 
 from __future__ import annotations
@@ -89,5 +98,14 @@ def install() -> SyncManager | None:
     with _main_module_not_run():  # it serves a queue: the rank's main module (verl's trainer) is not imported there
         manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
+    for name in ("get_write_results_queue", "_get_write_results_queue"):  # Megatron-Core 0.19 and dev / 0.16
+        if callable(getattr(filesystem_async, name, None)):
+            setattr(filesystem_async, name, _queue_per_writer)
     _MANAGER = manager
     return manager
+
+
+def _queue_per_writer(*_args, **_kwargs):
+    """Megatron's ``get_write_results_queue`` (``_get_write_results_queue`` before 0.19) with one queue per writer,
+    from the manager that ends with this rank (see the module docstring); Megatron's ``mp_mode`` is the manager's."""
+    return _MANAGER.Queue()

@@ -156,7 +156,8 @@ def format_plan(cfg: DictConfig, report: ValidationReport, launch: str | None = 
         )
     lines.append(
         f"checkpoints: {_get(cfg, 'trainer.default_local_dir')} (resume_mode={_get(cfg, 'trainer.resume_mode')}, "
-        f"save_freq={_get(cfg, 'trainer.save_freq')})"
+        f"save_freq={_get(cfg, 'trainer.save_freq')}"
+        + (", async saves" if report.trainer == "sft" and bool(_get(cfg, "checkpoint.async_save", False)) else "") + ")"
     )
     from verl_ds4.memory.table import format_memory
 

@@ -16,7 +16,9 @@ seen them all. With Ray (:func:`probe_ray`), the driver places one such task on 
     python -m verl_ds4.recipes.shared_folder --dir DIR --nodes N --node-rank R [--token T] [--timeout S]
     python -m verl_ds4.recipes.shared_folder --dir DIR --ray [--nodes N] [--timeout S]
 
-A single-node run (``--nodes 1``) passes at once.
+A single-node run (``--nodes 1``) passes at once. The launchers' knobs, read here: ``SHARED_CKPT_CHECK=0`` skips the
+check (said on the console: for a folder you know every node sees, or a one-machine rehearsal of a multi-node
+launch), ``SHARED_CKPT_TIMEOUT`` the seconds to wait (default 120).
 """
 
 from __future__ import annotations
@@ -162,8 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", help="the same string on every node of this start (default: from Slurm's or "
                                         "torchrun's environment)")
     parser.add_argument("--ray", action="store_true", help="check every node of the running Ray cluster from here")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds to wait (default {TIMEOUT_S:.0f})")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help=f"seconds to wait (default: SHARED_CKPT_TIMEOUT, else {TIMEOUT_S:.0f})")
     args = parser.parse_args(argv)
+    check = os.environ.get("SHARED_CKPT_CHECK", "1")
+    if check not in ("0", "1"):
+        print(f"SHARED_CKPT_CHECK={check}: expected 1 (check that every node sees the checkpoint folder, the default) "
+              "or 0 (skip the check)", file=sys.stderr)
+        return 2
+    if check == "0":
+        print(f"[verl-ds4] checkpoint folder {args.dir}: not checked for being shared by every node "
+              "(SHARED_CKPT_CHECK=0)", flush=True)
+        return 0
+    if args.timeout is None:
+        try:
+            args.timeout = float(os.environ.get("SHARED_CKPT_TIMEOUT", TIMEOUT_S))
+        except ValueError:
+            args.timeout = -1.0
+        if not args.timeout > 0:
+            print(f"SHARED_CKPT_TIMEOUT={os.environ.get('SHARED_CKPT_TIMEOUT')}: expected a positive number of "
+                  f"seconds (default {TIMEOUT_S:.0f})", file=sys.stderr)
+            return 2
     try:
         if args.ray:
             fact = probe_ray(args.dir, nodes=args.nodes, timeout=args.timeout)
