@@ -3,9 +3,11 @@
 ``scripts/run_ds4_proxy_sft_cpu.sh`` (the tiny DS4, verl's SFT trainer, torchrun with CP=2) runs 6 steps with a
 checkpoint every 2 and ``MAX_RESTARTS=2``; after step 5 the run waits before step 6 (a test hold,
 :mod:`verl_ds4.testing.hold_steps`, so the fault lands there however loaded the machine is) and the test SIGKILLs
-one rank, then lets the other go on. torchrun ends the
-run, the launcher's supervisor restarts it by itself with ``resume_mode=auto`` from step 4, and the resumed steps 5
-and 6 give the losses of an uninterrupted run (``MAX_RESTARTS=0``, the demo's default) bit for bit.
+one rank, then lets the other go on. torchrun ends the run, the launcher's supervisor restarts it by itself with
+``resume_mode=auto`` from step 4, and the resumed step 5 gives the loss the interrupted run had trained there
+uninterrupted, bit for bit; the run finishes step 6. (Every step of every attempt against a whole uninterrupted run:
+the chaos test on the local Slurm, tests/test_cluster_launchers_real_on_cpu.py, through the same launcher; this test
+is the single-node launcher's own supervision, so it runs no reference run of its own.)
 
 128 conversations in batches of 16: the run stays inside the first epoch (8 steps); a resume from a checkpoint written
 at the end of an epoch does not continue exactly in verl 0.9.1's SFT trainer (tests/test_cluster_launchers_real_on_cpu.py
@@ -52,15 +54,6 @@ def _ranks(root: int) -> list:
 
 def test_a_rank_sigkilled_mid_run_is_restarted_by_the_launcher_and_resumes_bit_for_bit(tmp_path):
     start = time.monotonic()
-    reference = _launch(tmp_path / "reference", 0)
-    out, _ = reference.communicate(timeout=TIMEOUT_S)
-    assert reference.returncode == 0, out[-4000:]
-    assert "[verl-ds4] restarts    MAX_RESTARTS=0" in out and "restart     1" not in out
-    [ref_log] = sorted((tmp_path / "reference" / "logs").glob("2*.log"))
-    ref = _losses(ref_log)
-    assert sorted(ref) == [1, 2, 3, 4, 5, 6] and len(set(ref.values())) == 6, ref
-    reference_s = time.monotonic() - start
-
     work, holds = tmp_path / "killed", tmp_path / "holds"
     holds.mkdir()
     (holds / "hold_6").touch()  # both ranks wait before step 6 until the fault is in
@@ -92,10 +85,10 @@ def test_a_rank_sigkilled_mid_run_is_restarted_by_the_launcher_and_resumes_bit_f
     assert "resume_mode=auto; 1 tries left" in out and "finished after 1 restart(s)" in out
     first, second = sorted((work / "logs").glob("2*.log"))
     interrupted, resumed = _losses(first), _losses(second)
-    print(f"\nreference run {reference_s:.0f} s; restart latency (rank SIGKILL -> restart line) "
-          f"{restart_at - killed_at:.1f} s; killed run + restart {time.monotonic() - start - reference_s:.0f} s\n"
-          f"uninterrupted {ref}\ninterrupted   {interrupted}\nresumed       {resumed}")
-    assert sorted(interrupted) == [1, 2, 3, 4, 5] and interrupted == {s: ref[s] for s in interrupted}
+    print(f"\nrestart latency (rank SIGKILL -> restart line) {restart_at - killed_at:.1f} s; killed run + restart "
+          f"{time.monotonic() - start:.0f} s\ninterrupted {interrupted}\nresumed     {resumed}")
+    assert sorted(interrupted) == [1, 2, 3, 4, 5] and len(set(interrupted.values())) == 5, interrupted
     assert sorted(resumed) == [5, 6], resumed  # from the step-4 checkpoint, by itself
-    assert resumed == {5: ref[5], 6: ref[6]}, (resumed, ref)  # bit for bit
+    assert resumed[5] == interrupted[5], (resumed, interrupted)  # bit for bit: the step trained as before the fault
+    assert resumed[6] != resumed[5]
     assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
