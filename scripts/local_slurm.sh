@@ -173,7 +173,10 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SwitchType=switch/none
 LaunchParameters=enable_nss_slurm
-KillWait=5
+# KillWait: seconds between a stopped step's SIGTERM and its SIGKILL. This Slurm tracks processes by parentage
+# (proctrack/linuxproc), and torchrun starts its workers in sessions of their own: a torchrun SIGKILLed before it
+# stopped its workers leaves them orphaned (seen with 5 s on a loaded machine). 30 s lets it finish.
+KillWait=30
 StateSaveLocation=$LOCAL_SLURM_DIR/state
 SlurmdSpoolDir=$LOCAL_SLURM_DIR/spool/%n
 SlurmctldPidFile=$LOCAL_SLURM_DIR/run/slurmctld.pid
