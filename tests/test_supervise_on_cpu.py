@@ -258,6 +258,40 @@ def test_the_pre_timeout_signal_stops_the_attempt_and_asks_for_a_requeue(tmp_pat
     assert "step:4" not in out and _attempts(out) == 1
 
 
+def _stopped_from_outside(cmd: list[str], supervisor_too: bool) -> tuple[int, str]:
+    """``scancel``'s race: SIGTERM reaches the attempt (the stand-in trainer, waiting after step 3) first and the
+    supervisor 1.5 s later (``supervisor_too``), as the batch shell passes it on; (exit status, output)."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    lines, sent = [], False
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step:3") and not sent:
+            sent = True
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if "standin_trainer" in " ".join(child.cmdline()):
+                    child.send_signal(signal.SIGTERM)
+            if supervisor_too:
+                time.sleep(1.5)
+                proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=120), "".join(lines)
+
+
+def test_an_attempt_stopped_from_outside_waits_for_the_supervisors_own_stop(tmp_path):
+    """scancel signals the job's steps and its batch shell at once; the attempt may end before the shell passed the
+    signal on (seen on a loaded machine: the supervisor printed a restart, then was stopped). It waits for its own
+    stop (:data:`verl_ds4.recipes.supervise.OUTSIDE_STOP_WAIT_S`) and then stops without a restart. Control: an
+    attempt stopped by SIGTERM and nothing else is restarted after that wait."""
+    rc, out = _stopped_from_outside(_requeue_cmd(tmp_path / "ckpt", tmp_path / "state.json"), supervisor_too=True)
+    assert "not restarted: stopped by SIGTERM" in out and "restart     1 of" not in out, out
+    assert rc not in (0, sv.EXIT_REQUEUE) and _attempts(out) == 1
+    start = time.monotonic()
+    rc, out = _stopped_from_outside(_requeue_cmd(tmp_path / "ckpt2", tmp_path / "state2.json"), supervisor_too=False)
+    assert rc == 0 and "restart     1 of 2: attempt 1 failed at step 4 (stopped by SIGTERM" in out, out
+    assert time.monotonic() - start >= sv.OUTSIDE_STOP_WAIT_S
+
+
 def test_the_trainer_output_in_a_log_file_is_read_for_its_step_and_error(tmp_path):
     """As in the Slurm batch script, where the trainer's output goes to the node logs and srun prints nothing of it:
     ``--progress-log`` names the file. The rank is killed before any checkpoint (save every 10 steps)."""

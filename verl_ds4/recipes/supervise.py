@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -53,6 +54,11 @@ __all__ = ["EXIT_REQUEUE", "Attempt", "SuperviseError", "check_ckpt_dir", "check
 
 EXIT_REQUEUE = 75  # the attempt was stopped by the pre-timeout signal: the batch script requeues the job
 MIN_FREE = 64 << 20  # bytes a checkpoint folder must have free at least, when it holds no checkpoint yet
+#: An attempt that ended only because it was stopped (SIGTERM, SIGINT, SIGHUP: no rank lost, no error) was most
+#: likely stopped from outside: ``scancel`` signals the job's steps and its batch shell at once, and the shell passes
+#: the signal on to this process a moment later (seconds, on a loaded machine). The supervisor waits this long for
+#: its own stop before it takes the attempt for a failure to restart.
+OUTSIDE_STOP_WAIT_S = 10.0
 
 class SuperviseError(Exception):
     """A refusal at start-up (bad MAX_RESTARTS, a checkpoint folder that cannot take a checkpoint)."""
@@ -204,6 +210,10 @@ def supervise(cmd: list[str], *, max_restarts: int, ckpt_dir: str | Path | None 
         if state["used"] and newest is not None:
             child.update(RESUME_MODE="auto", RESUME_FROM="")
         runner.run(cmd, child, attempt, progress_logs)
+        if attempt.returncode != 0 and attempt.signal is None and attempt.reason.startswith("stopped by"):
+            deadline = time.monotonic() + OUTSIDE_STOP_WAIT_S  # our own stop may still be on its way (see above)
+            while runner.stop_reason is None and time.monotonic() < deadline:
+                time.sleep(0.1)
         after, none_intact = newest_intact(ckpt_dir)
         if attempt.last_step is None and after is not None and after > (newest or 0):
             attempt.last_step = after  # it printed no step we saw, but saved a newer checkpoint: it trained
