@@ -25,6 +25,7 @@ from verl_ds4 import ckpt_manifest as cm
 from verl_ds4.engine import checkpoint as ck
 from verl_ds4.recipes import ckpt_resume as cr
 from verl_ds4.substitutes.cuda_literals import cuda_literals_on_cpu
+from verl_ds4.testing.ckpt_faults import standin_handler
 
 pytest.importorskip("verl.workers.engine")  # first: see tests/test_ckpt_faults_on_cpu.py
 handler_module = pytest.importorskip("verl.utils.checkpoint.checkpoint_handler")
@@ -83,13 +84,7 @@ class ManifestEngine(ck.ManifestCheckpointEngine, _StandInEngine):
 
 
 def _handler(ckpt: Path, engine):
-    handler = handler_module.CheckpointHandler.__new__(handler_module.CheckpointHandler)
-    handler.default_local_dir, handler.default_hdfs_dir, handler.engine = str(ckpt), None, engine
-    handler.rank, handler.dp_rank, handler.is_mp_src_rank_with_outputs = 0, 0, True
-    handler.max_ckpt_to_keep, handler.lora_train_meta = 2, None
-    handler.mode = handler_module.OrchestrationMode.SPMD
-    handler.train_dataloader = type("Loader", (), {"state_dict": lambda self: {"sampler": 1}})()
-    return handler
+    return standin_handler(ckpt, engine, 2)
 
 
 @pytest.fixture

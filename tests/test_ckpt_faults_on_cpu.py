@@ -25,6 +25,7 @@ import torch
 from verl_ds4 import ckpt_manifest as cm
 from verl_ds4.engine import checkpoint as ck
 from verl_ds4.recipes import ckpt_resume as cr
+from verl_ds4.testing.ckpt_faults import standin_handler
 
 # verl.workers.engine first: imported first in a fresh process, checkpoint_handler reaches verl-ds4's plugin
 # (which imports it back) half-initialised, and the plugin fails to register.
@@ -73,13 +74,7 @@ class ManifestEngine(ck.ManifestCheckpointEngine, _StandInMegatronEngine):
 
 
 def _handler(ckpt: Path, engine):
-    handler = handler_module.CheckpointHandler.__new__(handler_module.CheckpointHandler)
-    handler.default_local_dir, handler.default_hdfs_dir, handler.engine = str(ckpt), None, engine
-    handler.rank, handler.dp_rank, handler.is_mp_src_rank_with_outputs = 0, 0, True
-    handler.max_ckpt_to_keep, handler.lora_train_meta = KEEP, None
-    handler.mode = handler_module.OrchestrationMode.SPMD
-    handler.train_dataloader = type("Loader", (), {"state_dict": lambda self: {"sampler": 1}})()
-    return handler
+    return standin_handler(ckpt, engine, KEEP)
 
 
 def _child(ckpt: Path, point: str | None, fd: int, mixin: bool) -> None:

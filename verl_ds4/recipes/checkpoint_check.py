@@ -12,6 +12,9 @@ DSpark drafter.
   recipe knob ``ds4.mtp``), naming the setting and the fix.
 
 Remote paths and folders without ``config.json`` are skipped (the path rule reports those).
+
+:func:`check_async_save`: an RL role's ``checkpoint.async_save=true`` is an error (verl 0.9.1's RL trainers never
+finalise async saves; the SFT recipes offer them as ``ds4.async_save``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from verl_ds4.models.ds4.checkpoint_format import CheckpointFormatError, read_ch
 from verl_ds4.models.ds4.provider import local_config_json
 from verl_ds4.recipes.roles import Problem, RoleMesh, _get
 
-__all__ = ["check_checkpoint_format", "check_ds41_checkpoint_format"]
+__all__ = ["check_async_save", "check_checkpoint_format", "check_ds41_checkpoint_format"]
 
 
 def check_checkpoint_format(cfg: DictConfig, trainer: str, roles: list[RoleMesh], report: Any) -> None:
@@ -80,6 +83,19 @@ def check_ds41_checkpoint_format(cfg: DictConfig, trainer: str, roles: list[Role
             report.notes.append(f"{block}.path holds {describe_folder(folder, json.loads(Path(config_json).read_text()))}.")
         except ValueError as e:
             report.errors.append(Problem(f"{block}.path", str(e), "fix the file or point the path at another folder."))
+
+
+def check_async_save(cfg: DictConfig, trainer: str, report: Any) -> None:
+    """Async saves are finalised in verl's SFT trainer only (:mod:`verl_ds4.engine.checkpoint`): an RL role's
+    ``checkpoint.async_save=True`` would never get its metadata, manifest or tracker."""
+    if trainer != "ppo":
+        return
+    for key in ("actor_rollout_ref.actor.checkpoint.async_save", "critic.checkpoint.async_save"):
+        if bool(_get(cfg, key, False)):
+            report.errors.append(Problem(
+                key, "is True, but verl 0.9.1's PPO trainer and its Ray workers never finalise Megatron's async "
+                "saves: no step would get its metadata, manifest or tracker and the run's last save would be lost.",
+                "set it to false (async saves are offered for SFT: ds4.async_save=true in the SFT recipes)."))
 
 
 def _model_blocks(trainer: str, roles: list[RoleMesh]) -> list[str]:

@@ -43,7 +43,7 @@ from verl_ds4 import ds4_facts, ds41_facts
 from verl_ds4.models.ds4.provider import DS4ModelFacts, is_remote_path, load_model_facts
 from verl_ds4.models.ds41.provider import DS41ModelFacts, is_v41_block, load_ds41_model_facts
 from verl_ds4.recipes import seq_len
-from verl_ds4.recipes.checkpoint_check import check_checkpoint_format, check_ds41_checkpoint_format
+from verl_ds4.recipes.checkpoint_check import check_async_save, check_checkpoint_format, check_ds41_checkpoint_format
 from verl_ds4.recipes.roles import Problem, RecipeValidationError, RoleMesh, _get, collect_roles
 
 __all__ = ["Problem", "RecipeValidationError", "ValidationReport", "validate_recipe"]
@@ -495,19 +495,6 @@ def _check_rollout(cfg: DictConfig, report: ValidationReport) -> None:
         )
 
 
-def _check_async_save(cfg: DictConfig, trainer: str, report: ValidationReport) -> None:
-    """Async saves are finalised in verl's SFT trainer only (:mod:`verl_ds4.engine.checkpoint`): an RL role's
-    ``checkpoint.async_save=True`` would never get its metadata, manifest or tracker."""
-    if trainer != "ppo":
-        return
-    for key in ("actor_rollout_ref.actor.checkpoint.async_save", "critic.checkpoint.async_save"):
-        if bool(_get(cfg, key, False)):
-            report.errors.append(Problem(
-                key, "is True, but verl 0.9.1's PPO trainer and its Ray workers never finalise Megatron's async "
-                "saves: no step would get its metadata, manifest or tracker and the run's last save would be lost.",
-                "set it to false (async saves are offered for SFT: ds4.async_save=true in the SFT recipes)."))
-
-
 def validate_recipe(
     cfg: DictConfig,
     trainer: str,
@@ -595,7 +582,7 @@ def validate_recipe(
     _check_agreement(roles, cfg, report)
     if trainer == "ppo":
         _check_rollout(cfg, report)
-    _check_async_save(cfg, trainer, report)
+    check_async_save(cfg, trainer, report)
     from verl_ds4.recipes.kernel_check import check_kernels
     from verl_ds4.recipes.memory_check import check_memory
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from verl_ds4.ckpt_manifest import MANIFEST_NAME, TRACKER_NAME, step_folders
 
-__all__ = ["FAULTS", "inject", "newest_step"]
+__all__ = ["FAULTS", "inject", "newest_step", "standin_handler"]
 
 
 def newest_step(ckpt_dir: Path) -> tuple[int, Path]:
@@ -141,3 +141,17 @@ def inject(fault: str, ckpt_dir: str | Path) -> Path:
     if fault not in FAULTS:
         raise ValueError(f"fault={fault!r}: expected one of {sorted(FAULTS)}")
     return FAULTS[fault][0](Path(ckpt_dir))
+
+
+def standin_handler(ckpt: str | Path, engine, max_ckpt_to_keep: int | None):
+    """verl's SFT ``CheckpointHandler`` over ``engine`` without verl's constructor (which needs a trainer): rank 0 of
+    one, SPMD, saving into ``ckpt``, a dataloader whose state is ``{"sampler": 1}`` (the save-path tests)."""
+    from verl.utils.checkpoint import checkpoint_handler as handler_module
+
+    handler = handler_module.CheckpointHandler.__new__(handler_module.CheckpointHandler)
+    handler.default_local_dir, handler.default_hdfs_dir, handler.engine = str(ckpt), None, engine
+    handler.rank, handler.dp_rank, handler.is_mp_src_rank_with_outputs = 0, 0, True
+    handler.max_ckpt_to_keep, handler.lora_train_meta = max_ckpt_to_keep, None
+    handler.mode = handler_module.OrchestrationMode.SPMD
+    handler.train_dataloader = type("Loader", (), {"state_dict": lambda self: {"sampler": 1}})()
+    return handler
