@@ -89,6 +89,9 @@ RESUME_FROM=${RESUME_FROM:-}
 # Restarts after the run dies (a rank or node lost, a non-zero exit of the trainer), each from the newest intact
 # checkpoint in CKPT_DIR with resume_mode=auto; 0: stop at the first failure (docs/checkpoints.md, "Automatic restart").
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+# On a Ray cluster of NNODES > 1: seconds a start waits for NNODES alive nodes (a restart after a node was lost waits
+# for its replacement; then the run stops with the count it saw).
+RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 PYTHON=${PYTHON:-python3}
 # --------------------------------------------------
 
@@ -171,9 +174,13 @@ DS4_DERIVED_OVERRIDES=()
 LAUNCH_ENV=$("$PYTHON" -m verl_ds4.cli recipe "$RL_RECIPE" --shell-env -- "${ALL[@]}")
 eval "$LAUNCH_ENV"
 ALL=("${RECIPE[@]}" "${MESH_OVERRIDES[@]}" "${MODEL[@]}" "${ROLLOUT[@]}" "${DATA[@]}" "${TRAINER[@]}" "${DS4_DERIVED_OVERRIDES[@]}" "${PASSTHROUGH[@]}")
-# On a Ray cluster of several nodes: the checkpoint folder must be one folder that every node sees (a node-local
-# disk is refused here with the reason; one task on each node; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
+# On a Ray cluster of several nodes: the run needs NNODES alive nodes (a restart after a node was lost waits, up to
+# RAY_WAIT_TIMEOUT, for its replacement), and the checkpoint folder must be one folder that every node sees (a
+# node-local disk is refused here with the reason; one task on each node; verl_ds4.recipes.shared_folder,
+# docs/checkpoints.md).
 if [ -n "${RAY_ADDRESS:-}" ] && [ "$NNODES" -gt 1 ]; then
+    [[ $RAY_WAIT_TIMEOUT =~ ^[1-9][0-9]*$ ]] || { echo "RAY_WAIT_TIMEOUT=$RAY_WAIT_TIMEOUT: expected a positive integer (seconds)" >&2; exit 2; }
+    "$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/ray_wait_nodes.py" --nodes "$NNODES" --timeout "$RAY_WAIT_TIMEOUT" --quiet || exit 2
     "$PYTHON" -W ignore -m verl_ds4.recipes.shared_folder --ray --dir "$CKPT_DIR" --nodes "$NNODES" || exit 2
 fi
 

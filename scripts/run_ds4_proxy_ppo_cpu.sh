@@ -60,6 +60,8 @@ SAVE_FREQ=${SAVE_FREQ:-$([ "${ENGINE:-project}" = production ] && echo -1 || ech
 RESUME_MODE=${RESUME_MODE:-disable}     # disable | auto (continue from the latest checkpoint of this same run)
 MAX_RESTARTS=${MAX_RESTARTS:-0}         # restarts from the newest intact checkpoint after the run dies (0 here: the demo
                                         # stops at the first failure; scripts/ray_cluster.sh submit defaults to 3)
+RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}  # on a Ray cluster of NNODES > 1: seconds a start waits for NNODES alive nodes
+                                        # (a restart after a node was lost waits for its replacement)
 MISMATCH_MAX=${MISMATCH_MAX:-1e-5}     # stop when rollout and actor log-probs differ by more (max abs; null: report only)
 INDEXER_REPLAY=${INDEXER_REPLAY:-0}     # 1: the actor replays the rollout's indexer top-k choices (ds4, ds41;
                                         # actor_rollout_ref.actor.megatron.indexer_replay=true)
@@ -108,7 +110,7 @@ if ! [[ "$BATCH" =~ ^[1-9][0-9]*$ && "$MINI_BATCH" =~ ^[1-9][0-9]*$ ]] || [ $((B
     exit 2
 fi
 
-for knob in NNODES NPROC_PER_NODE CP; do
+for knob in NNODES NPROC_PER_NODE CP RAY_WAIT_TIMEOUT; do
     if ! [[ ${!knob} =~ ^[1-9][0-9]*$ ]]; then
         echo "$knob=${!knob}: expected a positive integer" >&2; exit 2
     fi
@@ -197,6 +199,14 @@ if [ "$ENGINE" = production ]; then
     )
     [ "$DS4_RL_RECIPE" = ppo ] && ENGINE_ARGS+=(critic.megatron.use_dist_checkpointing=False "critic.checkpoint.save_contents=[optimizer,extra]")
 fi
+# VERL_DS4_TEST_MODULES: test-only modules the driver and every Ray worker import too (the chaos runs' holds,
+# verl_ds4/testing; with VERL_DS4_TEST_HOLD_DIR), passed on in the workers' runtime env.
+if [ -n "${VERL_DS4_TEST_MODULES:-}" ]; then
+    export VERL_USE_EXTERNAL_MODULES=$VERL_USE_EXTERNAL_MODULES,$VERL_DS4_TEST_MODULES
+    ENV_KEY=ray_kwargs.ray_init.runtime_env.env_vars
+    ENGINE_ARGS+=("$ENV_KEY.VERL_USE_EXTERNAL_MODULES='$VERL_USE_EXTERNAL_MODULES'")
+    [ -n "${VERL_DS4_TEST_HOLD_DIR:-}" ] && ENGINE_ARGS+=("+$ENV_KEY.VERL_DS4_TEST_HOLD_DIR=$VERL_DS4_TEST_HOLD_DIR")
+fi
 
 RECIPE=(
     'hydra.searchpath=[pkg://verl_ds4.recipes_data,pkg://verl_ds4.configs_data]'
@@ -239,9 +249,11 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
     TRAINER+=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null ray_kwargs.ray_init.include_dashboard=null)
     export RAY_OVERRIDE_JOB_RUNTIME_ENV=1
     CLUSTER_FACT="; Ray cluster $RAY_ADDRESS"
-    # Several nodes: the checkpoint folder must be one folder that every node sees (a node-local disk is refused
-    # here with the reason; one task on each node; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
+    # Several nodes: the run needs NNODES alive nodes (a restart after a node was lost waits, up to RAY_WAIT_TIMEOUT,
+    # for its replacement), and the checkpoint folder must be one folder that every node sees (a node-local disk is
+    # refused here with the reason; one task on each node; verl_ds4.recipes.shared_folder, docs/checkpoints.md).
     if [ "$NNODES" -gt 1 ]; then
+        "$PYTHON" scripts/ray_wait_nodes.py --nodes "$NNODES" --timeout "$RAY_WAIT_TIMEOUT" --quiet || exit 2
         "$PYTHON" -W ignore -m verl_ds4.recipes.shared_folder --ray --dir "$WORK_DIR/checkpoints" --nodes "$NNODES" || exit 2
     fi
 fi

@@ -13,9 +13,12 @@ verl's own trainers. The launchers are the ones a user submits on GPUs, with the
   step's loss equals the uninterrupted run's bit for bit, every intact checkpoint is still there, and nothing of
   any job survives.
 * ``ray_cluster.sh``: a head and a worker node on this host (own ports, temp dir, logical resources),
-  ``wait-nodes 2``, ``submit ppo``: actor and rollout workers ran on both nodes (by node id, from Ray's
-  state API); a third node that never joins makes ``wait-nodes`` time out naming the count and the
-  address; ``stop`` leaves no process.
+  ``wait-nodes 2``, ``submit grpo`` with ``MAX_RESTARTS=1``: the worker node is lost at a moment a seed draws
+  (``verl_ds4.testing.ray_chaos``: every process of it SIGKILLed, a replacement node started), the launcher in the
+  job restarts the driver, which resumes from the newest intact checkpoint; the step trained before and after the
+  fault gives the same metrics bit for bit; actor and rollout workers ran on both nodes (by node id, from Ray's
+  state API); a third node that never joins makes ``wait-nodes`` time out naming the count and the address;
+  ``stop`` leaves no process.
 * ``slurm_submit.sh ppo``: the Ray head on the first node, a worker on the second, the CPU PPO recipe,
   Ray torn down; the job's exit status is the trainer's (a failing trainer's status comes back); a worker
   whose ``ray start`` exits ends the job within seconds with its log tail.
@@ -44,8 +47,12 @@ import pytest
 from verl_ds4.ckpt_manifest import MANIFEST_NAME, verify_folder
 from verl_ds4.cpu.sft_run import parse_losses
 from verl_ds4.rollout.cpu_ppo_run import parse_step_metrics
+from verl_ds4.testing.ray_chaos import RESUME_KEYS as RAY_RESUME_KEYS
+from verl_ds4.testing.ray_chaos import RayChaos, attempt_metrics, intact_checkpoints
+from verl_ds4.testing.ray_chaos import expect as ray_expect
+from verl_ds4.testing.ray_chaos import plan as ray_plan
 from verl_ds4.testing.slurm_chaos import (SIGKILL_REASON, ChaosJob, LocalSlurm, base_env, expect, free_port,
-                                          marked_processes, plan)
+                                          marked_processes, plan, save_steps)
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = int(os.environ.get("VERL_DS4_CLUSTER_TEST_TIMEOUT_S", "600"))
@@ -57,6 +64,10 @@ PPO = {"STEPS": "2", "N_TRAIN": "32"}
 # The chaos test's faults: their order and moments come from the seed (VERL_DS4_CHAOS_SEED picks another schedule).
 CHAOS_SEED = int(os.environ.get("VERL_DS4_CHAOS_SEED", "1"))
 CHAOS_KINDS = ("kill_in_save", "kill_rank", "usr1", "scancel")
+# The Ray chaos test: GRPO, 4 steps, a checkpoint every 2, the worker node lost at a moment the seed draws
+# (VERL_DS4_RAY_CHAOS_SEED picks another).
+RAY_CHAOS_SEED = int(os.environ.get("VERL_DS4_RAY_CHAOS_SEED", "0"))
+RAY_STEPS = 4
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Slurm and the /proc checks need Linux")
 
@@ -347,66 +358,81 @@ def _actors_by_class(dashboard: str, env: dict[str, str]) -> dict[str, set[str]]
     return by_class
 
 
-def test_ray_cluster_two_nodes_on_one_host_run_ppo_on_both(tmp_path):
-    marker = uuid.uuid4().hex
-    temp = Path(f"/tmp/ds4ray-{marker[:8]}")  # short: Ray's socket paths live under it
-    gcs, dashboard = free_port(), free_port()
-    env = base_env(marker, DS4_DEVICE="cpu", RAY_NODE_PORTS="auto", RAY_HEAD_IP="127.0.0.1", RAY_PORT=str(gcs),
-                    RAY_DASHBOARD_PORT=str(dashboard), RAY_TEMP_DIR=str(temp), NNODES="2")
-    head = dict(env, RAY_NODE_DIR=str(tmp_path / "head"))
-    worker = dict(env, RAY_NODE_DIR=str(tmp_path / "worker"))
+def test_ray_cluster_two_nodes_grpo_loses_its_worker_node_and_the_launcher_resumes_it_bit_for_bit(tmp_path):
+    """The two-node Ray cluster on this host runs the GRPO job; a seeded moment kills its worker node (every process
+    of it: a lost node), a replacement node is started (as a cluster manager would), and the launcher in the job
+    restarts the driver, which waits for its 2 nodes and resumes from the newest intact checkpoint. The steps trained
+    twice give the same metrics bit for bit (:data:`RAY_RESUME_KEYS`); the longer run, against an uninterrupted
+    one, with a rank killed and a kill inside a save too, is ``benchmarks/chaos_ray_grpo.py``."""
+    faults = ray_plan(RAY_CHAOS_SEED, steps=RAY_STEPS, save_freq=2, max_restarts=1, kinds=("kill_node",), retrain=True)
+    chaos = RayChaos(tmp_path, steps=RAY_STEPS, save_freq=2, max_restarts=1, timeout=JOB_TIMEOUT_S)
+    env, gcs = chaos.env, chaos.env["RAY_PORT"]
+    work = tmp_path / "work"
     try:
         started = time.monotonic()
-        out = _run(["bash", "scripts/ray_cluster.sh", "start-head"], head, timeout=300)
-        head_out = out.stdout
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert f"GCS 127.0.0.1:{gcs}, job API http://127.0.0.1:{dashboard}" in out.stdout
-        assert "--num-gpus=1 --num-cpus=16" in out.stdout and f"{tmp_path / 'head'}/ray_start.log" in out.stdout
+        chaos.start("head")
+        assert "--num-gpus=1 --num-cpus=16" in chaos.outputs["head"]
+        assert f"{tmp_path / 'head'}/ray_start.log" in chaos.outputs["head"]
         # A second head on the same port is refused with the port, before Ray runs.
-        again = _run(["bash", "scripts/ray_cluster.sh", "start-head"], dict(head, RAY_NODE_DIR=str(tmp_path / "h2")))
+        again = _run(["bash", "scripts/ray_cluster.sh", "start-head"], dict(env, RAY_NODE_DIR=str(tmp_path / "h2")))
         assert again.returncode == 2 and f"RAY_PORT={gcs} is in use" in again.stderr, again.stderr
-        out = _run(["bash", "scripts/ray_cluster.sh", "start-worker"], worker, timeout=300)
-        assert out.returncode == 0, out.stdout + out.stderr
-        wait = _run(["bash", "scripts/ray_cluster.sh", "wait-nodes"], env, timeout=300)
-        assert wait.returncode == 0 and "2 of 2 nodes alive" in wait.stdout, wait.stdout + wait.stderr
-        print(f"\ntwo Ray nodes up in {time.monotonic() - started:.0f} s")
+        chaos.start("worker")
+        assert "2 of 2 nodes alive" in chaos.wait_nodes()
+        print(f"\ntwo Ray nodes up in {time.monotonic() - started:.0f} s; faults (seed {RAY_CHAOS_SEED}): "
+              f"{', '.join(map(str, faults))}")
         # A third node that never joins: wait-nodes times out with the count it saw and the address.
         short = _run(["bash", "scripts/ray_cluster.sh", "wait-nodes"], dict(env, NNODES="3", RAY_WAIT_TIMEOUT="3"))
         assert short.returncode == 1, short.stdout + short.stderr
         assert f"only 2 of 3 nodes alive at 127.0.0.1:{gcs} after 3s" in short.stderr, short.stderr
 
-        work = tmp_path / "work"
         start = time.monotonic()
-        job = _run(["bash", "scripts/ray_cluster.sh", "submit", "ppo"],
-                   dict(env, WORK_DIR=str(work), RAY_JOB_ID=f"ds4-ppo-{marker[:8]}", **PPO), timeout=JOB_TIMEOUT_S)
-        wall = time.monotonic() - start
-        print(f"ray_cluster.sh submit ppo on 2 nodes: exit {job.returncode} in {wall:.0f} s\n{job.stdout[-3000:]}")
-        assert job.returncode == 0, job.stdout[-6000:] + job.stderr[-3000:]
-        assert "[verl-ds4] processes   2 node(s) x 1 per node" in job.stdout
-        # One task on each Ray node checked that the checkpoint folder is one folder both see.
-        assert (f"[verl-ds4] checkpoint folder {work / 'checkpoints'} (shared: every one of the 2 nodes saw every "
-                "node's marker)") in job.stdout, job.stdout[-4000:]
-        log = (work / "logs" / "latest.log").read_text(errors="replace")
-        metrics = parse_step_metrics(log)
-        assert sorted(metrics) == [1, 2] and all(m["critic/vf_loss"] > 0 for m in metrics.values())
-        # The plugin travelled in the runtime env: the workers ran the shipped copy of this checkout.
-        assert re.search(r"code from \S*runtime_resources/working_dir_files/\S+/verl_ds4", log), "no shipped code"
+        status, [record], out = chaos.submit(work, faults=faults, name="chaos")
+        print(f"ray_cluster.sh submit grpo on 2 nodes, {faults[0]}: exit {status} in {time.monotonic() - start:.0f} s; "
+              f"the launcher acted {record.acted_s} s after the fault, the next attempt trained its first step "
+              f"{record.next_step_s} s after it\n{out[-3000:]}")
+        assert status == 0, out[-6000:]
+        assert "[verl-ds4] processes   2 node(s) x 1 per node" in out
+        # One task on each Ray node checked that the checkpoint folder is one folder both see (every attempt).
+        assert out.count(f"[verl-ds4] checkpoint folder {work / 'checkpoints'} (shared: every one of the 2 nodes saw "
+                         "every node's marker)") == 2, out[-4000:]
+        # When the fault hit, the trainer's ranks ran on both nodes; the worker node was lost whole.
+        assert record.ranks == {"head": 1, "worker-0": 1}, record.ranks
+        assert record.killed and not record.left, record.left
+        # What the launcher did: one restart, from the newest intact checkpoint before the fault.
+        [want_from] = ray_expect(faults, steps=RAY_STEPS, save_freq=2, max_restarts=1)
+        assert f"[verl-ds4] restart     1 of 1: attempt 1 failed at step {faults[0].step} (" in record.restart
+        assert record.resumed_from == want_from, (record.restart, want_from)
+        assert "[verl-ds4] finished after 1 restart(s)" in out
 
-        [alive] = [line for line in wait.stdout.splitlines() if line.startswith("ray cluster: 2 of 2")]
-        nodes = set(re.findall(r"\b([0-9a-f]{12}) \(", alive))
-        auth = re.search(r"\[verl-ds4\] auth +(\w+)", head_out).group(1)
-        by_class = _actors_by_class(f"http://127.0.0.1:{dashboard}", dict(env, RAY_AUTH_MODE=auth))
+        attempts = attempt_metrics(work)
+        assert len(attempts) == 2, [sorted(a) for a in attempts]
+        first, second = attempts
+        assert sorted(first) == list(range(1, faults[0].step)), sorted(first)
+        assert sorted(second) == list(range((want_from or 0) + 1, RAY_STEPS + 1)), sorted(second)
+        again = sorted(set(first) & set(second))
+        assert again, "no step was trained before and after the restart"
+        for step in again:
+            got = {k: second[step][k] for k in RAY_RESUME_KEYS}
+            want = {k: first[step][k] for k in RAY_RESUME_KEYS}
+            print(f"step {step}: before the fault {want}\n        after the restart {got}")
+            assert got == want, {k: (want[k], got[k]) for k in RAY_RESUME_KEYS if got[k] != want[k]}
+        # Negative control: the compared metrics change from step to step (a constant would compare equal).
+        steps = {**first, **second}
+        assert any(steps[1][k] != steps[RAY_STEPS][k] for k in RAY_RESUME_KEYS), steps
+        assert sorted(intact_checkpoints(work / "checkpoints")) == [f"global_step_{s}" for s in
+                                                                    save_steps(RAY_STEPS, 2)]
+        # The plugin travelled in the runtime env: the workers ran the shipped copy of this checkout.
+        log = (work / "logs" / "latest.log").read_text(errors="replace")
+        assert re.search(r"code from \S*runtime_resources/working_dir_files/\S+/verl_ds4", log), "no shipped code"
+        auth = re.search(r"\[verl-ds4\] auth +(\w+)", chaos.outputs["head"]).group(1)
+        by_class = _actors_by_class(f"http://127.0.0.1:{env['RAY_DASHBOARD_PORT']}", dict(env, RAY_AUTH_MODE=auth))
         print({k: sorted(n[:8] for n in v) for k, v in by_class.items()})
-        all_nodes = set().union(*by_class.values())
-        assert len(all_nodes) == 2 and {n[:12] for n in all_nodes} == nodes, (all_nodes, nodes)
-        assert by_class["WorkerDict"] == all_nodes, "actor (WorkerDict) workers did not run on both nodes"
-        assert by_class["CPURolloutServer"] == all_nodes, "rollout servers did not run on both nodes"
+        assert len(by_class["WorkerDict"]) >= 2, "actor (WorkerDict) workers did not run on both nodes"
+        assert len(by_class["CPURolloutServer"]) >= 2, "rollout servers did not run on both nodes"
     finally:
-        for node in (worker, head):
-            subprocess.run(["bash", "scripts/ray_cluster.sh", "stop"], cwd=REPO, env=node, capture_output=True,
-                           timeout=120)
-    _assert_nothing_left(marker, "the two Ray nodes")
-    shutil.rmtree(temp, ignore_errors=True)
+        chaos.stop()
+    _assert_nothing_left(chaos.marker, "the Ray nodes and the GRPO job")
+    shutil.rmtree(chaos.temp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- Slurm PPO
