@@ -384,6 +384,15 @@ def test_ray_cluster_two_nodes_grpo_loses_its_worker_node_and_the_launcher_resum
         short = _run(["bash", "scripts/ray_cluster.sh", "wait-nodes"], dict(env, NNODES="3", RAY_WAIT_TIMEOUT="3"))
         assert short.returncode == 1, short.stdout + short.stderr
         assert f"only 2 of 3 nodes alive at 127.0.0.1:{gcs} after 3s" in short.stderr, short.stderr
+        # The RL launchers' wait at each start (a restart after a lost node): silent when the nodes are there, else it
+        # says what it waits for.
+        quiet = [sys.executable, "scripts/ray_wait_nodes.py", "--address", f"127.0.0.1:{gcs}", "--quiet", "--timeout"]
+        there = _run([*quiet, "3", "--nodes", "2"], env)
+        assert there.returncode == 0 and not there.stdout.strip(), there.stdout + there.stderr
+        short = _run([*quiet, "2", "--nodes", "3"], env)
+        assert short.returncode == 1, short.stdout + short.stderr
+        assert (f"[verl-ds4] waiting up to 2s for 3 Ray nodes (2 alive at 127.0.0.1:{gcs}): a lost node must be "
+                "started again") in short.stdout, short.stdout
 
         start = time.monotonic()
         status, [record], out = chaos.submit(work, faults=faults, name="chaos")
