@@ -32,6 +32,7 @@ left. The daemons the fixture started are stopped by PID at the end, whatever ha
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -51,7 +52,7 @@ from verl_ds4.testing.ray_chaos import RESUME_KEYS as RAY_RESUME_KEYS
 from verl_ds4.testing.ray_chaos import RayChaos, attempt_metrics, intact_checkpoints
 from verl_ds4.testing.ray_chaos import expect as ray_expect
 from verl_ds4.testing.ray_chaos import plan as ray_plan
-from verl_ds4.testing.slurm_chaos import (SIGKILL_REASON, ChaosJob, LocalSlurm, base_env, expect, free_port,
+from verl_ds4.testing.slurm_chaos import (SIGKILL_REASON, ChaosJob, LocalSlurm, expect, free_port,
                                           marked_processes, plan, save_steps)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -428,6 +429,7 @@ def test_ray_cluster_two_nodes_grpo_loses_its_worker_node_and_the_launcher_resum
         # Negative control: the compared metrics change from step to step (a constant would compare equal).
         steps = {**first, **second}
         assert any(steps[1][k] != steps[RAY_STEPS][k] for k in RAY_RESUME_KEYS), steps
+        _assert_a_grpo_run(out, work, steps)
         assert sorted(intact_checkpoints(work / "checkpoints")) == [f"global_step_{s}" for s in
                                                                     save_steps(RAY_STEPS, 2)]
         # The plugin travelled in the runtime env: the workers ran the shipped copy of this checkout.
@@ -442,6 +444,40 @@ def test_ray_cluster_two_nodes_grpo_loses_its_worker_node_and_the_launcher_resum
         chaos.stop()
     _assert_nothing_left(chaos.marker, "the Ray nodes and the GRPO job")
     shutil.rmtree(chaos.temp, ignore_errors=True)
+
+
+def _assert_a_grpo_run(console: str, work: Path, metrics: dict[int, dict[str, float]]) -> None:
+    """What makes the run GRPO (the suite's GRPO run is this one; ``tests/test_cpu_grpo_on_cpu.py`` has the
+    launcher's refusals): group-relative advantages, no critic, KL to the reference, the console's summary."""
+    log = (work / "logs" / "latest.log").read_text(errors="replace")
+    assert "'adv_estimator': 'grpo'" in log and "'n': 2" in log, "the resolved config: adv_estimator grpo, rollout.n=2"
+    assert "recipe ds4_proxy_grpo_cpu" in console and "batch 4 (updates of 4)" in console
+    assert "[verl-ds4] result      the RL path ran: " in console and "GRPO steps (rollout, reward, group-relative" \
+        in console, console[-3000:]
+    assert "[verl-ds4] reward: first " in console and "lp_diff_max" in console and "k3_kl" in console
+    for step, m in metrics.items():
+        for key in ("critic/score/mean", "actor/kl_loss", "actor/pg_loss", "critic/advantages/mean", "timing_s/step"):
+            assert key in m and math.isfinite(m[key]), f"step {step}: {key} missing or not finite"
+        assert 0.0 <= m["critic/score/min"] <= m["critic/score/mean"] <= m["critic/score/max"] <= 1.0
+        # verl-ds4's straggler ratios of the actor update (verl_ds4/engine/straggler.py), as verl's trainer logs them
+        cp_ratio, worst = m["actor/perf/cp_straggler_ratio"], m["actor/perf/cp_straggler_ratio_max"]
+        assert 1.0 <= cp_ratio <= worst and m["actor/perf/dp_straggler_ratio"] >= 1.0, (step, cp_ratio, worst)
+        assert m["actor/perf/cp_straggler_ratio_batch_order"] == cp_ratio  # the recipe's cp_balance=null
+        # No critic: verl reports no value loss and no values (the PPO runs report both).
+        assert not any(k.startswith(("critic/vf_", "critic/values/", "timing_s/update_critic")) for k in m), sorted(m)
+        # Each response is sampled with its own seed (verl_ds4/rollout/agent_loop.py), so a group's responses differ
+        # and their group-relative advantages are not all 0 (with verl's single_turn_agent every request of the v1
+        # trainer was "det-0": identical responses in a group, every advantage exactly 0, no policy gradient).
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], f"step {step}: all advantages 0"
+    assert metrics[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    # fp32 actor and reference: step 1's advantages moved the actor away from the reference
+    assert metrics[2]["actor/kl_loss"] > 1e-6, "step 1 had non-zero advantages, yet the actor did not move"
+    # rollout and trainer agree on the log-probs after the weight sync (verl's mismatch metric)
+    assert all(m["training/rollout_probs_diff_max"] < 0.05 for s, m in metrics.items() if s > 1)
+    assert "CPUMegatronEngineWithLMHead: contiguous CP layout (cp=2" in log
+    assert "CPUMegatronEngineWithValueHead" not in log, "GRPO must not build a critic"
+    step_dir = work / "checkpoints" / f"global_step_{max(metrics)}"
+    assert (step_dir / "actor" / "model").is_dir() and not (step_dir / "critic").exists()
 
 
 # ----------------------------------------------------------------------------------------- Slurm PPO

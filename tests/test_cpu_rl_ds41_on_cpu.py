@@ -7,9 +7,10 @@ router's routes, the actor update replays them; verl's engine raises "R2 RECORD 
 any router routes" when no router is wired), under the guard of the other CPU RL tests
 (:func:`verl_ds4.rollout.cpu_ppo_run.run_guarded`: wall-clock and process-tree RSS limits). Actor,
 reference and critic are ``DS41MegatronModel`` built by the ``deepseek_v41`` CPU builder (the critic with
-its value head). Controls: the V4 runs of ``test_cpu_ppo_on_cpu.py`` / ``test_cpu_grpo_on_cpu.py`` build
-"DS4 model" where this log must show the V4.1 builder, and KL is 0 before the first update and positive
-after it (the update moved the actor); the rollout and the actor's CP=2 recompute agree after the weight sync.
+its value head). Controls: the V4 runs of ``test_cpu_ppo_on_cpu.py`` / the GRPO run of
+``test_cluster_launchers_real_on_cpu.py`` build "DS4 model" where this log must show the V4.1 builder, and KL is 0
+before the first update and positive after it (the update moved the actor); the rollout and the actor's CP=2
+recompute agree after the weight sync.
 
 Cost: one launch: 322 s for the module (console wall time 4m45s, peak RSS 8.3 GB) measured beside a 60-step
 RL benchmark and other jobs on the 2 shared cores; the V4 runs' ~2.5 minutes on a quieter machine.

@@ -263,10 +263,17 @@ class RayChaos:
     def _inject(self, proc, out_path: Path, holds: Path, fault: Fault, following: Fault | None) -> Record:
         held = holds / (f"held_save_{fault.step}" if fault.kind == "kill_in_save" else f"held_{fault.step}.driver")
         self._await(f"the run held for {fault}", proc, out_path, held.exists)
-        text = out_path.read_text(errors="replace")
-        printed = [int(m) for m in _STEP.findall(text)]
-        restarts_before = len(_RESTART.findall(text))
-        record = Record(fault, printed[-1] if printed else None)
+
+        def printed() -> list[int]:  # the steps the current attempt printed (after the last restart line)
+            text = out_path.read_text(errors="replace")
+            last = list(_RESTART.finditer(text))
+            return [int(m) for m in _STEP.findall(text[last[-1].end() if last else 0:])]
+
+        # the console's step line follows verl's log a moment later: the step before the fault is awaited
+        self._await(f"step {fault.step - 1} printed before {fault}", proc, out_path,
+                    lambda: fault.step - 1 in printed())
+        restarts_before = len(_RESTART.findall(out_path.read_text(errors="replace")))
+        record = Record(fault, max(printed()))
         record.ranks = {n: sum(_cmdline(p).startswith("ray::WorkerDict") for p in self.node_pids(n)) for n in self.nodes
                         if self.node_pids(n)}
         if fault.kind == "kill_node":
