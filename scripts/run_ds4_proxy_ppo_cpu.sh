@@ -204,7 +204,11 @@ fi
 if [ -n "${VERL_DS4_TEST_MODULES:-}" ]; then
     export VERL_USE_EXTERNAL_MODULES=$VERL_USE_EXTERNAL_MODULES,$VERL_DS4_TEST_MODULES
     ENV_KEY=ray_kwargs.ray_init.runtime_env.env_vars
-    ENGINE_ARGS+=("$ENV_KEY.VERL_USE_EXTERNAL_MODULES='$VERL_USE_EXTERNAL_MODULES'")
+    KEPT=()  # the production engine's own override of the list is replaced (one value per key for Hydra)
+    for arg in ${ENGINE_ARGS[@]+"${ENGINE_ARGS[@]}"}; do
+        [[ $arg == "$ENV_KEY.VERL_USE_EXTERNAL_MODULES="* ]] || KEPT+=("$arg")
+    done
+    ENGINE_ARGS=(${KEPT[@]+"${KEPT[@]}"} "$ENV_KEY.VERL_USE_EXTERNAL_MODULES='$VERL_USE_EXTERNAL_MODULES'")
     [ -n "${VERL_DS4_TEST_HOLD_DIR:-}" ] && ENGINE_ARGS+=("+$ENV_KEY.VERL_DS4_TEST_HOLD_DIR=$VERL_DS4_TEST_HOLD_DIR")
 fi
 
