@@ -387,10 +387,11 @@ def test_ray_cluster_two_nodes_grpo_loses_its_worker_node_and_the_launcher_resum
         assert f"only 2 of 3 nodes alive at 127.0.0.1:{gcs} after 3s" in short.stderr, short.stderr
         # The RL launchers' wait at each start (a restart after a lost node): silent when the nodes are there, else it
         # says what it waits for.
+        auth = re.search(r"\[verl-ds4\] auth +(\w+)", chaos.outputs["head"]).group(1)  # the cluster's token mode
         quiet = [sys.executable, "scripts/ray_wait_nodes.py", "--address", f"127.0.0.1:{gcs}", "--quiet", "--timeout"]
-        there = _run([*quiet, "3", "--nodes", "2"], env)
+        there = _run([*quiet, "3", "--nodes", "2"], dict(env, RAY_AUTH_MODE=auth))
         assert there.returncode == 0 and not there.stdout.strip(), there.stdout + there.stderr
-        short = _run([*quiet, "2", "--nodes", "3"], env)
+        short = _run([*quiet, "2", "--nodes", "3"], dict(env, RAY_AUTH_MODE=auth))
         assert short.returncode == 1, short.stdout + short.stderr
         assert (f"[verl-ds4] waiting up to 2s for 3 Ray nodes (2 alive at 127.0.0.1:{gcs}): a lost node must be "
                 "started again") in short.stdout, short.stdout
@@ -435,7 +436,6 @@ def test_ray_cluster_two_nodes_grpo_loses_its_worker_node_and_the_launcher_resum
         # The plugin travelled in the runtime env: the workers ran the shipped copy of this checkout.
         log = (work / "logs" / "latest.log").read_text(errors="replace")
         assert re.search(r"code from \S*runtime_resources/working_dir_files/\S+/verl_ds4", log), "no shipped code"
-        auth = re.search(r"\[verl-ds4\] auth +(\w+)", chaos.outputs["head"]).group(1)
         by_class = _actors_by_class(f"http://127.0.0.1:{env['RAY_DASHBOARD_PORT']}", dict(env, RAY_AUTH_MODE=auth))
         print({k: sorted(n[:8] for n in v) for k, v in by_class.items()})
         assert len(by_class["WorkerDict"]) >= 2, "actor (WorkerDict) workers did not run on both nodes"
