@@ -17,7 +17,8 @@ and train on silently. This module records what a run *is* and compares it at st
 * :class:`RunRecordCallback` - verl's ``trainer.checkpoint_callback_class`` hook (built first
   thing in the trainer's ``__init__``, on the driver's task runner, before any worker starts):
   checks at construction, writes the record to ``default_local_dir`` at start-up and into every
-  ``global_step_N`` folder the trainer saves.
+  ``global_step_N`` folder the trainer saves, and starts the driver's watch of the cluster's Ray nodes
+  (:mod:`verl_ds4.recipes.node_watch`: a lost node ends the driver, so that the launcher restarts the run).
 
 Select it with ``trainer.checkpoint_callback_class=verl_ds4.recipes.resume_check.RunRecordCallback``
 (the CPU PPO recipe does).
@@ -35,6 +36,7 @@ from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 
 from verl_ds4.ckpt_manifest import mark_manifests_since, write_manifest
 from verl_ds4.engine.checkpoint import install_trainer_hook
+from verl_ds4.recipes import node_watch
 
 __all__ = [
     "RECORD_NAME",
@@ -227,6 +229,12 @@ def write_record(folder: str | Path, identity: dict[str, Any], global_step: int 
     return path
 
 
+def _current_step():
+    from verl.utils.skip.skip_manager import SkipManager
+
+    return getattr(SkipManager, "step", "?")
+
+
 class RunRecordCallback(CheckpointCallback):
     """verl's checkpoint callback: refuse a mismatched resume at start-up; record the run at every save.
 
@@ -246,6 +254,8 @@ class RunRecordCallback(CheckpointCallback):
         mark_manifests_since(_local_dir(config), int(resumed) + 1 if resumed.isdigit() else 0)
         # verl writes the tracker before calling on_save: from here on it is advanced after the step's manifest.
         install_trainer_hook()
+        # A Ray node of the run lost: end the driver instead of letting verl's trainer wait for ever (node_watch).
+        node_watch.start(_current_step)
 
     def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
         write_record(checkpoint_dir, self.identity, global_step)

@@ -1,0 +1,66 @@
+"""End the RL driver at once when a Ray node of its cluster dies, so that the launcher can restart the run.
+
+After a node is lost, verl 0.9.1's RL trainer does not always fail: a rollout request to a server on the dead node
+fails inside the agent loop, which logs the error and goes on, and the trainer then waits for that sample for ever
+(seen in the Ray chaos test: no error for 600 s after the node's processes were SIGKILLed; in another draw the same
+fault ended the driver in 42 s with ``ActorDiedError``). A hung driver is never restarted.
+
+:func:`start` (called in the driver by :class:`verl_ds4.recipes.resume_check.RunRecordCallback`, the CPU RL recipe's
+checkpoint callback) starts a daemon thread that notes the cluster's alive nodes and checks Ray's node table every
+``VERL_DS4_NODE_WATCH_S`` seconds (5 by default; 0 turns it off). When one of them is no longer alive (Ray's GCS
+declares a node dead after its health checks fail, about 30-40 s after the node stopped), it prints which node, at
+which step, and ends the driver's process with status 1: verl's ``main_ppo`` then fails with the driver's death, and the
+launcher's supervisor restarts the run from the newest intact checkpoint once the cluster has its nodes again. The
+cluster is the run's own (the launchers start one per job), so every node of it counts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+__all__ = ["ENV", "start"]
+
+ENV = "VERL_DS4_NODE_WATCH_S"
+_started = False
+
+
+def _alive() -> dict[str, str]:
+    import ray
+
+    return {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
+
+
+def _watch(nodes: dict[str, str], every: float, step_of) -> None:
+    while True:
+        time.sleep(every)
+        try:
+            alive = _alive()
+        except Exception:  # the GCS briefly unreachable: look again
+            continue
+        lost = sorted(set(nodes) - set(alive))
+        if lost:
+            names = ", ".join(f"{n[:12]} ({nodes[n]})" for n in lost)
+            print(f"[verl-ds4] FAILED: Ray node {names} of this run died (Ray's node table says so) during step "
+                  f"{step_of()}; ending the driver so that the launcher restarts the run from the newest intact "
+                  "checkpoint (verl's trainer may otherwise wait for ever for the lost node's work)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+def start(step_of=lambda: "?") -> bool:
+    """Start the watch in this (the driver's) process, once; False when off or Ray is not initialised."""
+    global _started
+    every = float(os.environ.get(ENV, "5") or 0)
+    if _started or every <= 0:
+        return False
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    nodes = _alive()
+    threading.Thread(target=_watch, args=(nodes, every, step_of), name="verl-ds4-node-watch", daemon=True).start()
+    _started = True
+    return True
