@@ -25,7 +25,8 @@ def _run_watch(monkeypatch, tables):
     def exit_(status):
         raise _Exit(f"exit {status}")
 
-    monkeypatch.setattr(node_watch, "_alive", alive)
+    monkeypatch.setattr(node_watch, "_nodes", alive)
+    monkeypatch.setattr("ray.is_initialized", lambda: True)
     monkeypatch.setattr(node_watch.os, "_exit", exit_)
     monkeypatch.setattr(node_watch.time, "sleep", lambda s: None)
     with pytest.raises(_Exit) as ended:
@@ -33,16 +34,20 @@ def _run_watch(monkeypatch, tables):
     return str(ended.value)
 
 
+A, B, C = "aaaaaaaaaaaa1111", "bbbbbbbbbbbb2222", "cccccccccccc3333"
+BOTH = {A: (True, "10.0.0.1"), B: (True, "10.0.0.2")}
+
+
 def test_a_dead_node_ends_the_driver_naming_it_and_the_step(monkeypatch, capsys):
-    both = {"aaaaaaaaaaaa1111": "10.0.0.1", "bbbbbbbbbbbb2222": "10.0.0.2"}
-    assert _run_watch(monkeypatch, [both, both, {"aaaaaaaaaaaa1111": "10.0.0.1"}]) == "exit 1"
+    assert _run_watch(monkeypatch, [BOTH, BOTH, {**BOTH, B: (False, "10.0.0.2")}]) == "exit 1"
     err = capsys.readouterr().err
     assert "[verl-ds4] FAILED: Ray node bbbbbbbbbbbb (10.0.0.2) of this run died" in err and "during step 4" in err
 
 
-def test_control_nodes_alive_or_a_replacement_added_do_not_end_it(monkeypatch, capsys):
-    both = {"aaaaaaaaaaaa1111": "10.0.0.1", "bbbbbbbbbbbb2222": "10.0.0.2"}
-    assert _run_watch(monkeypatch, [both, {**both, "cccccccccccc3333": "10.0.0.3"}, both]) == "no exit"
+def test_control_nodes_alive_a_replacement_added_or_another_cluster_do_not_end_it(monkeypatch, capsys):
+    # another cluster (Ray shut down and started again in the same process): its table lacks the watched nodes
+    other = {C: (True, "10.0.0.3")}
+    assert _run_watch(monkeypatch, [BOTH, {**BOTH, C: (True, "10.0.0.3")}, other]) == "no exit"
     assert "FAILED" not in capsys.readouterr().err
 
 

@@ -27,20 +27,25 @@ ENV = "VERL_DS4_NODE_WATCH_S"
 _started = False
 
 
-def _alive() -> dict[str, str]:
+def _nodes() -> dict[str, tuple[bool, str]]:
+    """Ray's node table: ``{node id: (alive, address)}`` (a dead node stays in it, marked not alive)."""
     import ray
 
-    return {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
+    return {n["NodeID"]: (bool(n.get("Alive")), n.get("NodeManagerAddress", "?")) for n in ray.nodes()}
 
 
 def _watch(nodes: dict[str, str], every: float, step_of) -> None:
+    import ray
+
     while True:
         time.sleep(every)
+        if not ray.is_initialized():  # the driver shut Ray down: nothing left to watch
+            return
         try:
-            alive = _alive()
+            table = _nodes()
         except Exception:  # the GCS briefly unreachable: look again
             continue
-        lost = sorted(set(nodes) - set(alive))
+        lost = sorted(n for n in nodes if n in table and not table[n][0])
         if lost:
             names = ", ".join(f"{n[:12]} ({nodes[n]})" for n in lost)
             print(f"[verl-ds4] FAILED: Ray node {names} of this run died (Ray's node table says so) during step "
@@ -60,7 +65,7 @@ def start(step_of=lambda: "?") -> bool:
 
     if not ray.is_initialized():
         return False
-    nodes = _alive()
+    nodes = {n: address for n, (alive, address) in _nodes().items() if alive}
     threading.Thread(target=_watch, args=(nodes, every, step_of), name="verl-ds4-node-watch", daemon=True).start()
     _started = True
     return True
