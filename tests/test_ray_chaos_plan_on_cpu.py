@@ -42,6 +42,7 @@ def test_retrain_draws_only_moments_after_which_a_printed_step_is_trained_again(
     ([Fault("kill_node", 3), Fault("kill_rank", 4, 1), Fault("kill_node", 4)], "same way"),  # step 4 twice
     ([Fault("kill_node", 2), Fault("kill_node", 3)], "no restart is left"),  # budget 1
     ([Fault("meteor", 2)], "unknown fault kind"),
+    ([Fault("kill_in_save", 2)], "no checkpoint to restart from"),  # the first save cut short: none is intact
 ])
 def test_a_schedule_the_launcher_would_not_survive_is_refused(faults, why):
     budget = 1 if why == "no restart is left" else 5

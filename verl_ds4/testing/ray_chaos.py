@@ -89,7 +89,9 @@ def expect(faults: Sequence[Fault], *, steps: int, save_freq: int, max_restarts:
         after = done[-1] if done else newest
         history.append(Attempt(len(history) + 1, newest, returncode=1, last_step=fault.step - 1,
                                reason="ActorDiedError: a Ray actor died"))
-        retry, why = decide(history, after, None, max_restarts - len(out))
+        # a kill in the first save leaves checkpoints of which none is intact: the supervisor stops there
+        none_intact = "none is intact" if fault.kind == "kill_in_save" and after is None else None
+        retry, why = decide(history, after, none_intact, max_restarts - len(out))
         if not retry:
             raise PlanError(f"{fault}: the launcher would not restart: {why}")
         out.append(after)

@@ -130,7 +130,9 @@ def expect(faults: Sequence[Fault], *, steps: int, save_freq: int, max_restarts:
                           signal="SIGKILL" if reason == SIGKILL_REASON else None)
         history.append(attempt)
         if fault.kind in ("kill_rank", "kill_in_save"):
-            retry, why = decide(history, after, None, max_restarts - used)
+            # a kill in the first save leaves checkpoints of which none is intact: the supervisor stops there
+            none_intact = "none is intact" if fault.kind == "kill_in_save" and after is None else None
+            retry, why = decide(history, after, none_intact, max_restarts - used)
             if not retry:
                 raise PlanError(f"{fault}: the launcher would not restart: {why}")
             used, action = used + 1, "restart"
