@@ -161,7 +161,7 @@ class Record:
     resumed_from: int | None = None  # the step the next attempt started from (None: scratch)
     killed: list[int] = dataclasses.field(default_factory=list)
     ranks: dict[str, int] = dataclasses.field(default_factory=dict)  # trainer ranks (ray::WorkerDict) per node, held
-    left: list[str] = dataclasses.field(default_factory=list)  # killed processes still alive 120 s later
+    left: list[str] = dataclasses.field(default_factory=list)  # killed processes alive at the next attempt's first step
 
 
 class RayChaos:
