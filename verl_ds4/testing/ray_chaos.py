@@ -68,6 +68,12 @@ class Fault:
         return f"{self.kind} during step {self.step}" + (f" (node {self.node})" if self.node is not None else "")
 
 
+def _valid_steps(kind: str, start: int, steps: int, saves: list[int]) -> list[int]:
+    """Where a fault of ``kind`` can hit an attempt that started from checkpoint ``start`` (0: scratch): after the
+    attempt's first step is printed (a failure before it, without a signal, is not restarted)."""
+    return [s for s in saves if s >= start + 2] if kind == "kill_in_save" else list(range(start + 2, steps + 1))
+
+
 def expect(faults: Sequence[Fault], *, steps: int, save_freq: int, max_restarts: int) -> list[int | None]:
     """The checkpoint each fault's next attempt starts from (None: scratch), by the supervisor's own rules
     (:func:`verl_ds4.recipes.supervise.decide`); :class:`PlanError` if the launcher would stop instead, or a fault
@@ -81,9 +87,7 @@ def expect(faults: Sequence[Fault], *, steps: int, save_freq: int, max_restarts:
         if fault.kind not in KINDS:
             raise PlanError(f"unknown fault kind {fault.kind!r}: expected one of {', '.join(KINDS)}")
         start = newest or 0
-        # after the attempt's first step is printed (a failure before it, without a signal, is not restarted)
-        valid = [s for s in saves if s >= start + 2] if fault.kind == "kill_in_save" else range(start + 2, steps + 1)
-        if fault.step not in valid:
+        if fault.step not in _valid_steps(fault.kind, start, steps, saves):
             raise PlanError(f"{fault}: the attempt it hits starts from step {start}")
         done = [s for s in saves if start < s < fault.step]
         after = done[-1] if done else newest
@@ -115,8 +119,7 @@ def plan(seed: int, *, steps: int, save_freq: int, max_restarts: int, kinds: Seq
             for i, kind in enumerate(chosen):
                 start = (expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1] or 0) \
                     if faults else 0
-                where = [s for s in saves if s >= start + 2] if kind == "kill_in_save" else \
-                    list(range(start + 2, steps + 1))
+                where = _valid_steps(kind, start, steps, saves)
                 where = [s for s in where if all(s > f.step for f in faults)]
                 if retrain:
                     where = [s for s in where if s - 1 > max([c for c in save_steps(steps, save_freq) if c < s],
