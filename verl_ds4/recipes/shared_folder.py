@@ -114,9 +114,12 @@ def probe(folder: str | Path, nodes: int, node_rank: int, token: str, *, timeout
 
 
 def probe_ray(folder: str | Path, *, nodes: int | None = None, timeout: float = TIMEOUT_S) -> str:
-    """The check on a running Ray cluster: one task on each alive node (pinned to it), all with one token.
+    """The check on a running Ray cluster: one task on each node that answers (pinned to it), all with one token.
 
-    ``nodes``: how many nodes the trainer spreads over (the cluster must have at least that many alive).
+    ``nodes``: how many nodes the trainer spreads over (at least that many must answer within ``timeout``).
+    A node counts once a task pinned to it has run (:func:`_answering`): Ray's table still lists a node that died
+    moments ago as alive (until its health check gives up, about 15 s), and a start right after a lost node (a
+    restart) must neither pin its check there nor count it.
     """
     import uuid
 
@@ -125,26 +128,78 @@ def probe_ray(folder: str | Path, *, nodes: int | None = None, timeout: float = 
 
     # the cluster of RAY_ADDRESS (a Ray job's driver has it), else the one running on this node; never a new one
     ray.init(address=None if os.environ.get("RAY_ADDRESS") else "auto", logging_level="ERROR", log_to_driver=False)
+    deadline, told, most = time.monotonic() + timeout, set(), 0
     try:
-        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        if nodes is not None and len(alive) < nodes:
-            raise SharedFolderError(f"verl-ds4: the Ray cluster has {len(alive)} alive node(s), the run needs {nodes}: "
-                                    "start the missing ones (scripts/ray_cluster.sh start-worker, then wait-nodes) "
-                                    "or lower NNODES")
-        if len(alive) <= 1:
-            return f"{Path(str(folder)).expanduser().absolute()} (one node)"
-        names = [n[:12] for n in alive]
-        token = f"ray-{uuid.uuid4().hex[:12]}"
-        task = ray.remote(num_cpus=0, max_retries=0)(_ray_node_probe)
-        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False))
-                .remote(str(folder), len(names), i, token, timeout, names) for i, n in enumerate(alive)]
-        results = ray.get(refs)
+        while True:
+            answered, lost = _answering(ray, NodeAffinitySchedulingStrategy, deadline)
+            most = max(most, len(answered))  # a round cut short by the deadline answers fewer
+            for node, why in lost.items():
+                if node not in told:
+                    told.add(node)
+                    print(f"[verl-ds4] Ray node {node[:12]} is listed alive but runs no task ({why}): left out of "
+                          "the check (a node lost moments ago)", flush=True)
+            if nodes is not None and len(answered) < nodes:
+                if time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                raise SharedFolderError(
+                    f"verl-ds4: {most} node(s) of the Ray cluster answered within {timeout:.0f} s, the run "
+                    f"needs {nodes}: start the missing ones (scripts/ray_cluster.sh start-worker, then wait-nodes), "
+                    "lower NNODES, or give a node that restarts slowly more time (SHARED_CKPT_TIMEOUT)")
+            if len(answered) <= 1:
+                return f"{Path(str(folder)).expanduser().absolute()} (one node)"
+            names = [n[:12] for n in answered]
+            token = f"ray-{uuid.uuid4().hex[:12]}"
+            task = ray.remote(num_cpus=0, max_retries=0)(_ray_node_probe)
+            refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False))
+                    .remote(str(folder), len(names), i, token, timeout, names) for i, n in enumerate(answered)]
+            try:
+                results = ray.get(refs)
+                break
+            except ray.exceptions.RayTaskError:
+                raise  # the check itself failed on a node: not a lost node
+            except ray.exceptions.RayError as e:  # a node lost during the check: check the nodes that answer again
+                if time.monotonic() >= deadline:
+                    raise
+                print(f"[verl-ds4] a node was lost during the check ({type(e).__name__}): checking again", flush=True)
     finally:
         ray.shutdown()
     refused = [r for r in results if r.startswith("REFUSED ")]
     if refused:
         raise SharedFolderError(refused[0].removeprefix("REFUSED "))  # error-catalogue: a node's refusal, raised in probe
     return results[0]
+
+
+def _answering(ray, strategy, deadline: float) -> tuple[list[str], dict[str, str]]:
+    """The nodes Ray lists alive that ran a task pinned to them by ``deadline``, and why each lost one did not
+    (a node whose task has not ended by ``deadline`` is in neither).
+
+    A task pinned to a node that has died waits until Ray marks the node dead, then fails
+    (``TaskUnschedulableError``): so once every ping has ended, a dead node is no longer listed alive either.
+    """
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    ping = ray.remote(num_cpus=0, max_retries=0)(_node_ping)
+    refs = {ping.options(scheduling_strategy=strategy(node_id=n, soft=False)).remote(): n for n in alive}
+    if not refs:
+        return [], {}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+    answered, lost = [], {}
+    for ref in ready:
+        try:
+            ray.get(ref)
+            answered.append(refs[ref])
+        except ray.exceptions.RayError as e:
+            lost[refs[ref]] = type(e).__name__
+    for ref in pending:
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - a task that cannot be cancelled is left to Ray
+            pass
+    return sorted(answered), lost
+
+
+def _node_ping() -> str:
+    return socket.gethostname()
 
 
 def _ray_node_probe(folder: str, nodes: int, rank: int, token: str, timeout: float, names: list[str]) -> str:
