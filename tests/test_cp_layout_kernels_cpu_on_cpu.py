@@ -1,8 +1,9 @@
 """verl_ds4.substitutes.cp_layout_kernels (the CPU stand-ins of the CuTe-DSL kernels that Megatron-LM dev's DS4
-attention calls under CP > 1) against the pure-PyTorch references of Megatron's own test file, at both proven commits.
+attention calls under CP > 1) against the pure-PyTorch references of Megatron's own test file, at the pinned commit
+(every proven commit in the extended proofs, ``bash benchmarks/extended_proofs.sh``).
 
 tests/megatron_dev_cp_kernels.py runs in a subprocess per commit (it imports dev's ``megatron/core`` in place of the
-installed megatron-core) and prints what differs; both run at once. Integer outputs must be equal, float outputs
+installed megatron-core) and prints what differs; the commits run at once. Integer outputs must be equal, float outputs
 and gradients equal to 0.0 at float64 (the bound is 1e-12) and at bfloat16 (a copy rounds nothing). Skipped only
 where no export can be found; with CI=true and the archives beside the repository it must run.
 """
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing import extended
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITS = megatron_dev.PROVEN_COMMITS
+# CI compares at the pin; the extended proofs (bash benchmarks/extended_proofs.sh) at every proven commit.
+COMMITS = extended.proven_commits()
 MODES = ("all_visible_production_map", "selected_production_map", "indexer_loss_production_map",
          "selected_noisy_map", "indexer_loss_noisy_map")
 
@@ -51,7 +54,7 @@ def results():
     return out
 
 
-@pytest.fixture(params=COMMITS, ids=lambda c: c[:8])
+@pytest.fixture(params=extended.commit_params(COMMITS), ids=lambda c: c[:8])
 def result(request, results):
     return results[request.param]
 

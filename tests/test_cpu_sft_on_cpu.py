@@ -84,6 +84,7 @@ def _step_files(folder: Path) -> bool:
     return folder.is_dir() and any(p.is_file() for p in folder.rglob("*"))
 
 
+@pytest.mark.extended  # CI: the Slurm chaos run's kill inside a save
 def test_sigkill_of_the_ranks_inside_a_save_then_resume_matches_uninterrupted_run(assets, reference_run, tmp_path):
     """Issue 39, the real fault: the same 4-step run (checkpoints at steps 2 and 4) is SIGKILLed inside its
     step-4 save: the test polls the filesystem until ``global_step_4`` holds files, freezes every rank

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu" / "device_check.sh"
 
@@ -84,6 +86,7 @@ def test_the_import_rule_sees_a_forbidden_module(monkeypatch):
     assert dc.forbidden_modules_loaded() == ["megatron"]
 
 
+@pytest.mark.extended  # CI: the attention check above runs the same script on the CPU
 def test_whole_model_checks_pass_on_cpu_one_line_per_model(tmp_path):
     results = tmp_path / "results.txt"
     code = (

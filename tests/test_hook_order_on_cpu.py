@@ -32,6 +32,7 @@ SEED = 20240
     subprocess.run([sys.executable, "-c", "import random_order"], capture_output=True).returncode != 0,
     reason="pytest-random-order is not installed (pip install -e .[test])",
 )
+@pytest.mark.extended  # CI: every hook-touching test restores the hooks (conftest restore_verl_hooks)
 def test_hook_touching_tests_pass_in_shuffled_order():
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(

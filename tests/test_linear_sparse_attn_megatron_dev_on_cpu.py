@@ -6,7 +6,8 @@ from the tree ``benchmarks/gpu/prepare_megatron_dev.sh`` exports): ``csa.unfused
 with their replacements, forward
 and backward, and installs / checks / uninstalls the patch (a changed Megatron function is refused). Skipped
 only where no export can be found (a user's machine: the reason names the command that makes one); in CI the archives
-of ``../shared/third_party/megatron-lm-dev`` are unpacked, and both proven commits run."""
+of ``../shared/third_party/megatron-lm-dev`` are unpacked and the pinned commit runs (every proven commit in the
+extended proofs, ``bash benchmarks/extended_proofs.sh``)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing import extended
 from verl_ds4.testing.megatron_dev_export import export_mark, tree
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITS = megatron_dev.PROVEN_COMMITS
+# CI runs at the pin; the extended proofs (bash benchmarks/extended_proofs.sh) at every proven commit.
+COMMITS = extended.proven_commits()
 
 pytestmark = export_mark(*COMMITS)
 
 
-@pytest.fixture(scope="module", params=COMMITS, ids=lambda c: c[:8])
+@pytest.fixture(scope="module", params=extended.commit_params(COMMITS), ids=lambda c: c[:8])
 def result(request):
     export = tree(request.param).root
     out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_dev_sparse_attn.py"), str(export)],

@@ -1,4 +1,5 @@
-"""The production path on CPU, at both proven Megatron-LM dev commits: Megatron-LM dev's own DeepSeek-V4, built by
+"""The production path on CPU, at the pinned Megatron-LM dev commit (every proven commit in the extended proofs,
+``bash benchmarks/extended_proofs.sh``): Megatron-LM dev's own DeepSeek-V4, built by
 Megatron-Bridge 0.6.2's provider from a tiny HF folder (verl_ds4.verify.production.ProductionBuilder), against
 transformers' ``DeepseekV4ForCausalLM`` and verl-ds4's own CPU model on the same folder, at CP 1 and 2; and Bridge's
 HF -> Megatron -> HF round trip of that folder, plain and in the hub's FP8 / FP4 form.
@@ -9,7 +10,7 @@ MoE, mHC with 4 streams, MTP depth 1 (MTP does not enter the logits; the round t
 sequences of 300 / 170 / 45 tokens, so HCA's 128-row blocks complete.
 
 tests/production_path_checks.py runs the production model in one subprocess per commit (it imports Megatron-LM dev in
-place of the installed megatron-core; both commits at once) and saves its logits; transformers and verl-ds4's model run
+place of the installed megatron-core; the commits at once) and saves its logits; transformers and verl-ds4's model run
 here. Tolerances (each the largest |difference| over all rows and the vocabulary of a sequence, relative to the
 reference's largest |value|, worst sequence):
 
@@ -37,10 +38,12 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing import extended
 from verl_ds4.testing.megatron_dev_export import production_marks
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITS = megatron_dev.PROVEN_COMMITS
+# CI runs at the pin; the extended proofs (bash benchmarks/extended_proofs.sh) at every proven commit.
+COMMITS = extended.proven_commits()
 LENGTHS = (300, 170, 45)
 VOCAB = 64
 SEED = 1234
@@ -202,7 +205,7 @@ def run(tmp_path_factory):
     return {"results": results, "refs": refs, "folders": folders}
 
 
-@pytest.fixture(params=COMMITS, ids=lambda c: c[:8])
+@pytest.fixture(params=extended.commit_params(COMMITS), ids=lambda c: c[:8])
 def result(request, run):
     return run["results"][request.param]
 
