@@ -33,22 +33,24 @@ from pathlib import Path
 import pytest
 
 from verl_ds4.substitutes import megatron_dev
+from verl_ds4.testing import extended
 from verl_ds4.testing.megatron_dev_export import production_marks
 
 REPO = Path(__file__).resolve().parents[1]
-#: CP sizes per commit: the image's pin (the default commit, what a GPU run builds) at 2 and 4. The older proven commit
-#: gave the same figures at CP 2 and 4 (docs/verify-cp.md); in CI its production path (tests/test_production_path_on_cpu.py)
-#: is checked, not its parity again (about 7 minutes of the lane).
-CASES = {megatron_dev.DEFAULT_COMMIT: (2, 4)}
+#: The runs (commit, CP sizes): CI runs the image's pin (the default commit, what a GPU run builds) at CP 2; the extended
+#: proofs (bash benchmarks/extended_proofs.sh) add the pin at CP 4 (about 3.5 minutes of lane 2). The older proven
+#: commit gave the same figures at CP 2 and 4 (docs/verify-cp.md); its production path is an extended proof too.
+CASES = [(megatron_dev.DEFAULT_COMMIT, (2,))] + ([(megatron_dev.DEFAULT_COMMIT, (4,))] if extended.enabled() else [])
 
 
-pytestmark = production_marks(*CASES)
+pytestmark = production_marks(*{commit for commit, _ in CASES})
 
 
-@pytest.fixture(scope="module", params=sorted(CASES), ids=lambda c: c[:8])
+@pytest.fixture(scope="module", params=[CASES[0], *(pytest.param(c, marks=pytest.mark.extended) for c in CASES[1:])],
+                ids=lambda c: f"{c[0][:8]}-cp{'-'.join(map(str, c[1]))}")
 def result(request):
-    commit = request.param
-    cps = [str(cp) for cp in CASES[commit]]
+    commit, sizes = request.param
+    cps = [str(cp) for cp in sizes]
     out = subprocess.run([sys.executable, str(REPO / "tests" / "production_cp_parity.py"), commit, *cps],
                          capture_output=True, text=True, timeout=900, cwd=REPO)  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
