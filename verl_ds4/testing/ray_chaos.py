@@ -39,7 +39,8 @@ from pathlib import Path
 from verl_ds4.ckpt_manifest import MANIFEST_NAME, step_folders, verify_folder
 from verl_ds4.recipes.supervise import Attempt, decide
 from verl_ds4.rollout.cpu_ppo_run import parse_step_metrics
-from verl_ds4.testing.slurm_chaos import PlanError, base_env, free_port, marked_processes, save_steps
+from verl_ds4.testing.slurm_chaos import (PlanError, base_env, draw_schedule, free_port, marked_processes,
+                                         save_steps)
 
 __all__ = ["GRPO", "KINDS", "RESUME_KEYS", "Fault", "RayChaos", "expect", "plan"]
 
@@ -105,34 +106,29 @@ def expect(faults: Sequence[Fault], *, steps: int, save_freq: int, max_restarts:
 
 def plan(seed: int, *, steps: int, save_freq: int, max_restarts: int, kinds: Sequence[str], nodes: int = 2,
          retrain: bool = False, tries: int = 100_000) -> list[Fault]:
-    """``kinds`` in an order and at moments drawn from ``seed`` (each in its share of the steps left, so that they
-    spread over the run), every one survivable (:func:`expect`). The same seed and arguments give the same
-    schedule. ``retrain``: only moments after which the next attempt trains again a step that the hit one printed
-    (a test without an uninterrupted run compares those)."""
+    """``kinds`` in an order and at moments drawn from ``seed`` (the draw:
+    :func:`verl_ds4.testing.slurm_chaos.draw_schedule`), every one survivable (:func:`expect`), each after the one
+    before. The same seed and arguments give the same schedule. ``retrain``: only moments after which the next attempt
+    trains again a step that the hit one printed (a test without an uninterrupted run compares those)."""
     rng = random.Random(seed)
     saves = save_steps(steps, save_freq)
-    for _ in range(tries):
+
+    def choose() -> list[str]:
         chosen = list(kinds)
         rng.shuffle(chosen)
-        faults: list[Fault] = []
-        try:
-            for i, kind in enumerate(chosen):
-                start = (expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1] or 0) \
-                    if faults else 0
-                where = _valid_steps(kind, start, steps, saves)
-                where = [s for s in where if all(s > f.step for f in faults)]
-                if retrain:
-                    where = [s for s in where if s - 1 > max([c for c in save_steps(steps, save_freq) if c < s],
-                                                             default=0)]
-                if not where:
-                    raise PlanError("no room")
-                share = where[:-(-len(where) // (len(chosen) - i))]
-                faults.append(Fault(kind, rng.choice(share), rng.randrange(nodes) if kind == "kill_rank" else None))
-                expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)
-        except PlanError:
-            continue
-        return faults
-    raise PlanError(f"no survivable schedule of {list(kinds)} in {steps} steps (save every {save_freq}) found")
+        return chosen
+
+    def room(kind: str, faults: list[Fault]) -> list[int]:
+        start = (expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1] or 0) if faults else 0
+        where = [s for s in _valid_steps(kind, start, steps, saves) if all(s > f.step for f in faults)]
+        if retrain:  # the step before the fault is not the newest checkpoint's: it is trained again
+            where = [s for s in where if s - 1 > max([c for c in saves if c < s], default=0)]
+        return where
+
+    return draw_schedule(rng, choose, room, lambda kind, step: Fault(kind, step, rng.randrange(nodes) if kind ==
+                                                                       "kill_rank" else None),
+                         lambda faults: expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts),
+                         tries=tries, what=f"{list(kinds)} in {steps} steps (save every {save_freq})")
 
 
 def _tree(pid: int) -> list[int]:

@@ -44,6 +44,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from verl_ds4.ckpt_manifest import MANIFEST_NAME, TRACKER_NAME, step_folders, verify_folder
 from verl_ds4.recipes.supervise import Attempt, decide
@@ -154,31 +155,51 @@ def expect(faults: Sequence[Fault], *, steps: int, save_freq: int, max_restarts:
 def plan(seed: int, *, steps: int, save_freq: int, max_restarts: int, kinds: Sequence[str] | None = None,
          n: int | None = None, nodes: int = 2, tries: int = 100_000) -> list[Fault]:
     """A fault schedule drawn from ``seed``: ``kinds`` in a random order (or ``n`` kinds drawn from
-    :data:`LAUNCHER_KINDS`), each at a random valid moment after the one before (among the first 1/k of the
-    moments left when k faults are left, so that they spread over the run), every one survivable
-    (:func:`expect`). The same seed and arguments give the same schedule."""
+    :data:`LAUNCHER_KINDS`), each at a random valid moment after the one before, every one survivable
+    (:func:`expect`; the draw: :func:`draw_schedule`). The same seed and arguments give the same schedule."""
     rng = random.Random(seed)
     saves = save_steps(steps, save_freq)
+
+    def choose() -> list[str]:
+        if kinds is None:
+            return [rng.choice(LAUNCHER_KINDS) for _ in range(n or 0)]
+        chosen = list(kinds)
+        rng.shuffle(chosen)
+        return chosen
+
+    def room(kind: str, faults: list[Fault]) -> list[int]:
+        newest = expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1].newest \
+            if faults else None
+        return _valid_steps(kind, newest or 0, steps, saves)
+
+    return draw_schedule(rng, choose, room, lambda kind, step: Fault(kind, step, rng.randrange(nodes) if kind ==
+                                                                       "kill_rank" else None),
+                         lambda faults: expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts),
+                         tries=tries, what=f"{kinds or n} faults in {steps} steps (save every {save_freq})")
+
+
+def draw_schedule(rng: random.Random, choose: Callable[[], list[str]], room: Callable[[str, list], list[int]],
+                  make: Callable[[str, int], Any], survivable: Callable[[list], Any], *, tries: int, what: str) -> list:
+    """The draw both chaos planners share (this module's and :func:`verl_ds4.testing.ray_chaos.plan`): each try takes
+    the kinds ``choose()`` returns and puts each at a moment drawn with ``rng`` from its share of the moments
+    ``room(kind, faults so far)`` leaves (the first 1/k of them when k faults are left, so that the faults spread over
+    the run), ``make(kind, step)`` building the fault; a try counts when ``survivable(faults)`` accepts every prefix
+    (it raises :class:`PlanError` otherwise). The first of ``tries`` tries that counts is the schedule."""
     for _ in range(tries):
-        chosen = list(kinds) if kinds is not None else [rng.choice(LAUNCHER_KINDS) for _ in range(n or 0)]
-        if kinds is not None:
-            rng.shuffle(chosen)
-        faults: list[Fault] = []
+        chosen = choose()
+        faults: list = []
         try:
             for i, kind in enumerate(chosen):
-                newest = expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1].newest \
-                    if faults else None
-                where = _valid_steps(kind, newest or 0, steps, saves)
+                where = room(kind, faults)
                 if not where:
                     raise PlanError("no room")
                 share = where[:-(-len(where) // (len(chosen) - i))]  # its share of the steps left: spread over the run
-                faults.append(Fault(kind, rng.choice(share), rng.randrange(nodes) if kind == "kill_rank" else None))
-                expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)
+                faults.append(make(kind, rng.choice(share)))
+                survivable(faults)
         except PlanError:
             continue
         return faults
-    raise PlanError(f"no survivable schedule of {kinds or n} faults in {steps} steps (save every {save_freq}) "
-                    f"found in {tries} draws")
+    raise PlanError(f"no survivable schedule of {what} found in {tries} draws")
 
 
 # ------------------------------------------------------------------------------------------- processes, Slurm
