@@ -21,6 +21,7 @@ VENV=${VENV:-.venv}                     # lane 1's venv (scripts/dev.sh setup)
 VENV312=${VENV312:-.venv312}            # lane 2's venv (Python 3.12); skipped with a note when missing
 LANES=${LANES:-1 2}                     # which lanes
 RESULTS=${RESULTS:-benchmarks/results/extended_proofs.txt}
+PRINTED_LINES=${PRINTED_LINES:-1500}    # how much of what the tests printed goes into RESULTS (the times all do)
 # -------------------------------------------------------------------------------------
 
 for lane in $LANES; do
@@ -59,7 +60,7 @@ for lane in $LANES; do
     # pytest exits 5 when the lane has no extended test among those selected: nothing to run is not a failure
     [ "$rc" = 5 ] && rc=0
     [ "$rc" = 0 ] || status=1
-    echo "lane $lane: exit $rc in $((SECONDS - start)) s: $(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' \
+    echo "lane $lane: exit $rc in $((SECONDS - start)) s: $(grep -E '^=+ .* in [0-9.]+s' \
         "$logs/lane$lane.log" | tail -n 1 | tr -d '=')" >>"$logs/head.txt"
 done
 
@@ -69,10 +70,11 @@ mkdir -p "$(dirname "$RESULTS")"
     for lane in $LANES; do
         [ -f "$logs/lane$lane.log" ] || continue
         echo
-        echo "## lane $lane: what the tests printed, then their times"
-        # the tests' own lines (figures, faults, metrics), then pytest's durations and summary
-        grep -v -E '^(tests/|\s*$|platform |rootdir|configfile|plugins|cachedir|collecting|collected)' \
-            "$logs/lane$lane.log" | sed -n '1,400p'
+        echo "## lane $lane: the tests' times and pytest's summary"
+        sed -n '/=\{5,\} slowest durations =\{5,\}/,$p' "$logs/lane$lane.log"
+        echo
+        echo "## lane $lane: what the tests printed (pytest -s; the first $PRINTED_LINES lines)"
+        sed -n '/=\{5,\} slowest durations =\{5,\}/q;p' "$logs/lane$lane.log" | grep -v -E '^\s*$' | head -n "$PRINTED_LINES" || true
     done
 } >"$RESULTS"
 echo "[extended] report: $RESULTS (exit $status)"
