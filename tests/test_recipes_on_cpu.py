@@ -85,6 +85,32 @@ def _validate(kind: str, overrides: list[str], dry_run: bool = False, **kw):
 # ---------------------------------------------------------------- composition and valid recipes
 
 
+@pytest.mark.parametrize("kind", ["ppo", "grpo"])
+def test_gpu_rl_recipes_build_the_run_record_callback(kind, assets, tmp_path):
+    """The GPU RL recipes select verl-ds4's checkpoint callback (resume check, step manifests before the tracker,
+    the driver's node watch; verl_ds4/recipes/resume_check.py), as the CPU recipe does: verl's own builder makes it
+    from the composed config and it records the run's mesh. Control: verl's default (no class) builds none of it."""
+    from verl.trainer.ppo.checkpoint_callback import build_checkpoint_callback
+
+    from verl_ds4.engine import checkpoint as ck
+    from verl_ds4.recipes.resume_check import RECORD_NAME, RunRecordCallback
+
+    cfg = compose_recipe(kind, _paths(kind, assets) + [f"trainer.default_local_dir={tmp_path}"])
+    assert cfg.trainer.checkpoint_callback_class == "verl_ds4.recipes.resume_check.RunRecordCallback"
+    try:
+        callback = build_checkpoint_callback(cfg)
+    finally:
+        ck.uninstall_trainer_hook()  # the callback wraps verl's trainer in this process
+    assert isinstance(callback, RunRecordCallback)
+    identity = json.loads((tmp_path / RECORD_NAME).read_text())["identity"]
+    assert identity["actor_rollout_ref.actor.megatron.context_parallel_size"] == cfg.ds4.mesh.cp
+    assert identity["trainer.nnodes"] == cfg.ds4.mesh.nnodes
+    default = compose_recipe(kind, _paths(kind, assets) + [f"trainer.default_local_dir={tmp_path / 'plain'}",
+                                                           "trainer.checkpoint_callback_class=null"])
+    assert not isinstance(build_checkpoint_callback(default), RunRecordCallback)
+    assert not (tmp_path / "plain" / RECORD_NAME).exists()
+
+
 @pytest.mark.parametrize(
     "kind, mesh",
     [

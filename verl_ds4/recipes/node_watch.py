@@ -5,7 +5,7 @@ fails inside the agent loop, which logs the error and goes on, and the trainer t
 (seen in the Ray chaos test: no error for 600 s after the node's processes were SIGKILLed; in another draw the same
 fault ended the driver in 42 s with ``ActorDiedError``). A hung driver is never restarted.
 
-:func:`start` (called in the driver by :class:`verl_ds4.recipes.resume_check.RunRecordCallback`, the CPU RL recipe's
+:func:`start` (called in the driver by :class:`verl_ds4.recipes.resume_check.RunRecordCallback`, the RL recipes'
 checkpoint callback) starts a daemon thread that notes the cluster's alive nodes and checks Ray's node table every
 ``VERL_DS4_NODE_WATCH_S`` seconds (5 by default; 0 turns it off). When one of them is no longer alive (Ray's GCS
 declares a node dead after its health checks fail, about 30-40 s after the node stopped), it prints which node, at

@@ -21,7 +21,7 @@ and train on silently. This module records what a run *is* and compares it at st
   (:mod:`verl_ds4.recipes.node_watch`: a lost node ends the driver, so that the launcher restarts the run).
 
 Select it with ``trainer.checkpoint_callback_class=verl_ds4.recipes.resume_check.RunRecordCallback``
-(the CPU PPO recipe does).
+(the CPU and GPU RL recipes do).
 """
 
 from __future__ import annotations
