@@ -515,7 +515,8 @@ def _ppo_env(slurm, work: Path, marker: str, **extra: str) -> dict[str, str]:
                      RAY_DASHBOARD_PORT=str(free_port()), **{**PPO, **extra})
 
 
-@pytest.mark.extended  # CI: the Slurm PPO failure paths below start Ray on both Slurm nodes; the Ray chaos run trains RL on two nodes
+# CI: the Slurm PPO failure paths below start Ray on both Slurm nodes; the Ray chaos run trains RL on two nodes
+@pytest.mark.extended
 def test_slurm_ppo_runs_ray_on_two_nodes_and_tears_it_down(slurm, tmp_path):
     work = tmp_path / "work"
     marker = uuid.uuid4().hex

@@ -55,11 +55,11 @@ def _crashed_actors(job: str) -> dict[str, str]:
         cause = info.get("DeathCause")
         if cause is None:
             continue
-        died = cause.actor_died_error_context
+        died, oom = cause.actor_died_error_context, cause.HasField("oom_context")
         system = died.reason == 1 and "Worker exit type: SYSTEM_ERROR" in died.error_message  # 1: WORKER_DIED
-        if system or cause.HasField("oom_context"):
+        if system or oom:
             crashed[actor_id] = (f"{died.class_name or info.get('ActorClassName') or 'an actor'} (pid {info.get('Pid')}"
-                                 f"{', out of memory' if cause.HasField('oom_context') else ''})")
+                                 f"{', out of memory' if oom else ''})")
     return crashed
 
 

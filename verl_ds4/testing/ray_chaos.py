@@ -118,17 +118,17 @@ def plan(seed: int, *, steps: int, save_freq: int, max_restarts: int, kinds: Seq
         rng.shuffle(chosen)
         return chosen
 
-    def room(kind: str, faults: list[Fault]) -> list[int]:
-        start = (expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1] or 0) if faults else 0
+    def room(kind: str, faults: list[Fault], froms: list[int | None] | None) -> list[int]:
+        start = (froms[-1] if froms else None) or 0
         where = [s for s in _valid_steps(kind, start, steps, saves) if all(s > f.step for f in faults)]
         if retrain:  # the step before the fault is not the newest checkpoint's: it is trained again
             where = [s for s in where if s - 1 > max([c for c in saves if c < s], default=0)]
         return where
 
-    return draw_schedule(rng, choose, room, lambda kind, step: Fault(kind, step, rng.randrange(nodes) if kind ==
-                                                                       "kill_rank" else None),
+    return draw_schedule(rng, choose, room,
                          lambda faults: expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts),
-                         tries=tries, what=f"{list(kinds)} in {steps} steps (save every {save_freq})")
+                         fault=Fault, nodes=nodes, tries=tries,
+                         what=f"{list(kinds)} in {steps} steps (save every {save_freq})")
 
 
 def _tree(pid: int) -> list[int]:

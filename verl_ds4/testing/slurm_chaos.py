@@ -167,35 +167,37 @@ def plan(seed: int, *, steps: int, save_freq: int, max_restarts: int, kinds: Seq
         rng.shuffle(chosen)
         return chosen
 
-    def room(kind: str, faults: list[Fault]) -> list[int]:
-        newest = expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts)[-1].newest \
-            if faults else None
-        return _valid_steps(kind, newest or 0, steps, saves)
+    def room(kind: str, faults: list[Fault], expected: list[Expect] | None) -> list[int]:
+        return _valid_steps(kind, (expected[-1].newest if expected else None) or 0, steps, saves)
 
-    return draw_schedule(rng, choose, room, lambda kind, step: Fault(kind, step, rng.randrange(nodes) if kind ==
-                                                                       "kill_rank" else None),
+    return draw_schedule(rng, choose, room,
                          lambda faults: expect(faults, steps=steps, save_freq=save_freq, max_restarts=max_restarts),
-                         tries=tries, what=f"{kinds or n} faults in {steps} steps (save every {save_freq})")
+                         fault=Fault, nodes=nodes, tries=tries,
+                         what=f"{kinds or n} faults in {steps} steps (save every {save_freq})")
 
 
-def draw_schedule(rng: random.Random, choose: Callable[[], list[str]], room: Callable[[str, list], list[int]],
-                  make: Callable[[str, int], Any], survivable: Callable[[list], Any], *, tries: int, what: str) -> list:
+def draw_schedule(rng: random.Random, choose: Callable[[], list[str]], room: Callable[[str, list, Any], list[int]],
+                  survivable: Callable[[list], Any], *, fault: Callable[[str, int, int | None], Any], nodes: int,
+                  tries: int, what: str) -> list:
     """The draw both chaos planners share (this module's and :func:`verl_ds4.testing.ray_chaos.plan`): each try takes
     the kinds ``choose()`` returns and puts each at a moment drawn with ``rng`` from its share of the moments
-    ``room(kind, faults so far)`` leaves (the first 1/k of them when k faults are left, so that the faults spread over
-    the run), ``make(kind, step)`` building the fault; a try counts when ``survivable(faults)`` accepts every prefix
+    ``room(kind, faults so far, what survivable returned for them)`` leaves (the first 1/k of them when k faults are
+    left, so that the faults spread over the run; None before the first), as ``fault(kind, step, node)`` (a
+    ``kill_rank`` also draws its node among ``nodes``); a try counts when ``survivable(faults)`` accepts every prefix
     (it raises :class:`PlanError` otherwise). The first of ``tries`` tries that counts is the schedule."""
     for _ in range(tries):
         chosen = choose()
         faults: list = []
+        expected = None
         try:
             for i, kind in enumerate(chosen):
-                where = room(kind, faults)
+                where = room(kind, faults, expected)
                 if not where:
                     raise PlanError("no room")
                 share = where[:-(-len(where) // (len(chosen) - i))]  # its share of the steps left: spread over the run
-                faults.append(make(kind, rng.choice(share)))
-                survivable(faults)
+                step = rng.choice(share)
+                faults.append(fault(kind, step, rng.randrange(nodes) if kind == "kill_rank" else None))
+                expected = survivable(faults)
         except PlanError:
             continue
         return faults
