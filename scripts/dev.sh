@@ -10,10 +10,10 @@
 #                                     LANE2_FILES; among the tests that args select)
 #
 # How `test` runs: lane 2 (its set-up, network-bound: torch for Python 3.12 comes from PyPI, then its
-# tests) runs in the background at low priority (nice 19) while lane 1 sets up and runs its tests in
-# the foreground. Lane 1 leaves about a third of 2 cores idle (its Ray and torchrun start-ups wait on
-# each other); lane 2 runs in that slack instead of after lane 1, and lane 1 keeps the CPUs it
-# wants. Lane 2's output goes to its log, shown (the failures, or its summary line) once lane 1 is
+# tests) runs in the background at the lowest priority (run_low: a session of its own, nice 19) while
+# lane 1 sets up and runs its tests in the foreground. Lane 1 leaves part of the 2 cores idle (its Ray
+# and torchrun start-ups wait on each other); lane 2 runs in that slack instead of after lane 1, and
+# lane 1 keeps the CPUs it wants. Lane 2's output goes to its log, shown (the failures, or its summary line) once lane 1 is
 # done. The summary gives each lane's set-up and test wall time and result; the exit status is
 # non-zero if any lane (or the image-pins check) failed.
 #
@@ -46,6 +46,7 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+SELF=$PWD/scripts/dev.sh
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
@@ -113,6 +114,54 @@ pytest_summary() {
     grep -E '^=+ .* in [0-9.]+s' "$1" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//' || true
 }
 
+# Lane 2 (`run_tests` starts it as `dev.sh __lane2 LOGS PINS_IN_LANE2 PYTHON312 SECONDS_NOW [pytest args]` under
+# run_low): its set-up, then its tests, each writing "EXIT_STATUS SECONDS" to LOGS/*.done (SECONDS on the caller's
+# clock), and the pins check when lane 1 does not run.
+lane2() {
+    local logs=$1 pins_in_lane2=$2 python312=$3 rc pins=""
+    SECONDS=$4
+    shift 4
+    rc=0
+    setup "$VENV312" "$python312" "$TORCH312_SPEC" >"$logs/lane2-setup.log" 2>&1 || rc=$?
+    echo "$rc $SECONDS" >"$logs/lane2-setup.done"
+    [ "$rc" = 0 ] || return 0
+    if [ "$pins_in_lane2" = 1 ]; then
+        "$VENV312/bin/python" docker/check_pins_resolve.py --timeout 2700 >"$logs/pins.log" 2>&1 &
+        pins=$!
+    fi
+    rc=0
+    VERL_DS4_TEST_LANE=2 "$VENV312/bin/python" -m pytest "$@" >"$logs/lane2.log" 2>&1 || rc=$?
+    echo "$rc $SECONDS" >"$logs/lane2.done"
+    if [ -n "$pins" ]; then
+        rc=0
+        wait "$pins" || rc=$?
+        echo "$rc" >"$logs/pins.done"
+    fi
+}
+
+# run_low CMD [ARGS]: CMD in a session of its own, at nice 19, and that session's scheduling group at nice 19 too. With
+# the kernel's autogroup scheduling on (/proc/sys/kernel/sched_autogroup_enabled, 1 on this project's machines), CPU time
+# is shared between sessions first and nice counts only inside a session; the launchers that lane 1's tests start run in
+# sessions of their own (a torchrun or Ray job and its children), so lane 2 at plain nice 19 in dev.sh's session still
+# took about a third of the CPU from them (measured: two nice-19 busy loops in one session beside two nice-0 ones, each in
+# its own session, got 0.34 of a core each; with their session's group at nice 19 they waited until the others ended).
+# Where the kernel has no autogroup, the write fails silently and plain nice 19 does the work. Lane 2's own children that
+# start sessions of their own (its trainer runs) are back at the default priority. The session's process group is
+# stopped with dev.sh (stop_low). Run it in the background (`run_low CMD &`): it replaces that subshell, so $! is the
+# session's leader and its process group.
+run_low() {
+    exec setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null || true; exec nice -n 19 "$@"' run_low "$@"
+}
+
+LOW_PIDS=""
+# On Ctrl-C or TERM: the background sessions (not in the terminal's process group) are stopped too.
+stop_low() {
+    local pid
+    for pid in $LOW_PIDS; do
+        kill -TERM -- "-$pid" 2>/dev/null || true
+    done
+}
+
 run_tests() {
     local lane1=0 lane2=0 lane
     for lane in $LANES; do
@@ -142,28 +191,10 @@ run_tests() {
         # The pins check runs from lane 1's venv; from lane 2's when lane 1 is not run.
         local pins_in_lane2=0
         [ "$lane1" = 0 ] && [ "${PINS_CHECK:-1}" = 1 ] && pins_in_lane2=1
-        echo "[dev.sh] lane 2: set-up of $VENV312 with $python312, then its tests, in the background at nice 19"
-        (
-            renice -n 19 -p "$BASHPID" >/dev/null 2>&1 || true  # lane 1 keeps the CPUs first
-            rc=0
-            setup "$VENV312" "$python312" "$TORCH312_SPEC" >"$logs/lane2-setup.log" 2>&1 || rc=$?
-            echo "$rc $SECONDS" >"$logs/lane2-setup.done"
-            [ "$rc" = 0 ] || exit 0
-            pins=""
-            if [ "$pins_in_lane2" = 1 ]; then
-                "$VENV312/bin/python" docker/check_pins_resolve.py --timeout 2700 >"$logs/pins.log" 2>&1 &
-                pins=$!
-            fi
-            rc=0
-            VERL_DS4_TEST_LANE=2 "$VENV312/bin/python" -m pytest "$@" >"$logs/lane2.log" 2>&1 || rc=$?
-            echo "$rc $SECONDS" >"$logs/lane2.done"
-            if [ -n "$pins" ]; then
-                rc=0
-                wait "$pins" || rc=$?
-                echo "$rc" >"$logs/pins.done"
-            fi
-        ) &
+        echo "[dev.sh] lane 2: set-up of $VENV312 with $python312, then its tests, in the background at the lowest priority"
+        run_low bash "$SELF" __lane2 "$logs" "$pins_in_lane2" "$python312" "$SECONDS" "$@" &
         lane2_pid=$!
+        LOW_PIDS="$LOW_PIDS $lane2_pid"
     fi
 
     # The image's PyPI pins must resolve together (docker/check_pins_resolve.py). The resolve is
@@ -173,11 +204,12 @@ run_tests() {
     local pins_pid=""
     start_pins_check() {
         if [ "${PINS_CHECK:-1}" = 1 ] && [ -z "$pins_pid" ]; then
-            # nice 19: pip's resolver waits on the network, and its CPU bursts should not slow the tests. At nice 19
+            # run_low: pip's resolver waits on the network, and its CPU bursts should not slow the tests. At nice 19
             # beside busy cores it may get little CPU (a loaded run ran out of the script's 900 s): its limit is the
             # suite's length, as it only has to finish by the end of lane 1.
-            nice -n 19 "$1/bin/python" docker/check_pins_resolve.py --timeout 2700 >"$logs/pins.log" 2>&1 &
+            run_low "$1/bin/python" docker/check_pins_resolve.py --timeout 2700 >"$logs/pins.log" 2>&1 &
             pins_pid=$!
+            LOW_PIDS="$LOW_PIDS $pins_pid"
         fi
     }
 
@@ -255,7 +287,7 @@ run_tests() {
         else
             result=$([ "$status2" = 0 ] && echo passed || echo "FAILED (exit $status2)")
         fi
-        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s"), tests $(seconds "$tests2_s") (both beside lane 1, nice 19): $result"
+        echo "[dev.sh] lane 2 ($(versions "$VENV312")): set-up $(seconds "$setup2_s"), tests $(seconds "$tests2_s") (both beside lane 1, at the lowest priority): $result"
         [ -f "$logs/lane2.log" ] && echo "[dev.sh]        $(pytest_summary "$logs/lane2.log")"
         [ "$status2" = 0 ] || [ "$status2" = none ] || status=1
     fi
@@ -276,7 +308,12 @@ case "$cmd" in
         PYTHON="$VENV/bin/python" exec bash scripts/run_ds4_proxy_sft_cpu.sh "$@"
         ;;
     test)
+        trap 'stop_low; exit 130' INT
+        trap 'stop_low; exit 143' TERM
         run_tests "$@"
+        ;;
+    __lane2)  # internal: lane 2 of `test`, started by run_tests in a session of its own
+        lane2 "$@"
         ;;
     *)
         echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2
