@@ -244,10 +244,20 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _stop_wait_nodes(tmp_path: Path, sig: int) -> tuple[int, int, bool]:
-    """Starts ``ray_cluster.sh wait-nodes`` with a stand-in waiter (PYTHON: writes its pid, sleeps 60 s), sends the
-    script ``sig`` once the waiter runs; returns the script's exit status, the waiter's pid and whether the waiter
-    still runs 5 s later. No Ray runs."""
+def _signals_as_at_a_terminal(sigint: object = signal.SIG_DFL) -> None:
+    """In the script's process before exec: SIGINT and SIGTERM at their defaults, as for a script that a terminal's
+    shell runs in the foreground (what Ctrl-C reaches). Whatever started pytest may have left SIGINT ignored: a command
+    that a non-interactive shell starts in the background (``cmd &``, ``nohup``, some CI runners) inherits SIGINT
+    ignored, and bash cannot trap a signal that was ignored when it started, so the script would never see the
+    signal (a busy-core run of the suite started that way failed here on a 30 s timeout: the test's start, not
+    the script)."""
+    signal.signal(signal.SIGINT, sigint)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _start_wait_nodes(tmp_path: Path, sigint: object = signal.SIG_DFL) -> tuple[subprocess.Popen, int]:
+    """``ray_cluster.sh wait-nodes`` with a stand-in waiter (PYTHON: writes its pid, sleeps 60 s); returns the script
+    and the waiter's pid once the waiter runs. No Ray runs."""
     pid_file = tmp_path / "waiter.pid"
     fake_python = tmp_path / "python"
     fake_python.write_text(f"#!{sys.executable}\nimport os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
@@ -257,13 +267,23 @@ def _stop_wait_nodes(tmp_path: Path, sig: int) -> tuple[int, int, bool]:
     env.update(PYTHON=str(fake_python), RAY_NODE_DIR=str(tmp_path / "no_node"), NNODES="2",
                RAY_HEAD_IP="127.0.0.1", RAY_AUTH_MODE="disabled")
     script = subprocess.Popen(["bash", "scripts/ray_cluster.sh", "wait-nodes"], cwd=REPO, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    waiter = 0
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: _signals_as_at_a_terminal(sigint))
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        if script.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert pid_file.exists() and pid_file.read_text(), f"the stand-in waiter did not start (script exit {script.poll()})"
+    return script, int(pid_file.read_text())
+
+
+def _stop_wait_nodes(tmp_path: Path, sig: int) -> tuple[int, int, bool]:
+    """Starts ``ray_cluster.sh wait-nodes`` with a stand-in waiter (:func:`_start_wait_nodes`), sends the script
+    ``sig`` once the waiter runs; returns the script's exit status, the waiter's pid and whether the waiter still runs
+    5 s later."""
+    script, waiter = _start_wait_nodes(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        waiter = int(pid_file.read_text())
         assert _running(waiter)
         script.send_signal(sig)
         status = script.wait(timeout=30)
@@ -286,6 +306,22 @@ def test_stopping_wait_nodes_stops_its_waiter(tmp_path, sig, status):
     got, waiter, running = _stop_wait_nodes(tmp_path, sig)
     assert got == status, f"wait-nodes exited {got} on signal {sig}"
     assert not running, f"the waiter (pid {waiter}) still runs after wait-nodes stopped"
+
+
+def test_control_sigint_ignored_when_the_script_starts_is_not_seen_by_it(tmp_path):
+    """Why the checks above start the script with SIGINT at its default: started with SIGINT ignored (as under a
+    background ``cmd &`` or ``nohup``), bash cannot trap it, and the script goes on waiting."""
+    script, waiter = _start_wait_nodes(tmp_path, sigint=signal.SIG_IGN)
+    try:
+        script.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            script.wait(timeout=3)
+        assert _running(waiter)
+    finally:
+        script.kill()
+        script.wait()
+        if _running(waiter):
+            os.kill(waiter, signal.SIGKILL)
 
 
 def test_negative_control_a_killed_wait_nodes_leaves_its_waiter_running(tmp_path):
