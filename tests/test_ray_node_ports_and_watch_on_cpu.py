@@ -274,7 +274,12 @@ def _start_wait_nodes(tmp_path: Path, sigint: object = signal.SIG_DFL) -> tuple[
         if script.poll() is not None:
             break
         time.sleep(0.1)
-    assert pid_file.exists() and pid_file.read_text(), f"the stand-in waiter did not start (script exit {script.poll()})"
+    if not (pid_file.exists() and pid_file.read_text()):
+        status = script.poll()
+        if status is None:
+            script.kill()
+            script.wait()
+        pytest.fail(f"the stand-in waiter of wait-nodes did not start within 60 s (script exit {status})")
     return script, int(pid_file.read_text())
 
 
